@@ -1,0 +1,92 @@
+"""The `fivefold` command line: train (and, as they land, plan, simulate, calibrate, convert).
+
+    fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
+
+A configuration error exits with status 2 and a one-paragraph message on stderr naming the key
+and the fix, before any rank starts; no Python traceback is shown for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fivefold.config import Config, ConfigError, load_config
+from fivefold.validate import validate_for_training
+
+DEFAULT_RUN_DIR = "runs/default"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (default: tiny preset, built-in corpus)")
+    train.add_argument("config", nargs="?", help="TOML or JSON config file (optional)")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override one key, e.g. --set train.lr=1e-3")
+    train.add_argument("--nproc", type=int, default=1, help="local ranks to launch (default 1)")
+    train.add_argument("--steps", type=int, help="total optimizer steps (sets train.steps)")
+    train.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                       help=f"metrics and checkpoints; rerun to resume (default {DEFAULT_RUN_DIR})")
+    return parser
+
+
+def train_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from fivefold.train.launch import launch_local, launched_by_torchrun
+
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"must be at least 1, got {args.nproc}")
+    under_launcher = launched_by_torchrun()
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
+    cfg = train_config(args)
+    validate_for_training(cfg, world_size)
+    if world_size > 1 and not under_launcher:
+        from fivefold.train.data import prepare_data
+
+        prepare_data(cfg)  # once, here, so that the ranks find it cached
+        return launch_local(args.nproc, _without_nproc(argv))
+    return _train_this_rank(cfg, args.run_dir)
+
+
+def _train_this_rank(cfg: Config, run_dir: str) -> int:
+    from fivefold.train.dist import init_runtime, shutdown
+    from fivefold.train.trainer import Trainer
+
+    rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
+    try:
+        Trainer(cfg, rt, run_dir).run()
+    finally:
+        shutdown()
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, argv)
+    except ConfigError as err:
+        print(f"fivefold: {err}", file=sys.stderr)
+        return 2
+    return 1

@@ -1,0 +1,279 @@
+"""Typed run configuration: model, parallel, train, data, cluster.
+
+A config is a TOML file (or nothing: every field has a default) plus `--set section.key=value`
+overrides. Keys follow ../shared/reference/run_spec.md, with `train.*` and `data.*` added for
+the trainer. Loading checks every key and type; `validate` checks every value and every
+combination. Both raise `ConfigError`, whose message names the key and the fix, before any
+process is spawned or any tensor is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fivefold.models.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; `key` is the dotted config key at fault."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config error in `{key}`: {message}")
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    """A dataclass field carrying its one-line documentation (shown by docs/config.md)."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class MoEConfig:
+    experts: int = _doc("routed experts per MoE layer", 8)
+    top_k: int = _doc("experts per token", 2)
+    expert_ffn_hidden: int = _doc("inner width of one expert", 0)
+    shared_experts: int = _doc("always-active experts", 0)
+    dense_layers: int = _doc("leading dense layers before the first MoE layer", 0)
+    layer_freq: int = _doc("every k-th layer is MoE", 1)
+    capacity_factor: float | None = _doc("expert capacity factor; absent = dropless", None)
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _doc("named size (see fivefold.models.presets); other keys override it", "tiny")
+    layers: int = _doc("transformer blocks", 0)
+    hidden: int = _doc("model width", 0)
+    heads: int = _doc("attention heads", 0)
+    kv_heads: int | None = _doc("key/value heads (grouped-query attention); default = heads", None)
+    head_dim: int | None = _doc("per-head width; default hidden / heads", None)
+    ffn_hidden: int = _doc("MLP inner width", 0)
+    ffn_type: str = _doc('"swiglu" (3 matrices, Llama) or "gelu" (2 matrices, GPT)', "swiglu")
+    vocab: int = _doc("vocabulary size (the built-in tokenizer is trained to this size)", 0)
+    seq_len: int = _doc("training sequence length", 0)
+    tied_embeddings: bool = _doc("share the input embedding with the output head", False)
+    rope_theta: float = _doc("rotary embedding base", 10000.0)
+    norm_eps: float = _doc("RMSNorm epsilon", 1e-5)
+    moe: MoEConfig | None = _doc("mixture-of-experts table; absent for dense models", None)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int | None = _doc("data-parallel degree; default = ranks / (tp*pp*cp)", None)
+    tp: int = _doc("tensor-parallel degree", 1)
+    pp: int = _doc("pipeline-parallel degree", 1)
+    cp: int = _doc("context-parallel degree", 1)
+    ep: int = _doc("expert-parallel degree", 1)
+    zero_group: int | None = _doc("shard within groups of this many dp ranks (MiCS/HSDP)", None)
+    cp_mode: str = _doc('"ulysses" | "ring" | "hybrid"', "ring")
+    vpp: int = _doc("virtual pipeline stages per rank (interleaved schedule)", 1)
+    schedule: str = _doc('"gpipe" | "1f1b" | "interleaved" | "zb" | "pipedream-2bw" | "terapipe"',
+                         "1f1b")
+    zero_stage: int = _doc("0 plain data parallel, 1 shard optimizer, 2 +grads, 3 +params", 0)
+    micro_batch: int | None = _doc("sequences per micro-batch per dp rank; default no accumulation",
+                                   None)
+    global_batch: int = _doc("sequences per optimizer step, all ranks together", 8)
+    recompute: str = _doc('"none" | "selective" | "full" activation recomputation', "none")
+    sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
+    precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, fp32 on CPU',
+                                 None)
+
+
+@dataclass
+class TrainConfig:
+    optimizer: str = _doc('"adamw" | "sgd" (train); "lomo" | "galore" are planner-only for now',
+                          "adamw")
+    seed: int = _doc("seed for initialization, data order and sampling", 0)
+    steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
+    lr: float = _doc("peak learning rate", 3e-3)
+    min_lr_ratio: float = _doc("final learning rate as a fraction of lr (cosine floor)", 0.1)
+    warmup_steps: int = _doc("linear warm-up steps", 20)
+    weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", 0.1)
+    beta1: float = _doc("AdamW beta1 / SGD momentum", 0.9)
+    beta2: float = _doc("AdamW beta2", 0.95)
+    eps: float = _doc("AdamW epsilon", 1e-8)
+    grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", 1.0)
+    eval_every: int = _doc("validation every this many steps (and at the end)", 50)
+    eval_batches: int = _doc("global batches per validation pass", 4)
+    checkpoint_every: int = _doc("checkpoint every this many steps (and at the end)", 100)
+    keep_checkpoints: int = _doc("most recent checkpoints kept on disk", 2)
+    log_every: int = _doc("print a progress line every this many steps", 10)
+    sample_tokens: int = _doc("tokens of text sampled at the end; 0 disables", 64)
+    device: str = _doc('"auto" (cuda if available) | "cpu" | "cuda"', "auto")
+    compile: bool = _doc("torch.compile each transformer block", False)
+    timeout_s: float = _doc("collective timeout; a hung rank fails after this", 600.0)
+    tensorboard: bool = _doc("write TensorBoard event files to RUN_DIR/tb", True)
+
+
+@dataclass
+class DataConfig:
+    source: str = _doc('"stdlib" (built-in corpus) or a path to a file or folder', "stdlib")
+    format: str = _doc('"auto" | "text" | "jsonl" | "tokens" (raw little-endian token ids)',
+                       "auto")
+    text_field: str = _doc("JSONL field holding the text", "text")
+    token_dtype: str = _doc('"uint16" | "uint32" for format "tokens"', "uint16")
+    tokenizer: str | None = _doc("tokenizer.json to use instead of training one", None)
+    val_fraction: float = _doc("share of documents held out for validation", 0.02)
+    tokenizer_sample_mib: float = _doc("MiB of training text the BPE tokenizer learns from", 5.0)
+    cache_dir: str | None = _doc("tokenizer and token cache; default ~/.cache/fivefold", None)
+
+
+@dataclass
+class ClusterConfig:
+    gpu: str | None = _doc("hardware profile name or calibrated profile file; default: detected",
+                           None)
+    gpus: int | None = _doc("total devices (plan/simulate); train uses the launched ranks", None)
+    gpus_per_node: int = _doc("devices sharing the fast fabric (NVLink domain)", 8)
+    intra_node_GBps: float | None = _doc("per-device one-direction bandwidth in a node", None)
+    inter_node_GBps: float | None = _doc("per-device one-direction bandwidth across nodes", None)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _doc("model shape", factory=ModelConfig)
+    parallel: ParallelConfig = _doc("parallel layout", factory=ParallelConfig)
+    train: TrainConfig = _doc("optimizer and loop", factory=TrainConfig)
+    data: DataConfig = _doc("corpus and tokenizer", factory=DataConfig)
+    cluster: ClusterConfig = _doc("hardware", factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+def parse_value(text: str) -> Any:
+    """A `--set` value: a TOML literal (1, 2.5, true, "x", [1, 2]) or else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `section.key=value` to a nested dict in place."""
+    if "=" not in assignment:
+        raise ConfigError(assignment, "a --set override must look like section.key=value, "
+                                      "e.g. --set train.lr=1e-3")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(key, "name a section and a key, e.g. model.layers=8 or train.lr=1e-3")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"`{part}` is a value, not a table")
+    node[parts[-1]] = parse_value(value.strip())
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Return `value` converted to `hint` (int -> float allowed) or raise naming the key."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _check_type(key, value, args[0])
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    if not ok:
+        example = {int: "8", float: "1e-3", bool: "true", str: '"name"'}[hint]
+        raise ConfigError(key, f"expected {hint.__name__}, got {value!r} "
+                               f"({type(value).__name__}); write e.g. {key}={example}")
+    return value
+
+
+def _build(cls: type, raw: dict, prefix: str) -> Any:
+    """Build dataclass `cls` from a dict, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix, f"expected a table of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in hints:
+            close = [n for n in names if n.startswith(key[:3])]
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(dotted, f"unknown key; known keys are {', '.join(names)}{hint}")
+        hint = hints[key]
+        sub = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, dotted)
+        elif sub and value is not None:
+            kwargs[key] = _build(sub[0], value, dotted)
+        else:
+            kwargs[key] = _check_type(dotted, value, hint)
+    return cls(**kwargs)
+
+
+def resolve_preset(model_raw: dict) -> dict:
+    """Overlay the user's model keys on the named preset's values."""
+    if not isinstance(model_raw, dict):
+        raise ConfigError("model", f"expected a table of keys, got {model_raw!r}")
+    preset = model_raw.get("preset", "tiny")
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {preset!r}; choose one of "
+                                          f"{', '.join(PRESETS)} or set every model key")
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[preset].items()}
+    for key, value in model_raw.items():
+        if key == "moe" and isinstance(value, dict) and isinstance(merged.get("moe"), dict):
+            merged["moe"].update(value)
+        else:
+            merged[key] = value
+    merged["preset"] = preset
+    return merged
+
+
+def read_file(path: str | Path) -> dict:
+    """Read a TOML or JSON config file into a dict, with a clear message if it cannot."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("CONFIG", f"config file {str(p)!r} does not exist; pass a TOML file "
+                                    "or omit it to use the defaults")
+    try:
+        text = p.read_text()
+        raw = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError("CONFIG", f"{p} does not parse: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("CONFIG", f"{p} must hold a table of sections (model, parallel, ...), "
+                                    f"not a {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Load a config file (optional) and `--set` overrides into a typed `Config`.
+
+    Only structure and types are checked here; call `validate` for values.
+    """
+    raw: dict = read_file(path) if path else {}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    unknown = set(raw) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        key = sorted(unknown)[0]
+        raise ConfigError(key, "unknown section; sections are model, parallel, train, data, "
+                               "cluster")
+    raw["model"] = resolve_preset(raw.get("model", {}))
+    return _build(Config, raw, "")

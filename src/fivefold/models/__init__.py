@@ -1,0 +1,1 @@
+"""Plain PyTorch model definitions and their presets; no parallelism lives here."""

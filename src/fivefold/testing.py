@@ -1,0 +1,86 @@
+"""Run a function on N gloo ranks in fresh processes: the harness of every parity test.
+
+`run_on_ranks(fn, world_size, *args)` spawns `world_size` processes, joins them in one gloo
+process group (rendezvous through a file, so parallel test runs never fight over a port),
+calls `fn(runtime, *args)` on each and returns the per-rank results in rank order. A failure on
+any rank is re-raised here with that rank's traceback; a hang is killed after `timeout_s`.
+`fn` must be importable by name (defined at module level), as `spawn` requires. Each rank uses
+one intra-op thread so that 8 ranks share two cores without thrashing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fivefold.train.dist import Runtime
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries that rank's traceback."""
+
+
+def _worker(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
+            timeout_s: float, args: tuple, kwargs: dict) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        runtime = Runtime(rank, world_size, rank, torch.device("cpu"))
+        results.put((rank, True, fn(runtime, *args, **kwargs)))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
+                 **kwargs) -> list[Any]:
+    """`[fn(runtime_r, *args, **kwargs) for r in ranks]`, computed on `world_size` processes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(fn, r, world_size, store, results, timeout_s, args, kwargs))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, Any] = {}
+        try:
+            while len(out) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{world_size - len(out)} of {world_size} ranks did not "
+                                       f"finish {fn.__name__} within {timeout_s:.0f} s")
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs)
+                            if r not in out and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RankFailure(f"rank {dead[0]} died with exit code "
+                                          f"{procs[dead[0]].exitcode}") from None
+                    continue
+                if not ok:
+                    raise RankFailure(f"rank {rank} failed in {fn.__name__}:\n{value}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return [out[r] for r in range(world_size)]

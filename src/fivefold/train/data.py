@@ -1,0 +1,169 @@
+"""Token streams and the deterministic, resumable, rank-aware batch sampler.
+
+`prepare_data` turns the configured source into two flat token arrays (train, validation),
+with `<|endoftext|>` between documents, cached on disk as .npy files keyed by a hash of the
+corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
+10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
+so concurrent ranks or an interrupted run never see a partial file.
+
+`BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
+alone. The data position is therefore just the step number (resuming is exact), and the
+global batch is the same whatever the layout: data-parallel rank r of dp takes rows
+[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from fivefold.config import Config, ConfigError, DataConfig
+from fivefold.train.corpus import detect_format, load_documents, split_documents
+from fivefold.train.tokenizer import EOS, train_tokenizer
+
+CACHE_VERSION = "1"
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer | None
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fivefold"
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object: np.save would append ".npy" to a name
+        np.save(f, array)
+
+
+def _token_dtype(vocab: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
+
+
+def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
+    eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise ConfigError("data.tokenizer", f"the tokenizer has no {EOS!r} token to separate "
+                                            "documents; add it as a special token")
+    parts = []
+    for enc in tok.encode_batch(texts):
+        parts.append(np.asarray(enc.ids, dtype=dtype))
+        parts.append(np.asarray([eos], dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def _load_tokens_file(cfg: Config) -> TokenData:
+    """Pre-tokenized ids: the last val_fraction of the stream is held out."""
+    path = Path(cfg.data.source)
+    tokens = np.memmap(path, dtype=np.dtype(cfg.data.token_dtype).newbyteorder("<"), mode="r")
+    split = int(len(tokens) * (1 - cfg.data.val_fraction))
+    tok = Tokenizer.from_file(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    return TokenData(tokens[:split], tokens[split:], tok)
+
+
+def prepare_data(cfg: Config, log=print) -> TokenData:
+    """Load or build the tokenizer and the train/validation token streams."""
+    if detect_format(cfg.data) == "tokens":
+        data = _load_tokens_file(cfg)
+    else:
+        data = _prepare_text(cfg, log)
+    check_data(cfg, data)
+    return data
+
+
+def _prepare_text(cfg: Config, log) -> TokenData:
+    d, vocab = cfg.data, cfg.model.vocab
+    docs = load_documents(d)
+    hasher = hashlib.sha256(f"{CACHE_VERSION}|{vocab}|{d.val_fraction}|{d.tokenizer_sample_mib}"
+                            .encode())
+    for doc in docs:
+        hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
+    if d.tokenizer:
+        hasher.update(Path(d.tokenizer).read_bytes())
+    key = hasher.hexdigest()[:16]
+    root = cache_dir(d)
+    tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
+    train_path, val_path = root / f"tokens-{key}-train.npy", root / f"tokens-{key}-val.npy"
+    train_docs, val_docs = split_documents(docs, d.val_fraction)
+    if not tok_path.exists():
+        log(f"training a {vocab}-token BPE tokenizer on {len(train_docs)} documents ...")
+        tok = train_tokenizer(train_docs, vocab, d.tokenizer_sample_mib)
+        _atomic_write(tok_path, tok.save)
+    tok = Tokenizer.from_file(str(tok_path))
+    if tok.get_vocab_size() > vocab:
+        raise ConfigError("model.vocab", f"{vocab} is smaller than the tokenizer's "
+                                         f"{tok.get_vocab_size()} tokens; raise model.vocab")
+    if not (train_path.exists() and val_path.exists()):
+        log(f"tokenizing {len(train_docs)} + {len(val_docs)} documents "
+            f"({sum(len(x.text) for x in docs) / 2**20:.1f} MiB) ...")
+        dtype = _token_dtype(vocab)
+        for path, split in ((train_path, train_docs), (val_path, val_docs)):
+            ids = _encode(tok, [x.text for x in split], dtype)
+            _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
+    return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok)
+
+
+def check_data(cfg: Config, data: TokenData) -> None:
+    """Both splits must hold at least one sequence, and ids must fit the vocabulary."""
+    need = cfg.model.seq_len + 1
+    for name, tokens in (("train", data.train), ("validation", data.val)):
+        if len(tokens) < need:
+            raise ConfigError("data.val_fraction" if name == "validation" else "data.source",
+                              f"the {name} split holds {len(tokens)} tokens, fewer than one "
+                              f"sequence of model.seq_len + 1 = {need}; give more data or a "
+                              "shorter model.seq_len")
+    top = int(data.train[: 1 << 20].max())
+    if top >= cfg.model.vocab:
+        raise ConfigError("model.vocab", f"token id {top} does not fit a vocabulary of "
+                                         f"{cfg.model.vocab}; raise model.vocab")
+
+
+class BatchSampler:
+    """Sequences of `seq_len + 1` tokens at random offsets, fixed by (seed, split, step)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
+                 split: int = 0, dp_rank: int = 0, dp_size: int = 1):
+        if global_batch % dp_size:
+            raise ValueError(f"global_batch {global_batch} not divisible by dp {dp_size}")
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.seed, self.split = seed, split
+        self.per_rank = global_batch // dp_size
+        self.first_row = dp_rank * self.per_rank
+
+    def global_offsets(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.split, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
+
+    def rank_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the global batch of `step`: inputs and targets, (G/dp, T)."""
+        offsets = self.global_offsets(step)[self.first_row:self.first_row + self.per_rank]
+        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+                         for o in offsets])
+        rows_BT = torch.from_numpy(rows)
+        return rows_BT[:, :-1], rows_BT[:, 1:]

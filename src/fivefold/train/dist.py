@@ -1,0 +1,63 @@
+"""Process-group set-up: one `Runtime` per rank says who it is and where it computes.
+
+Ranks are started by `torch.distributed.run` (locally through `fivefold train --nproc N`, or
+with `torchrun` on many nodes), which sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous
+address. The backend is NCCL when the rank has a GPU and gloo otherwise. Every collective
+carries the configured timeout, so a rank that dies or hangs fails the others instead of
+leaving them waiting forever. A single process without those variables runs with no process
+group at all (world size 1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """"auto" takes this rank's GPU when there is one, else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:
+    """Join the process group the launcher described (if any) and pick the device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    return Runtime(rank, world_size, local_rank, dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,227 @@
+"""The training loop: one optimizer step at a time, resumable at any checkpoint.
+
+A step draws the global batch of that step (fivefold.train.data), runs this rank's share as
+micro-batches with gradient accumulation, clips the global gradient norm, steps the optimizer
+and logs. The loss of a micro-batch is its summed token cross-entropy divided by the tokens
+of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
+over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
+
+Data parallelism across the launched ranks uses PyTorch's DDP for now (it averages gradients
+over ranks, so each rank scales its loss by the world size); fivefold's own data-parallel
+engines replace it as they land.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from fivefold.config import Config, ConfigError
+from fivefold.models.flops import flops_per_token, param_count
+from fivefold.models.llama import Transformer, build_model
+from fivefold.planner.hardware import detect_profile
+from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
+                                       save_checkpoint)
+from fivefold.train.data import BatchSampler, TokenData, prepare_data
+from fivefold.train.dist import Runtime
+from fivefold.train.metrics import MetricsLog, peak_memory_bytes
+from fivefold.train.optim import build_optimizer, lr_at
+from fivefold.train.sample import sample_text
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    """The configured precision, or bf16 on GPU and fp32 on CPU (no bf16 units there)."""
+    return cfg.parallel.precision or ("bf16" if device.type == "cuda" else "fp32")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    step_time_s: float
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None):
+        self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
+        p, m = cfg.parallel, cfg.model
+        self.dp = rt.world_size
+        self.per_rank = p.global_batch // self.dp
+        self.micro_batch = p.micro_batch or self.per_rank
+        self.global_tokens = p.global_batch * m.seq_len
+        self.precision = resolve_precision(cfg, rt.device)
+        self.data = data or prepare_data(cfg, log=self.say)
+        self.train_sampler = BatchSampler(self.data.train, m.seq_len, p.global_batch,
+                                          cfg.train.seed, 0, rt.rank, self.dp)
+        self.val_sampler = BatchSampler(self.data.val, m.seq_len, p.global_batch,
+                                        cfg.train.seed, 1, rt.rank, self.dp)
+        torch.manual_seed(cfg.train.seed)
+        self.model: Transformer = build_model(m, cfg.train.seed, rt.device)
+        if cfg.train.compile:
+            for block in self.model.layers:
+                block.compile()
+        self.ddp = (DistributedDataParallel(self.model, device_ids=None)
+                    if rt.distributed else None)
+        self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
+        self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
+        profile = detect_profile(rt.device, cfg.cluster.gpu)
+        self.peak_flops = profile.peak_flops(self.precision) if profile else None
+        self.flops_per_token = flops_per_token(m)
+
+    def say(self, text: str) -> None:
+        if self.rt.is_main:
+            print(text, flush=True)
+
+    # ------------------------------------------------------------------ one step
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=DTYPES[self.precision])
+
+    def micro_batch_loss(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy (fp32) of one micro-batch."""
+        net = self.ddp or self.model
+        with self.autocast():
+            logits_BTV = net(tokens_BT)
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                               reduction="sum")
+
+    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.rt.distributed:
+            dist.all_reduce(value)
+        return value
+
+    def train_step(self, step: int) -> StepResult:
+        start = time.perf_counter()
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg.train)
+        inputs, targets = self.train_sampler.rank_batch(step)
+        n_micro = self.per_rank // self.micro_batch
+        loss_sum = torch.zeros((), device=self.rt.device)
+        for j in range(n_micro):
+            rows = slice(j * self.micro_batch, (j + 1) * self.micro_batch)
+            x, y = inputs[rows].to(self.rt.device), targets[rows].to(self.rt.device)
+            last = j == n_micro - 1
+            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                ce_sum = self.micro_batch_loss(x, y)
+                loss = ce_sum * (self.rt.world_size / self.global_tokens)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += ce_sum.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.train.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._all_reduce_sum(loss_sum).item() / self.global_tokens
+        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over `eval_batches` fixed global batches of the held-out split."""
+        self.model.eval()
+        total = torch.zeros((), device=self.rt.device, dtype=torch.float64)
+        for i in range(self.cfg.train.eval_batches):
+            inputs, targets = self.val_sampler.rank_batch(i)
+            for j in range(0, self.per_rank, self.micro_batch):
+                x = inputs[j:j + self.micro_batch].to(self.rt.device)
+                y = targets[j:j + self.micro_batch].to(self.rt.device)
+                with self.autocast():
+                    logits = self.model(x)
+                total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                         reduction="sum").double()
+        tokens = self.cfg.train.eval_batches * self.global_tokens
+        return self._all_reduce_sum(total).item() / tokens
+
+    # ------------------------------------------------------------------ the run
+
+    def _resume(self) -> int:
+        if self.rt.is_main:
+            remove_partials(self.run_dir)
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return 0
+        saved = json.loads((path / "meta.json").read_text()).get("config", {})
+        if saved.get("model") != self.cfg.to_dict()["model"]:
+            raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
+                                       " use another --run-dir or the same model keys")
+        meta, scaler_state = load_checkpoint(self.rt, path, self.model, self.optimizer)
+        if self.scaler and scaler_state:
+            self.scaler.load_state_dict(scaler_state)
+        self.say(f"resumed from {path} (step {meta['step']})")
+        return meta["step"]
+
+    def _save(self, step: int) -> None:
+        meta = {"data_position": step, "config": self.cfg.to_dict()}
+        save_checkpoint(self.rt, self.run_dir, step, self.model, self.optimizer, meta,
+                        self.scaler.state_dict() if self.scaler else None,
+                        self.cfg.train.keep_checkpoints)
+
+    def run(self) -> dict:
+        """Train to `train.steps`, resuming from RUN_DIR's latest checkpoint; return a summary."""
+        t, m = self.cfg.train, self.cfg.model
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start_step = self._resume()
+        if start_step >= t.steps:
+            self.say(f"{self.run_dir} is already complete at step {start_step}; "
+                     "raise --steps or use a new --run-dir")
+            return {"steps": start_step, "complete": True}
+        self.say(f"model {m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
+                 f"{self.rt.world_size} rank(s) on {self.rt.device.type}, {self.precision}; "
+                 f"global batch {self.cfg.parallel.global_batch} x {m.seq_len} tokens, "
+                 f"micro-batch {self.micro_batch}")
+        initial_val = self.evaluate() if start_step == 0 else None
+        if initial_val is not None:
+            self.say(f"step      0  val_loss {initial_val:.4f}")
+        log = MetricsLog(self.run_dir, t.steps, start_step, self.rt.is_main, t.tensorboard,
+                         t.log_every)
+        run_start, val_loss = time.perf_counter(), None
+        try:
+            for step in range(start_step, t.steps):
+                result = self.train_step(step)
+                done = step + 1
+                tokens_per_s = self.global_tokens / result.step_time_s
+                record = {"step": done, "loss": result.loss, "lr": lr_at(step, t),
+                          "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
+                          "mfu": (self.flops_per_token * tokens_per_s /
+                                  (self.peak_flops * self.rt.world_size)
+                                  if self.peak_flops else None),
+                          "peak_mem_bytes": peak_memory_bytes(self.rt.device)}
+                if done % t.eval_every == 0 or done == t.steps:
+                    val_loss = record["val_loss"] = self.evaluate()
+                log.log(record)
+                if done % t.checkpoint_every == 0 or done == t.steps:
+                    self._save(done)
+        finally:
+            log.close()
+        summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
+                   "train_time_s": time.perf_counter() - run_start}
+        if self.rt.is_main:
+            if t.sample_tokens and self.data.tokenizer is not None:
+                text = sample_text(self.model, self.data.tokenizer, "def ", t.sample_tokens,
+                                   t.seed, self.rt.device)
+                (self.run_dir / "sample.txt").write_text(text)
+                self.say(f"sample:\n{text}")
+            if initial_val is not None:
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "
+                     f"{val_loss:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
+        return summary

@@ -1,0 +1,200 @@
+"""Every value check and every cross-field check of a `Config`, in one place.
+
+`validate(cfg)` checks what holds for any use (plan, simulate, train); `validate_for_training`
+adds what the runtime of today can execute, given the number of ranks it will launch. Each
+failure raises `ConfigError` naming the key and the fix; nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fivefold.config import Config, ConfigError
+
+CP_MODES = ("ulysses", "ring", "hybrid")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+OPTIMIZERS = ("adamw", "sgd", "lomo", "galore")
+FFN_TYPES = ("swiglu", "gelu")
+DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if not (value > 0 or (allow_zero and value == 0)):  # also rejects NaN
+        bound = "zero or more" if allow_zero else "greater than zero"
+        raise ConfigError(key, f"must be {bound}, got {value}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    for key in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    _positive("model.kv_heads", m.kv_heads)
+    _positive("model.head_dim", m.head_dim)
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
+    _choice("model.ffn_type", m.ffn_type, FFN_TYPES)
+    if m.heads % m.n_kv_heads:
+        raise ConfigError("model.kv_heads", f"{m.n_kv_heads} does not divide model.heads = "
+                                            f"{m.heads}; choose one of {_divisors(m.heads)}")
+    if m.head_dim is None and m.hidden % m.heads:
+        raise ConfigError("model.heads", f"{m.heads} does not divide model.hidden = {m.hidden}; "
+                                         "change one of them or set model.head_dim")
+    if m.d_head % 2:
+        raise ConfigError("model.head_dim", f"head dimension {m.d_head} must be even for rotary "
+                                            "embeddings")
+    if m.moe is not None:
+        moe = m.moe
+        for key in ("experts", "top_k", "expert_ffn_hidden", "layer_freq"):
+            _positive(f"model.moe.{key}", getattr(moe, key))
+        _positive("model.moe.shared_experts", moe.shared_experts, allow_zero=True)
+        _positive("model.moe.dense_layers", moe.dense_layers, allow_zero=True)
+        _positive("model.moe.capacity_factor", moe.capacity_factor)
+        if moe.top_k > moe.experts:
+            raise ConfigError("model.moe.top_k", f"{moe.top_k} exceeds model.moe.experts = "
+                                                 f"{moe.experts}")
+        if moe.dense_layers >= m.layers:
+            raise ConfigError("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer "
+                                                        f"among {m.layers}")
+
+
+def validate_parallel(cfg: Config, world_size: int | None) -> None:
+    p = cfg.parallel
+    for key in ("tp", "pp", "cp", "ep", "vpp", "global_batch"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    _positive("parallel.dp", p.dp)
+    _positive("parallel.micro_batch", p.micro_batch)
+    _positive("parallel.zero_group", p.zero_group)
+    _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    if p.precision is not None:
+        _choice("parallel.precision", p.precision, PRECISIONS)
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not a ZeRO stage; use 0 "
+                                                 "(plain data parallel), 1, 2 or 3")
+    model_ranks = p.tp * p.pp * p.cp
+    if world_size is not None:
+        if world_size % model_ranks:
+            raise ConfigError("parallel.tp", f"tp*pp*cp = {model_ranks} does not divide the "
+                                             f"{world_size} ranks")
+        dp = world_size // model_ranks
+        if p.dp is not None and p.dp != dp:
+            raise ConfigError("parallel.dp", f"{p.dp} ranks of data parallelism, but {world_size}"
+                                             f" ranks / (tp*pp*cp = {model_ranks}) = {dp}; omit "
+                                             "parallel.dp or make the product match")
+    else:
+        dp = p.dp or 1
+    if p.zero_group is not None and dp % p.zero_group:
+        raise ConfigError("parallel.zero_group", f"{p.zero_group} does not divide the "
+                                                 f"data-parallel degree {dp}; choose one of "
+                                                 f"{_divisors(dp)}")
+    if p.global_batch % dp:
+        raise ConfigError("parallel.global_batch", f"{p.global_batch} sequences do not split "
+                                                   f"evenly over dp = {dp} ranks; use a "
+                                                   f"multiple of {dp}")
+    if p.micro_batch is not None and (p.global_batch // dp) % p.micro_batch:
+        raise ConfigError("parallel.micro_batch", f"{p.micro_batch} does not divide the "
+                                                  f"{p.global_batch // dp} sequences per dp rank"
+                                                  f" (global_batch {p.global_batch} / dp {dp})")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
+    if p.vpp > 1 and p.schedule not in ("interleaved", "zb"):
+        raise ConfigError("parallel.vpp", f"virtual stages need parallel.schedule = "
+                                          f"'interleaved', not {p.schedule!r}")
+
+
+def validate_train(cfg: Config) -> None:
+    t = cfg.train
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _choice("train.device", t.device, DEVICES)
+    _positive("train.steps", t.steps)
+    _positive("train.lr", t.lr)
+    _positive("train.eps", t.eps)
+    _positive("train.timeout_s", t.timeout_s)
+    for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
+        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+                "log_every"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("beta1", "beta2", "min_lr_ratio"):
+        value = getattr(t, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"train.{key}", f"must lie in [0, 1], got {value}")
+    if t.warmup_steps > t.steps:
+        raise ConfigError("train.warmup_steps", f"{t.warmup_steps} warm-up steps exceed the "
+                                                f"{t.steps} steps of the run; lower it")
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    _choice("data.format", d.format, DATA_FORMATS)
+    _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    if not 0.0 < d.val_fraction < 0.5:
+        raise ConfigError("data.val_fraction", f"must lie in (0, 0.5), got {d.val_fraction}")
+    _positive("data.tokenizer_sample_mib", d.tokenizer_sample_mib)
+    if d.source != "stdlib" and not Path(d.source).exists():
+        raise ConfigError("data.source", f"path {d.source!r} does not exist; give an existing "
+                                         "text/JSONL/token file or folder, or 'stdlib'")
+    if d.tokenizer is not None and not Path(d.tokenizer).is_file():
+        raise ConfigError("data.tokenizer", f"file {d.tokenizer!r} does not exist")
+    if d.format == "tokens" and d.token_dtype == "uint16" and cfg.model.vocab > 65536:
+        raise ConfigError("data.token_dtype", f"uint16 cannot hold ids of a {cfg.model.vocab}-"
+                                              "token vocabulary; use 'uint32'")
+
+
+def validate_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    _positive("cluster.gpus", c.gpus)
+    _positive("cluster.gpus_per_node", c.gpus_per_node)
+    _positive("cluster.intra_node_GBps", c.intra_node_GBps)
+    _positive("cluster.inter_node_GBps", c.inter_node_GBps)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every value and combination that any use of the config relies on."""
+    validate_model(cfg)
+    validate_cluster(cfg)  # before parallel, which divides by cluster.gpus
+    validate_parallel(cfg, world_size if world_size is not None else cfg.cluster.gpus)
+    validate_train(cfg)
+    validate_data(cfg)
+
+
+def validate_for_training(cfg: Config, world_size: int) -> None:
+    """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
+    validate(cfg, world_size)
+    p = cfg.parallel
+    for key in ("tp", "pp", "cp", "ep"):
+        if getattr(p, key) != 1:
+            raise ConfigError(f"parallel.{key}", "this dimension is not implemented in the "
+                                                 "runtime yet (see README, Features); set it to "
+                                                 "1 or use `fivefold plan` to study it")
+    if p.zero_stage != 0 or p.zero_group is not None:
+        raise ConfigError("parallel.zero_stage", "ZeRO sharding is not implemented in the "
+                                                 "runtime yet; use 0 (plain data parallel)")
+    if p.recompute != "none":
+        raise ConfigError("parallel.recompute", "activation recomputation is not implemented in "
+                                                "the runtime yet; use 'none'")
+    if p.precision == "fp8":
+        raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
+                                                "on GPU or 'fp32' on CPU")
+    if cfg.train.optimizer not in ("adamw", "sgd"):
+        raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} is not implemented in "
+                                             "the runtime yet; use 'adamw' or 'sgd'")
+    if cfg.model.moe is not None:
+        raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
+                                       "use a dense preset")

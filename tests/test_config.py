@@ -1,0 +1,445 @@
+"""Config loading (TOML/JSON files, presets, --set overrides) and validation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fivefold.config import Config, ConfigError, load_config, parse_value
+from fivefold.models.presets import PRESETS
+from fivefold.validate import validate, validate_for_training
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(*overrides: str, path=None) -> Config:
+    return load_config(path, list(overrides))
+
+
+def rejects(key: str, fragment: str, *overrides: str, world_size=None, path=None,
+            training: bool = False) -> ConfigError:
+    """Assert that loading + validating fails on `key` with `fragment` in the message."""
+    with pytest.raises(ConfigError) as info:
+        cfg = load_config(path, list(overrides))
+        if training:
+            validate_for_training(cfg, world_size or 1)
+        else:
+            validate(cfg, world_size)
+    err = info.value
+    assert err.key == key, str(err)
+    assert fragment in str(err), str(err)
+    assert f"`{key}`" in str(err)
+    return err
+
+
+# ---------------------------------------------------------------- loading
+
+def test_defaults_load_and_validate():
+    cfg = load()
+    validate(cfg)
+    validate(cfg, world_size=1)
+    validate_for_training(cfg, world_size=1)
+    validate_for_training(cfg, world_size=2)
+    assert cfg.model.preset == "tiny"
+    assert cfg.model.moe is None
+    assert cfg.parallel.tp == cfg.parallel.pp == cfg.parallel.cp == 1
+    assert cfg.train.optimizer == "adamw"
+    assert cfg.data.source == "stdlib"
+    assert isinstance(cfg.to_dict()["train"]["lr"], float)
+
+
+def test_tiny_preset_values_applied():
+    cfg = load()
+    for key, value in PRESETS["tiny"].items():
+        assert getattr(cfg.model, key) == value, key
+    assert cfg.model.n_kv_heads == 4
+    assert cfg.model.d_head == 256 // 8
+
+
+@pytest.mark.parametrize("assignment, key, value", [
+    ("model.layers=2", "layers", 2),
+    ("model.hidden=128", "hidden", 128),
+    ("model.heads=4", "heads", 4),
+    ("model.kv_heads=2", "kv_heads", 2),
+    ("model.ffn_hidden=512", "ffn_hidden", 512),
+    ("model.vocab=1000", "vocab", 1000),
+    ("model.seq_len=64", "seq_len", 64),
+    ("model.tied_embeddings=false", "tied_embeddings", False),
+    ("model.rope_theta=5e5", "rope_theta", 500000.0),
+])
+def test_override_one_preset_key_wins(assignment, key, value):
+    cfg = load(assignment)
+    assert getattr(cfg.model, key) == value
+    for other, preset_value in PRESETS["tiny"].items():  # the rest stays the preset's
+        if other != key:
+            assert getattr(cfg.model, other) == preset_value, other
+    validate(cfg)
+
+
+def test_named_preset_1b():
+    cfg = load('model.preset="1B"')
+    for key, value in PRESETS["1B"].items():
+        assert getattr(cfg.model, key) == value, key
+    assert cfg.model.preset == "1B"
+    validate(cfg)
+    # a bare string works too, and a key set after the preset still wins
+    cfg = load("model.preset=1B", "model.layers=2")
+    assert cfg.model.hidden == 2048 and cfg.model.layers == 2
+
+
+def test_moe_preset_fills_moe_table_and_override_merges():
+    cfg = load("model.preset=mixtral-8x7B", "model.moe.experts=16")
+    assert cfg.model.moe is not None
+    assert cfg.model.moe.experts == 16
+    assert cfg.model.moe.top_k == 2
+    assert cfg.model.moe.expert_ffn_hidden == 14336
+    validate(cfg)
+
+
+def test_toml_file_with_nested_moe_table(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("""
+[model]
+preset = "tiny"
+layers = 6
+kv_heads = 8
+
+[model.moe]
+experts = 4
+top_k = 1
+expert_ffn_hidden = 128
+capacity_factor = 2
+
+[parallel]
+global_batch = 8
+micro_batch = 2
+
+[train]
+lr = 1e-3
+steps = 30
+warmup_steps = 5
+compile = true
+
+[data]
+val_fraction = 0.1
+
+[cluster]
+gpus = 2
+""")
+    cfg = load(path=path)
+    assert cfg.model.layers == 6 and cfg.model.kv_heads == 8 and cfg.model.hidden == 256
+    assert cfg.model.moe.experts == 4 and cfg.model.moe.top_k == 1
+    assert cfg.model.moe.expert_ffn_hidden == 128
+    assert cfg.model.moe.capacity_factor == 2.0
+    assert isinstance(cfg.model.moe.capacity_factor, float)
+    assert cfg.parallel.global_batch == 8 and cfg.parallel.micro_batch == 2
+    assert cfg.train.lr == 1e-3 and cfg.train.compile is True
+    assert cfg.data.val_fraction == 0.1
+    assert cfg.cluster.gpus == 2
+    validate(cfg)
+    # --set overrides are applied after the file
+    cfg = load("train.lr=2e-3", "model.moe.top_k=2", path=str(path))
+    assert cfg.train.lr == 2e-3 and cfg.model.moe.top_k == 2 and cfg.model.moe.experts == 4
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": {"preset": "125M", "layers": 2},
+                                "train": {"lr": 1, "seed": 7},
+                                "parallel": {"precision": None}}))
+    cfg = load(path=path)
+    assert cfg.model.preset == "125M" and cfg.model.hidden == 768 and cfg.model.layers == 2
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.seed == 7
+    assert cfg.parallel.precision is None
+    validate(cfg)
+
+
+def test_int_accepted_for_float_key():
+    cfg = load("train.lr=1", "train.grad_clip=0")
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.grad_clip == 0.0 and isinstance(cfg.train.grad_clip, float)
+
+
+def test_integral_float_accepted_for_int_key():
+    cfg = load("model.layers=2.0")
+    assert cfg.model.layers == 2 and isinstance(cfg.model.layers, int)
+
+
+@pytest.mark.parametrize("assignment, key, fragment", [
+    ("model.layers=abc", "model.layers", "expected int, got 'abc'"),
+    ("model.layers=2.5", "model.layers", "expected int"),
+    ("model.layers=true", "model.layers", "expected int, got True"),
+    ("train.lr=true", "train.lr", "expected float"),
+    ("train.lr=fast", "train.lr", "expected float"),
+    ("train.compile=yes", "train.compile", "expected bool"),
+    ("parallel.precision=16", "parallel.precision", "expected str"),
+    ("model.moe=3", "model.moe", "expected a table"),
+    ("model.preset=[1]", "model.preset", "unknown preset"),
+])
+def test_wrong_type_names_the_key(assignment, key, fragment):
+    rejects(key, fragment, assignment)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("true", True),
+    ("false", False),
+    ("1e-3", 1e-3),
+    ("8", 8),
+    ("2.5", 2.5),
+    ('"x"', "x"),
+    ("x", "x"),
+    ("1B", "1B"),
+    ("mixtral-8x7B", "mixtral-8x7B"),
+    ("/tmp/some path/file.txt", "/tmp/some path/file.txt"),
+    ("[1, 2]", [1, 2]),
+])
+def test_parse_value(text, value):
+    assert parse_value(text) == value
+    assert type(parse_value(text)) is type(value)
+
+
+def test_set_values_parse_as_toml_literals():
+    cfg = load("train.compile=true", "train.lr=1e-3", 'data.text_field="body"',
+               "data.format=jsonl", "train.device = cpu")
+    assert cfg.train.compile is True
+    assert cfg.train.lr == 1e-3
+    assert cfg.data.text_field == "body"
+    assert cfg.data.format == "jsonl"
+    assert cfg.train.device == "cpu"
+
+
+def test_set_on_a_value_not_a_table(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nmoe = 3\n")
+    rejects("model.moe.experts", "is a value, not a table", "model.moe.experts=2", path=path)
+
+
+# ---------------------------------------------------------------- rejected inputs
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    # structure
+    (["model.layer=2"], "model.layer", "unknown key; known keys are preset, layers"),
+    (["model.layer=2"], "model.layer", "did you mean layers"),
+    (["train.learning_rate=1"], "train.learning_rate", "unknown key"),
+    (["model.moe.expert=4"], "model.moe.expert", "unknown key"),
+    (["optim.lr=1"], "optim", "unknown section"),
+    (["model.preset=huge"], "model.preset", "unknown preset 'huge'"),
+    (["train.lr"], "train.lr", "must look like section.key=value"),
+    (["lr=1e-3"], "lr", "name a section and a key"),
+    (["model.=3"], "model.", "name a section and a key"),
+    # model
+    (["model.kv_heads=3"], "model.kv_heads", "3 does not divide model.heads = 8"),
+    (["model.hidden=250"], "model.heads", "8 does not divide model.hidden = 250"),
+    (["model.head_dim=33"], "model.head_dim", "must be even"),
+    (["model.hidden=264"], "model.head_dim", "head dimension 33 must be even"),
+    (["model.layers=0"], "model.layers", "greater than zero"),
+    (["model.heads=-8"], "model.heads", "greater than zero"),
+    (["model.kv_heads=0"], "model.kv_heads", "greater than zero"),
+    (["model.ffn_type=relu"], "model.ffn_type", "'relu' is not one of 'swiglu', 'gelu'"),
+    (["model.preset=mixtral-8x7B", "model.moe.top_k=9"], "model.moe.top_k",
+     "9 exceeds model.moe.experts = 8"),
+    (["model.moe.experts=2", "model.moe.top_k=3", "model.moe.expert_ffn_hidden=64"],
+     "model.moe.top_k", "exceeds model.moe.experts"),
+    (["model.preset=mixtral-8x7B", "model.moe.dense_layers=32"], "model.moe.dense_layers",
+     "leaves no MoE layer"),
+    (["model.moe.experts=4"], "model.moe.expert_ffn_hidden", "greater than zero"),
+    # train
+    (["train.lr=-1e-3"], "train.lr", "must be greater than zero, got -0.001"),
+    (["train.lr=0"], "train.lr", "must be greater than zero, got 0"),
+    (["train.lr=nan"], "train.lr", "must be greater than zero, got nan"),
+    (["train.beta1=1.5"], "train.beta1", "must lie in [0, 1], got 1.5"),
+    (["train.beta2=-0.1"], "train.beta2", "must lie in [0, 1]"),
+    (["train.min_lr_ratio=2"], "train.min_lr_ratio", "must lie in [0, 1]"),
+    (["train.steps=10", "train.warmup_steps=11"], "train.warmup_steps",
+     "11 warm-up steps exceed the 10 steps"),
+    (["train.warmup_steps=-1"], "train.warmup_steps", "zero or more"),
+    (["train.steps=0"], "train.steps", "greater than zero"),
+    (["train.optimizer=adam"], "train.optimizer", "'adam' is not one of"),
+    (["train.device=tpu"], "train.device", "'tpu' is not one of"),
+    (["train.eval_every=0"], "train.eval_every", "greater than zero"),
+    # data
+    (["data.source=/no/such/corpus.txt"], "data.source",
+     "path '/no/such/corpus.txt' does not exist"),
+    (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer",
+     "file '/no/such/tokenizer.json' does not exist"),
+    (["data.val_fraction=0"], "data.val_fraction", "must lie in (0, 0.5), got 0.0"),
+    (["data.val_fraction=0.5"], "data.val_fraction", "must lie in (0, 0.5)"),
+    (["data.val_fraction=-0.1"], "data.val_fraction", "must lie in (0, 0.5)"),
+    (["data.format=csv"], "data.format", "'csv' is not one of"),
+    (["data.token_dtype=int8"], "data.token_dtype", "'int8' is not one of"),
+    (["model.vocab=70000", "data.format=tokens"], "data.token_dtype",
+     "uint16 cannot hold ids of a 70000-token vocabulary; use 'uint32'"),
+    # parallel
+    (["parallel.zero_stage=5"], "parallel.zero_stage", "5 is not a ZeRO stage"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tp > 1"),
+    (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.vpp",
+     "virtual stages need parallel.schedule = 'interleaved', not '1f1b'"),
+    (["parallel.schedule=zigzag"], "parallel.schedule", "'zigzag' is not one of"),
+    (["parallel.recompute=partial"], "parallel.recompute", "'partial' is not one of"),
+    (["parallel.precision=bf8"], "parallel.precision", "'bf8' is not one of"),
+    (["parallel.cp_mode=star"], "parallel.cp_mode", "'star' is not one of"),
+    (["parallel.tp=0"], "parallel.tp", "greater than zero"),
+    (["parallel.micro_batch=0"], "parallel.micro_batch", "greater than zero"),
+    (["parallel.global_batch=0"], "parallel.global_batch", "greater than zero"),
+    # cluster (and its gpus used as the world size by plan/simulate)
+    (["cluster.gpus=0"], "cluster.gpus", "greater than zero"),
+    (["cluster.gpus=-2"], "cluster.gpus", "greater than zero"),
+    (["cluster.gpus=6", "parallel.tp=4"], "parallel.tp", "tp*pp*cp = 4 does not divide the 6"),
+    (["cluster.gpus_per_node=0"], "cluster.gpus_per_node", "greater than zero"),
+    (["cluster.inter_node_GBps=-1"], "cluster.inter_node_GBps", "greater than zero"),
+])
+def test_rejected(overrides, key, fragment):
+    rejects(key, fragment, *overrides)
+
+
+def test_uint16_tokens_fit_exact_vocab_and_uint32_is_fine():
+    validate(load("model.vocab=65536", "data.format=tokens"))
+    validate(load("model.vocab=70000", "data.format=tokens", "data.token_dtype=uint32"))
+    validate(load("model.vocab=70000"))  # uint16 only matters for format "tokens"
+
+
+@pytest.mark.parametrize("overrides, world_size, key, fragment", [
+    (["parallel.zero_group=3"], 4, "parallel.zero_group",
+     "3 does not divide the data-parallel degree 4; choose one of 1, 2, 4"),
+    (["parallel.zero_group=2"], None, "parallel.zero_group", "data-parallel degree 1"),
+    (["parallel.global_batch=10"], 4, "parallel.global_batch",
+     "10 sequences do not split evenly over dp = 4 ranks; use a multiple of 4"),
+    (["parallel.global_batch=16", "parallel.micro_batch=3"], 2, "parallel.micro_batch",
+     "3 does not divide the 8 sequences per dp rank"),
+    (["parallel.dp=4"], 2, "parallel.dp", "4 ranks of data parallelism, but 2 ranks"),
+    (["parallel.dp=2", "parallel.tp=2"], 8, "parallel.dp", "= 4; omit parallel.dp"),
+    (["parallel.tp=2", "parallel.pp=2"], 6, "parallel.tp", "tp*pp*cp = 4 does not divide"),
+    (["parallel.cp=4"], 2, "parallel.tp", "tp*pp*cp = 4 does not divide the 2 ranks"),
+])
+def test_rejected_with_world_size(overrides, world_size, key, fragment):
+    rejects(key, fragment, *overrides, world_size=world_size)
+
+
+def test_accepted_parallel_layouts():
+    validate(load("parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"), 8)
+    validate(load("parallel.dp=2", "parallel.zero_group=2", "parallel.zero_stage=3"), 2)
+    validate(load("parallel.vpp=2", "parallel.schedule=interleaved", "parallel.pp=2"), 2)
+    validate(load("parallel.micro_batch=4"), 2)
+    validate(load("cluster.gpus=8", "parallel.tp=8"))
+
+
+def test_config_file_missing(tmp_path):
+    rejects("CONFIG", "does not exist", path=tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("bad.toml", "[model\nlayers = 2\n"),
+    ("bad2.toml", "layers = = 2\n"),
+    ("bad.json", '{"model": {"layers": 2'),
+])
+def test_config_file_does_not_parse(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    rejects("CONFIG", "does not parse", path=path)
+
+
+def test_config_file_binary(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xff\xfe\x00")
+    rejects("CONFIG", "does not parse", path=path)
+
+
+@pytest.mark.parametrize("text", ["[]", "[1]", "3", '"model"'])
+def test_json_file_not_an_object(tmp_path, text):
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    rejects("CONFIG", "must hold a table of sections", path=path)
+
+
+@pytest.mark.parametrize("text, key, fragment", [
+    ("model = 3\n", "model", "expected a table of keys, got 3"),
+    ("train = 3\n", "train", "expected a table of keys"),
+    ("[optim]\nlr = 1\n", "optim", "unknown section"),
+    ("[model]\nlayers = 'four'\n", "model.layers", "expected int"),
+    ("[model.moe]\nexpertz = 4\n", "model.moe.expertz", "unknown key"),
+])
+def test_toml_file_rejected(tmp_path, text, key, fragment):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    rejects(key, fragment, path=path)
+
+
+def test_data_paths_that_exist_are_accepted(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world\n")
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    validate(load(f'data.source="{corpus}"', f'data.tokenizer="{tok}"'))
+    validate(load(f'data.source="{tmp_path}"'))  # a folder is fine
+    # a folder is not a tokenizer file
+    rejects("data.tokenizer", "does not exist", f'data.tokenizer="{tmp_path}"')
+
+
+# ---------------------------------------------------------------- what training runs today
+
+@pytest.mark.parametrize("overrides, world_size, key, fragment", [
+    (["parallel.tp=2"], 2, "parallel.tp", "not implemented in the runtime"),
+    (["parallel.pp=2"], 2, "parallel.pp", "not implemented in the runtime"),
+    (["parallel.cp=2"], 2, "parallel.cp", "not implemented in the runtime"),
+    (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
+    (["parallel.zero_stage=1"], 2, "parallel.zero_stage", "ZeRO sharding is not implemented"),
+    (["parallel.zero_group=2"], 2, "parallel.zero_stage", "ZeRO sharding is not implemented"),
+    (["parallel.recompute=full"], 1, "parallel.recompute", "recomputation is not implemented"),
+    (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
+    (["train.optimizer=lomo"], 1, "train.optimizer", "'lomo' is not implemented"),
+    (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
+    (["model.preset=mixtral-8x7B"], 1, "model.moe", "mixture-of-experts training is not"),
+])
+def test_validate_for_training_rejects(overrides, world_size, key, fragment):
+    cfg = load(*overrides)
+    validate(cfg, world_size)  # fine for plan/simulate
+    rejects(key, fragment, *overrides, world_size=world_size, training=True)
+
+
+def test_validate_for_training_accepts_runnable_configs():
+    validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 4)
+    validate_for_training(load("parallel.micro_batch=2", "parallel.global_batch=8"), 2)
+
+
+def test_config_error_is_value_error():
+    err = ConfigError("train.lr", "bad")
+    assert isinstance(err, ValueError)
+    assert err.key == "train.lr"
+    assert str(err) == "config error in `train.lr`: bad"
+
+
+# ---------------------------------------------------------------- docs/config.md
+
+def _docs_script():
+    spec = importlib.util.spec_from_file_location("config_docs",
+                                                  ROOT / "scripts" / "config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_match_code():
+    text = _docs_script().render()
+    docs = ROOT / "docs" / "config.md"
+    assert docs.read_text() == text, (
+        "docs/config.md is stale; regenerate it with "
+        "`PYTHONPATH=src python scripts/config_docs.py --write`")
+
+
+def test_docs_cover_every_key():
+    import dataclasses
+
+    from fivefold.config import MoEConfig
+    text = _docs_script().render()
+    for section in dataclasses.fields(Config):
+        assert f"## `[{section.name}]`" in text
+        for f in dataclasses.fields(section.default_factory()):
+            assert f"| `{f.name}` |" in text, f"{section.name}.{f.name}"
+    for f in dataclasses.fields(MoEConfig):
+        assert f"| `{f.name}` |" in text, f"model.moe.{f.name}"
+    assert "status 2" in text
+    assert "--set section.key=value" in text
