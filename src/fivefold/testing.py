@@ -78,9 +78,11 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
                 if not ok:
                     raise RankFailure(f"rank {rank} failed in {fn.__name__}:\n{value}")
                 out[rank] = value
-        finally:
+        finally:  # after a failure, kill the rest at once; after success, let them exit
+            grace = 10.0 if len(out) == world_size else 0.0
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=grace)
                 if p.is_alive():
                     p.kill()
+                    p.join()
     return [out[r] for r in range(world_size)]

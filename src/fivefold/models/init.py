@@ -1,6 +1,7 @@
 """Deterministic parameter initialization from a parameter's name and full shape.
 
-Each parameter's values come from a generator seeded by (seed, name, full shape) alone, so a
+Each parameter's values come from a generator seeded by (seed, name, full shape) alone (the
+residual projections are then scaled by the model's depth), so a
 model that is later sharded, pipelined or built on another number of ranks starts bit-identical
 to the single-process one: a shard is a slice of `init_tensor(name, full_shape)`. Parity tests
 rely on this. The scheme is GPT-2's: normal(0, 0.02) for matrices and embeddings, with output

@@ -73,6 +73,7 @@ def jsonl_documents(path: Path, field: str) -> list[Document]:
     files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
     docs = []
     for file in files:
+        label = file.name if file == path else str(file.relative_to(path))
         for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -83,7 +84,7 @@ def jsonl_documents(path: Path, field: str) -> list[Document]:
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 raise ConfigError("data.text_field", f"{file}:{lineno} has no string field "
                                                      f"{field!r}; set data.text_field")
-            docs.append(Document(f"{file.name}:{lineno}", record[field]))
+            docs.append(Document(f"{label}:{lineno}", record[field]))
     return docs
 
 
@@ -128,4 +129,6 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
     val = [d for d in docs if is_validation(d, val_fraction)]
     if not val and len(train) > 1:
         val.append(train.pop())
+    if not train and len(val) > 1:
+        train.append(val.pop(0))
     return train, val

@@ -81,7 +81,15 @@ def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
 def _load_tokens_file(cfg: Config) -> TokenData:
     """Pre-tokenized ids: the last val_fraction of the stream is held out."""
     path = Path(cfg.data.source)
-    tokens = np.memmap(path, dtype=np.dtype(cfg.data.token_dtype).newbyteorder("<"), mode="r")
+    dtype = np.dtype(cfg.data.token_dtype).newbyteorder("<")
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError("data.source", f"token file {str(path)!r} is empty")
+    if size % dtype.itemsize:
+        raise ConfigError("data.token_dtype", f"{path} holds {size} bytes, not a whole number of "
+                                              f"{cfg.data.token_dtype} ids; check "
+                                              "data.token_dtype")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     split = int(len(tokens) * (1 - cfg.data.val_fraction))
     tok = Tokenizer.from_file(cfg.data.tokenizer) if cfg.data.tokenizer else None
     return TokenData(tokens[:split], tokens[split:], tok)

@@ -1,0 +1,150 @@
+"""The trainer end to end: loss falls, exact resume, atomic checkpoints, CLI contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config import load_config
+from fivefold.train.checkpoint import PARTIAL, complete_checkpoints, latest_checkpoint
+from fivefold.train.dist import Runtime
+from fivefold.train.trainer import Trainer
+
+CPU = Runtime(0, 1, 0, torch.device("cpu"))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fivefold", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+class SimulatedCrash(Exception):
+    pass
+
+
+def test_loss_falls_and_metrics_contract(tiny_overrides, tmp_path):
+    cfg = load_config(None, tiny_overrides + ["train.steps=12", "train.eval_every=6",
+                                              "train.checkpoint_every=6"])
+    summary = Trainer(cfg, CPU, tmp_path).run()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
+    assert [r["step"] for r in records if "val_loss" in r] == [6, 12]
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
+    assert (tmp_path / "sample.txt").read_text().startswith("def ")
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000006",
+                                                                "step_00000012"]
+
+
+def test_resume_is_bit_identical(tiny_overrides, tmp_path):
+    """fp32 on CPU: the losses after a resume equal those of an uninterrupted run exactly."""
+    sets = tiny_overrides + ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
+                             "parallel.micro_batch=2", "train.sample_tokens=0"]
+    cfg = load_config(None, sets)
+    Trainer(cfg, CPU, tmp_path / "straight").run()
+
+    interrupted = Trainer(cfg, CPU, tmp_path / "resumed")
+    real_step = interrupted.train_step
+
+    def crash_at_6(step):
+        if step == 6:
+            raise SimulatedCrash
+        return real_step(step)
+
+    interrupted.train_step = crash_at_6
+    with pytest.raises(SimulatedCrash):
+        interrupted.run()
+    assert latest_checkpoint(tmp_path / "resumed").name == "step_00000004"
+    Trainer(cfg, CPU, tmp_path / "resumed").run()
+
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(straight, resumed):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], a["step"]
+        assert a.get("val_loss") == b.get("val_loss")
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch
+    import fivefold.train.checkpoint as ckpt
+    from fivefold.config import load_config
+    from fivefold.train.dist import Runtime
+    from fivefold.train.trainer import Trainer
+
+    real_save = ckpt.dcp.save
+    def save_then_die(state, checkpoint_id):
+        if str(checkpoint_id).endswith("step_00000004" + ckpt.PARTIAL):
+            real_save(state, checkpoint_id=checkpoint_id)   # shards on disk, not yet renamed
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(state, checkpoint_id=checkpoint_id)
+    ckpt.dcp.save = save_then_die
+    cfg = load_config(None, sys.argv[2:])
+    Trainer(cfg, Runtime(0, 1, 0, torch.device("cpu")), sys.argv[1]).run()
+""")
+
+
+def test_checkpoint_killed_mid_save_leaves_last_good_one(tiny_overrides, tmp_path):
+    sets = tiny_overrides + ["train.steps=6", "train.checkpoint_every=2", "train.eval_every=100",
+                             "train.sample_tokens=0"]
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_DURING_SAVE)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(run_dir), *sets], timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert (run_dir / "checkpoints" / f"step_00000004{PARTIAL}").is_dir()
+    assert latest_checkpoint(run_dir).name == "step_00000002"
+
+    resumed = Trainer(load_config(None, sets), CPU, run_dir)
+    resumed.run()
+    assert not list((run_dir / "checkpoints").glob(f"*{PARTIAL}"))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--set", "model.kv_heads=3"], "model.kv_heads"),
+    (["--set", "train.lr=-1"], "train.lr"),
+    (["--set", "model.nope=1"], "model.nope"),
+    (["--set", "data.source='/no/such/path'"], "data.source"),
+    (["--set", "parallel.zero_stage=7"], "parallel.zero_stage"),
+    (["--nproc", "3", "--set", "parallel.global_batch=8"], "parallel.global_batch"),
+    (["/no/such/config.toml"], "CONFIG"),
+])
+def test_cli_config_error_exits_2_without_traceback(args, key, tmp_path):
+    proc = run_cli("train", *args, "--run-dir", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert f"`{key}`" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_two_ranks_match_one_rank(tiny_overrides, tmp_path):
+    """--nproc 2 (torch.distributed.run, gloo, DDP) reproduces the one-process losses.
+
+    Tolerance 1e-5 relative: the two runs sum gradients in a different order.
+    """
+    sets = [a for s in tiny_overrides + ["train.eval_every=3", "train.checkpoint_every=3"]
+            for a in ("--set", s)]
+    one = run_cli("train", *sets, "--steps", "3", "--run-dir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = run_cli("train", *sets, "--steps", "3", "--nproc", "2", "--run-dir",
+                  str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout + two.stderr
+    for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert len(list((latest_checkpoint(tmp_path / "two")).glob("rank_*.pt"))) == 2
+    again = run_cli("train", *sets, "--steps", "3", "--run-dir", str(tmp_path / "one"))
+    assert again.returncode == 0 and "already complete" in again.stdout
