@@ -93,6 +93,8 @@ class ParallelConfig:
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, fp32 on CPU',
                                  None)
+    reduce_dtype: str | None = _doc('gradient reduction dtype "fp32" | "bf16" | "fp16"; default: '
+                                    "the compute dtype", None)
 
 
 @dataclass

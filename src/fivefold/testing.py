@@ -11,6 +11,7 @@ one intra-op thread so that 8 ranks share two cores without thrashing.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -38,7 +39,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store_path: str, results: 
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         runtime = Runtime(rank, world_size, rank, torch.device("cpu"))
-        results.put((rank, True, fn(runtime, *args, **kwargs)))
+        buffer = io.BytesIO()  # tensors by value: shared-memory handles die with the rank
+        torch.save(fn(runtime, *args, **kwargs), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -77,7 +80,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
                     continue
                 if not ok:
                     raise RankFailure(f"rank {rank} failed in {fn.__name__}:\n{value}")
-                out[rank] = value
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         finally:  # after a failure, kill the rest at once; after success, let them exit
             grace = 10.0 if len(out) == world_size else 0.0
             for p in procs:

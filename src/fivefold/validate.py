@@ -84,6 +84,8 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
     if p.precision is not None:
         _choice("parallel.precision", p.precision, PRECISIONS)
+    if p.reduce_dtype is not None:
+        _choice("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16", "fp16"))
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage} is not a ZeRO stage; use 0 "
                                                  "(plain data parallel), 1, 2 or 3")
@@ -183,9 +185,10 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"parallel.{key}", "this dimension is not implemented in the "
                                                  "runtime yet (see README, Features); set it to "
                                                  "1 or use `fivefold plan` to study it")
-    if p.zero_stage != 0 or p.zero_group is not None:
-        raise ConfigError("parallel.zero_stage", "ZeRO sharding is not implemented in the "
-                                                 "runtime yet; use 0 (plain data parallel)")
+    if p.zero_group is not None and p.zero_stage == 0:
+        raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
+                                                 "parallel.zero_stage to 1, 2 or 3, or drop "
+                                                 "zero_group")
     if p.recompute != "none":
         raise ConfigError("parallel.recompute", "activation recomputation is not implemented in "
                                                 "the runtime yet; use 'none'")

@@ -1,10 +1,9 @@
 """Sharded, atomic checkpoints through torch.distributed.checkpoint (DCP).
 
 Layout: RUN_DIR/checkpoints/step_00000100/ holds the DCP files of the model and optimizer
-(each rank writes its own shards; DCP's state-dict helpers give the same keys for a plain,
-DDP-wrapped or FSDP-sharded model), one `rank_R.pt` per rank with its RNG states and
-gradient-scaler state, and `meta.json` (step, the data position, which is the step, and the
-config). The step is also the learning-rate schedule's whole state.
+state the trainer hands over (each rank writes its own shards), one `rank_R.pt` per rank with
+its RNG states and gradient-scaler state, and `meta.json` (step, the data position, which is
+the step, and the config). The step is also the learning-rate schedule's whole state.
 
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
@@ -25,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fivefold.train.dist import Runtime
 
@@ -76,20 +74,18 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(rt: Runtime, run_dir: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: dict, scaler_state: dict | None,
-                    keep: int) -> Path:
-    """Write the checkpoint of `step` atomically and prune all but the newest `keep`."""
+def save_checkpoint(rt: Runtime, run_dir: Path, step: int, state: dict, meta: dict,
+                    extra: dict, keep: int) -> Path:
+    """Write `state` (DCP) and this rank's `extra` (with its RNG) for `step`, atomically, and
+    prune all but the newest `keep` checkpoints."""
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + PARTIAL)
     if rt.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier(rt)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
-    torch.save({"rng": rng_state(rt.device), "scaler": scaler_state},
-               partial / f"rank_{rt.rank}.pt")
+    dcp.save(state, checkpoint_id=partial)
+    torch.save({"rng": rng_state(rt.device), **extra}, partial / f"rank_{rt.rank}.pt")
     _barrier(rt)
     if rt.is_main:
         (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
@@ -102,19 +98,14 @@ def save_checkpoint(rt: Runtime, run_dir: Path, step: int, model: torch.nn.Modul
     return final
 
 
-def load_checkpoint(rt: Runtime, path: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> tuple[dict, dict | None]:
-    """Restore model, optimizer and this rank's RNG; return (meta, scaler state)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+def load_checkpoint(rt: Runtime, path: Path, state: dict) -> tuple[dict, dict]:
+    """Load `state` in place, restore this rank's RNG; return (meta, this rank's extra)."""
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
     extra_path = path / f"rank_{rt.rank}.pt"
     extra = torch.load(extra_path, weights_only=False) if extra_path.exists() else {}
     if "rng" in extra:
         set_rng_state(extra["rng"], rt.device)
-    return json.loads((path / "meta.json").read_text()), extra.get("scaler")
+    return json.loads((path / "meta.json").read_text()), extra
 
 
 def remove_partials(run_dir: Path) -> None:

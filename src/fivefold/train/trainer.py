@@ -6,9 +6,12 @@ and logs. The loss of a micro-batch is its summed token cross-entropy divided by
 of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
 over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
 
-Data parallelism across the launched ranks uses PyTorch's DDP for now (it averages gradients
-over ranks, so each rank scales its loss by the world size); fivefold's own data-parallel
-engines replace it as they land.
+One rank with `zero_stage = 0` trains the plain model with torch's AdamW: the reference every
+parallel layout is compared with. Otherwise fivefold's data-parallel engine
+(fivefold.parallel.data_parallel: DDP, ZeRO-1/2/3, hierarchical sharding) owns parameters,
+gradients and optimizer; its collectives sum, so every rank scales its loss by the global
+token count only. The step's collectives and model-state bytes land in the ledger, whose
+summary goes into each metrics record.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fivefold.comm import collectives as C
+from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
+from fivefold.parallel.data_parallel import DataParallelEngine
+from fivefold.parallel.mesh import Mesh, mesh_shape
 from fivefold.planner.hardware import detect_profile
 from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
                                        save_checkpoint)
@@ -67,14 +73,25 @@ class Trainer:
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, p.global_batch,
                                         cfg.train.seed, 1, rt.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
+        self.ledger = Ledger()
+        self.mesh = Mesh(mesh_shape(p, rt.world_size), rt.device.type, self.ledger)
+        self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.model: Transformer = build_model(m, cfg.train.seed, rt.device)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
-        self.ddp = (DistributedDataParallel(self.model, device_ids=None)
-                    if rt.distributed else None)
-        self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
+        self.engine, self.optimizer = None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
+        if rt.distributed or p.zero_stage > 0:
+            if self.scaler:
+                raise ConfigError("parallel.precision", "fp16 loss scaling runs on one rank only"
+                                                        " for now; use bf16 or fp32 with data "
+                                                        "parallelism")
+            reduce = DTYPES[p.reduce_dtype] if p.reduce_dtype else None
+            self.engine = DataParallelEngine(self.model, p.zero_stage, self.mesh, cfg.train,
+                                             rt.device, DTYPES[self.precision], reduce)
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         profile = detect_profile(rt.device, cfg.cluster.gpu)
         self.peak_flops = profile.peak_flops(self.precision) if profile else None
         self.flops_per_token = flops_per_token(m)
@@ -92,38 +109,47 @@ class Trainer:
 
     def micro_batch_loss(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy (fp32) of one micro-batch."""
-        net = self.ddp or self.model
         with self.autocast():
-            logits_BTV = net(tokens_BT)
+            logits_BTV = self.model(tokens_BT)
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                                reduction="sum")
 
-    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.rt.distributed:
-            dist.all_reduce(value)
-        return value
-
     def train_step(self, step: int) -> StepResult:
         start = time.perf_counter()
+        self.ledger.start_step()
         self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.cfg.train)
+        lr = lr_at(step, self.cfg.train)
         inputs, targets = self.train_sampler.rank_batch(step)
         n_micro = self.per_rank // self.micro_batch
         loss_sum = torch.zeros((), device=self.rt.device)
         for j in range(n_micro):
             rows = slice(j * self.micro_batch, (j + 1) * self.micro_batch)
             x, y = inputs[rows].to(self.rt.device), targets[rows].to(self.rt.device)
-            last = j == n_micro - 1
-            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
-            with sync:
-                ce_sum = self.micro_batch_loss(x, y)
-                loss = ce_sum * (self.rt.world_size / self.global_tokens)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if self.engine:
+                self.engine.prepare_backward(last=j == n_micro - 1)
+            ce_sum = self.micro_batch_loss(x, y)
+            loss = ce_sum / self.global_tokens
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if self.engine:
+                self.engine.after_backward()
             loss_sum += ce_sum.detach()
+        clip = self.cfg.train.grad_clip or math.inf
+        if self.engine:
+            grad_norm = self.engine.clip_grad_norm_(clip)
+            self.engine.step(lr)
+            self.engine.zero_grad()
+        else:
+            grad_norm = self._plain_update(lr, clip)
+        C.all_reduce(loss_sum, self.dp_axis, "loss")
+        loss = loss_sum.item() / self.global_tokens
+        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+
+    def _plain_update(self, lr: float, clip: float) -> torch.Tensor:
+        """One rank, no engine: torch's clipping and optimizer (with the fp16 scaler)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        clip = self.cfg.train.grad_clip or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -131,8 +157,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._all_reduce_sum(loss_sum).item() / self.global_tokens
-        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+        return grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -148,8 +173,8 @@ class Trainer:
                     logits = self.model(x)
                 total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
                                          reduction="sum").double()
-        tokens = self.cfg.train.eval_batches * self.global_tokens
-        return self._all_reduce_sum(total).item() / tokens
+        C.all_reduce(total, self.dp_axis, "val_loss")
+        return total.item() / (self.cfg.train.eval_batches * self.global_tokens)
 
     # ------------------------------------------------------------------ the run
 
@@ -163,16 +188,29 @@ class Trainer:
         if saved.get("model") != self.cfg.to_dict()["model"]:
             raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
                                        " use another --run-dir or the same model keys")
-        meta, scaler_state = load_checkpoint(self.rt, path, self.model, self.optimizer)
-        if self.scaler and scaler_state:
-            self.scaler.load_state_dict(scaler_state)
+        state = self._checkpoint_state()
+        meta, extra = load_checkpoint(self.rt, path, state)
+        if self.engine:
+            self.engine.after_checkpoint_load()
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        if self.scaler and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
 
+    def _checkpoint_state(self) -> dict:
+        """What DCP saves and loads in place: the engine's shards, or the plain state dicts."""
+        if self.engine:
+            return self.engine.checkpoint_state()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
     def _save(self, step: int) -> None:
         meta = {"data_position": step, "config": self.cfg.to_dict()}
-        save_checkpoint(self.rt, self.run_dir, step, self.model, self.optimizer, meta,
-                        self.scaler.state_dict() if self.scaler else None,
+        extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
+        save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
 
     def run(self) -> dict:
@@ -204,7 +242,8 @@ class Trainer:
                           "mfu": (self.flops_per_token * tokens_per_s /
                                   (self.peak_flops * self.rt.world_size)
                                   if self.peak_flops else None),
-                          "peak_mem_bytes": peak_memory_bytes(self.rt.device)}
+                          "peak_mem_bytes": peak_memory_bytes(self.rt.device),
+                          "ledger": self.ledger.summary()}
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
@@ -214,12 +253,13 @@ class Trainer:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
-        if self.rt.is_main:
-            if t.sample_tokens and self.data.tokenizer is not None:
-                text = sample_text(self.model, self.data.tokenizer, "def ", t.sample_tokens,
-                                   t.seed, self.rt.device)
+        if t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
+            text = sample_text(self.model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
+                               self.rt.device)
+            if self.rt.is_main:
                 (self.run_dir / "sample.txt").write_text(text)
                 self.say(f"sample:\n{text}")
+        if self.rt.is_main:
             if initial_val is not None:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "

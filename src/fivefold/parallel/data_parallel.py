@@ -1,0 +1,345 @@
+"""Data parallelism: DDP and ZeRO stages 1, 2 and 3, flat or hierarchical (MiCS / HSDP).
+
+One engine, four stages, each keeping exactly the memory its paper promises (ZeRO, arXiv
+1910.02054, Sec. 5; Fig. 1), with Ψ parameters, n the sharding degree, p/g the bytes of the
+compute and reduce dtypes and fp32 master weights plus Adam moments (K = 12 bytes per
+parameter under mixed precision, 8 when the compute copy is itself fp32):
+
+  stage 0 (DDP)   params pΨ      grads gΨ      optimizer KΨ      all-reduce grads      2Ψ
+  stage 1         params pΨ      grads gΨ      optimizer KΨ/n    reduce-scatter grads,
+                                                                 all-gather params     2Ψ
+  stage 2         params pΨ      grads gΨ/n    optimizer KΨ/n    the same              2Ψ
+  stage 3         params pΨ/n    grads gΨ/n    optimizer KΨ/n    all-gather params in
+                                                                 forward and backward,
+                                                                 reduce-scatter grads  3Ψ
+
+Parameters live in flat units (fivefold.parallel.flat_unit). Gradient communication is
+bucketed by unit and overlapped with backward: a unit's collective starts from a
+post-accumulate-grad hook as soon as its last gradient exists, and the step waits for all of
+them at the end (PyTorch DDP's design, arXiv 2006.15704). Stages 0 and 1 accumulate
+micro-batch gradients locally and communicate once per optimizer step; stages 2 and 3
+reduce-scatter every micro-batch so that no full gradient outlives its unit's backward.
+Stage 3 gathers a block's parameters just before its forward and again before its backward
+(prefetching the next block's), and frees them after (FSDP's resharding). The root unit
+(embeddings, final norm, output head) stays gathered for the whole step, as FSDP's root does.
+
+Hierarchical sharding (MiCS, arXiv 2205.00119; FSDP's hybrid sharding): with
+`parallel.zero_group = k` the shard axis has k ranks and dp/k groups replicate it; gradients
+sync in two hops, reduce-scatter within the shard group then all-reduce of the shard across
+replicas, and parameter all-gathers never leave the shard group.
+
+Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
+engine records its model-state bytes per rank there too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.comm import collectives as C
+from fivefold.comm.ledger import Ledger
+from fivefold.config import TrainConfig
+from fivefold.parallel.flat_unit import FlatUnit
+from fivefold.parallel.mesh import Mesh
+
+
+def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
+    """(name, named params, module) per unit: the root unit first, then each block in order."""
+    block_ids = {id(p) for p in model.layers.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
+    units = [("root", root, None)]
+    for i, block in enumerate(model.layers):
+        units.append((f"layers.{i}", [(f"layers.{i}.{n}", p) for n, p in block.named_parameters()],
+                      block))
+    return units
+
+
+class DataParallelEngine:
+    """Owns the parameters, gradients and optimizer of a data-parallel model replica.
+
+    Per optimizer step: `prepare_backward(last)` and `after_backward()` around each
+    micro-batch's backward, then `clip_grad_norm_`, `step(lr)` and `zero_grad()`.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, mesh: Mesh, train: TrainConfig,
+                 device: torch.device, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None):
+        self.model, self.stage, self.train_cfg = model, stage, train
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
+        self.ledger: Ledger = mesh.ledger
+        if stage == 0:  # plain data parallel: one all-reduce over every data-parallel rank
+            self.shard_axis = C.Axis("dp_shard", None, 1, 0, mesh.ledger)
+            self.replicate_axis = mesh.joint_axis("dp_replicate", "dp_shard")
+        else:
+            self.shard_axis = mesh.axis("dp_shard")
+            self.replicate_axis = mesh.axis("dp_replicate")
+        model.to(device=device, dtype=param_dtype)
+        split = split_units(model)
+        self.units = [FlatUnit(name, params, self.shard_axis.size, self.shard_axis.rank,
+                               param_dtype, device) for name, params, _ in split]
+        self.blocks = [module for _, _, module in split]
+        self.masters = [nn.Parameter(self._master_storage(u)) for u in self.units]
+        self.grad_buffers = [torch.zeros(u.padded, dtype=param_dtype, device=device)
+                             if stage <= 1 else None for u in self.units]
+        self.grad_shards = [self._grad_shard_storage(i) for i in range(len(self.units))]
+        if stage == 3:
+            for unit, master in zip(self.units, self.masters):
+                unit.shard = master.data if param_dtype == torch.float32 else master.data.to(
+                    param_dtype)
+                unit.free_full()
+        self._attach_grad_views()
+        self.decay_masks = [u.decay_mask() for u in self.units]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=train.lr, weight_decay=0.0,
+                                           betas=(train.beta1, train.beta2), eps=train.eps)
+        self._pending: list[tuple[int, object, torch.Tensor | None]] = []
+        self._ready = [0] * len(self.units)
+        self._last = True
+        self._prefetch: dict[int, object] = {}
+        for i, unit in enumerate(self.units):
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+        if stage == 3:
+            self._install_zero3_hooks()
+        self.record_model_state()
+
+    # ------------------------------------------------------------------ storage
+
+    def _master_storage(self, unit: FlatUnit) -> torch.Tensor:
+        """fp32 master: the compute buffer itself when that is fp32 (and not freed), else a copy."""
+        source = unit.full if self.stage == 0 else unit.full[unit.shard_slice]
+        if self.param_dtype == torch.float32 and self.stage < 3:
+            return source
+        return source.detach().float().clone()
+
+    def _grad_shard_storage(self, i: int) -> torch.Tensor:
+        """Where the reduced gradient of unit i lands: the whole buffer (stage 0), this rank's
+        slice of it (stage 1, reduce-scattered in place), or a persistent shard (stages 2-3)."""
+        unit = self.units[i]
+        if self.stage == 0:
+            return self.grad_buffers[i]
+        if self.stage == 1:
+            return self.grad_buffers[i][unit.shard_slice]
+        return torch.zeros(unit.shard_numel, dtype=self.reduce_dtype, device=unit.device)
+
+    def _attach_grad_views(self) -> None:
+        """Stages 0-1: each parameter's .grad is a view of its unit's flat buffer, so autograd
+        accumulates micro-batches straight into the bucket that is communicated."""
+        for unit, buf in zip(self.units, self.grad_buffers):
+            if buf is None:
+                continue
+            for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels, unit.shapes):
+                p.grad = buf[off:off + n].view(shape)
+
+    def record_model_state(self) -> None:
+        """Bytes of parameters, gradients, optimizer states and master copies on this rank."""
+        params = sum((u.shard if self.stage == 3 else u.full).nbytes for u in self.units)
+        grads = sum(b.nbytes for b in self.grad_buffers if b is not None)
+        if self.stage >= 2:
+            grads = sum(g.nbytes for g in self.grad_shards)
+        master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
+        optimizer = sum(t.nbytes for state in self.optimizer.state.values()
+                        for key, t in state.items() if key != "step")
+        self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
+                                         "optimizer": optimizer,
+                                         "total": params + grads + master + optimizer}
+
+    # ------------------------------------------------------------------ ZeRO-3 gathering
+
+    def _gather(self, i: int, prefetch: bool = False) -> None:
+        unit = self.units[i]
+        if i in self._prefetch or unit.is_gathered():
+            return
+        unit.allocate_full()
+        work = C.all_gather(unit.full, unit.shard, self.shard_axis, "params", async_op=prefetch)
+        if prefetch:
+            self._prefetch[i] = work
+
+    def _ensure_gathered(self, i: int) -> None:
+        if i in self._prefetch:
+            C.wait(self._prefetch.pop(i))
+        else:
+            self._gather(i)
+
+    def _install_zero3_hooks(self) -> None:
+        last = len(self.units) - 1
+
+        def before_model(module, args):
+            self._ensure_gathered(0)
+
+        def after_model(module, args, output):
+            if not output.requires_grad:  # evaluation: nothing will come back for the root
+                self.units[0].free_full()
+
+        def before_block(i):
+            def hook(module, args):
+                self._ensure_gathered(i)
+                if i < last:
+                    self._gather(i + 1, prefetch=True)
+            return hook
+
+        def after_block(i):
+            def hook(module, args, output):
+                self.units[i].free_full()
+                if output.requires_grad:
+                    output.register_hook(lambda grad: self._before_block_backward(i))
+            return hook
+
+        self.model.register_forward_pre_hook(before_model)
+        self.model.register_forward_hook(after_model)
+        for i in range(1, last + 1):
+            self.blocks[i].register_forward_pre_hook(before_block(i))
+            self.blocks[i].register_forward_hook(after_block(i))
+
+    def _before_block_backward(self, i: int) -> None:
+        self._ensure_gathered(i)
+        if i > 1:
+            self._gather(i - 1, prefetch=True)
+
+    # ------------------------------------------------------------------ gradients
+
+    def prepare_backward(self, last: bool) -> None:
+        """Before a micro-batch's backward: `last` ends the accumulation of this step."""
+        self._last = last
+        self._ready = [0] * len(self.units)
+
+    def _grad_ready(self, i: int) -> None:
+        """All of unit i's gradients exist: start its collective (overlapping backward)."""
+        self._ready[i] += 1
+        if self._ready[i] < len(self.units[i].params):
+            return
+        unit = self.units[i]
+        if self.stage <= 1:
+            if not self._last:
+                return  # accumulate locally; communicate once per optimizer step
+            buf = self.grad_buffers[i]
+            if self.stage == 0:
+                work = C.all_reduce(buf, self.replicate_axis, "grads", async_op=True)
+            else:
+                work = C.reduce_scatter(self.grad_shards[i], buf, self.shard_axis, "grads",
+                                        async_op=True)
+            self._pending.append((i, work, None))
+            return
+        flat = unit.flatten_grads(torch.empty(unit.padded, dtype=self.reduce_dtype,
+                                              device=unit.device))
+        for p in unit.params:
+            p.grad = None
+        part = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.device)
+        work = C.reduce_scatter(part, flat, self.shard_axis, "grads", async_op=True)
+        self._pending.append((i, work, part))
+        if self.stage == 3 and i > 0:
+            unit.free_full()
+
+    def after_backward(self) -> None:
+        """Finish the micro-batch's collectives; after the last, set the master gradients."""
+        for i, work, part in self._pending:
+            C.wait(work)
+            if part is not None:
+                self.grad_shards[i] += part
+        self._pending.clear()
+        if self.stage == 3:
+            self.units[0].free_full()
+        if not self._last:
+            return
+        for master, grad in zip(self.masters, self.grad_shards):
+            if self.stage >= 1:  # hierarchical sharding: second hop across replicas
+                C.all_reduce(grad, self.replicate_axis, "grads")
+            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every shard) to `max_norm`; return the norm."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+        for m in self.masters:
+            sq += m.grad.pow(2).sum()
+        C.all_reduce(sq, self.shard_axis, "grad_norm")
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for m in self.masters:
+            m.grad.mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ the update
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """Decoupled weight decay on matrices, AdamW on the master, then re-publish params."""
+        wd = self.train_cfg.weight_decay
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if wd:
+            factor = 1.0 - lr * wd
+            for m, mask in zip(self.masters, self.decay_masks):
+                m.mul_(torch.where(mask, factor, 1.0))
+        self.optimizer.step()
+        for unit, master in zip(self.units, self.masters):
+            if self.stage == 0:
+                if master.data_ptr() != unit.full.data_ptr():
+                    unit.full.copy_(master)
+            elif self.stage in (1, 2):
+                shard = unit.full[unit.shard_slice]
+                if master.data_ptr() != shard.data_ptr():
+                    shard.copy_(master)
+                C.all_gather(unit.full, shard, self.shard_axis, "params")
+            elif unit.shard.data_ptr() != master.data_ptr():
+                unit.shard.copy_(master)
+        self.record_model_state()
+
+    def zero_grad(self) -> None:
+        for m in self.masters:
+            m.grad = None
+        for buf in self.grad_buffers:
+            if buf is not None:
+                buf.zero_()
+        if self.stage >= 2:
+            for g in self.grad_shards:
+                g.zero_()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Tensors to save or load in place: master weights and Adam moments of this rank.
+
+        Keys name the shard (`.shard{r}of{n}`), so DCP stores every shard once (replicas
+        hold identical ones); resuming needs the same data-parallel layout.
+        """
+        for master in self.masters:  # make the moments exist so that a load can fill them
+            state = self.optimizer.state[master]
+            if not state:
+                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+        n, r = self.shard_axis.size, self.shard_axis.rank
+        out = {}
+        for unit, master in zip(self.units, self.masters):
+            tag = f"{unit.name}.shard{r}of{n}"
+            state = self.optimizer.state[master]
+            out[f"master.{tag}"] = master.data
+            out[f"exp_avg.{tag}"] = state["exp_avg"]
+            out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
+            out[f"step.{tag}"] = state["step"]
+        return out
+
+    @torch.no_grad()
+    def after_checkpoint_load(self) -> None:
+        """Re-publish the loaded master weights to the compute parameters."""
+        for unit, master in zip(self.units, self.masters):
+            if self.stage == 3:
+                unit.shard.copy_(master)
+            elif self.stage == 0:
+                unit.full.copy_(master)
+            else:
+                unit.full[unit.shard_slice].copy_(master)
+                C.all_gather(unit.full, unit.full[unit.shard_slice], self.shard_axis, "params")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value by its model name, gathered on every rank."""
+        out = {}
+        for unit, master in zip(self.units, self.masters):
+            if self.stage == 0:
+                flat = master.detach()
+            else:
+                flat = torch.empty(unit.padded, dtype=torch.float32, device=master.device)
+                C.all_gather(flat, master.detach(), self.shard_axis, "state_dict")
+            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
+                out[name] = flat[off:off + n].view(shape).clone()
+        return out

@@ -1,0 +1,58 @@
+"""The rank mesh: one explicit object naming every parallel axis and its process group.
+
+Axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost
+so that its ranks are neighbours (the same node); the data-parallel degree splits into
+`dp_shard` (ZeRO / FSDP sharding within a group, MiCS's partition group) and `dp_replicate`
+(copies across groups). Built on torch's DeviceMesh; no global state: the mesh is passed to
+whatever needs an axis.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fivefold.comm.collectives import Axis
+from fivefold.comm.ledger import Ledger
+from fivefold.config import ParallelConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def mesh_shape(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Axis sizes for a validated config on `world_size` ranks."""
+    dp = world_size // (p.tp * p.pp * p.cp)
+    shard = p.zero_group or dp
+    return {"pp": p.pp, "dp_replicate": dp // shard, "dp_shard": shard, "cp": p.cp, "tp": p.tp}
+
+
+class Mesh:
+    def __init__(self, shape: dict[str, int], device_type: str, ledger: Ledger):
+        self.shape, self.ledger = shape, ledger
+        self.world_size = 1
+        for size in shape.values():
+            self.world_size *= size
+        self.device_mesh = None
+        if self.world_size > 1:
+            self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in AXES),
+                                                mesh_dim_names=AXES)
+
+    def axis(self, name: str) -> Axis:
+        if self.device_mesh is None:
+            return Axis(name, None, 1, 0, self.ledger)
+        group = self.device_mesh.get_group(name)
+        return Axis(name, group, self.shape[name], dist.get_rank(group), self.ledger)
+
+    def joint_axis(self, *names: str) -> Axis:
+        """Several adjacent axes flattened into one (e.g. the whole data-parallel group)."""
+        sizes = [self.shape[n] for n in names]
+        size = 1
+        for s in sizes:
+            size *= s
+        if size == 1 or self.device_mesh is None:
+            return Axis("+".join(names), None, 1, 0, self.ledger)
+        if len(names) == 1:
+            return self.axis(names[0])
+        flat = self.device_mesh[names]._flatten("_".join(names))
+        group = flat.get_group()
+        return Axis("+".join(names), group, size, dist.get_rank(group), self.ledger)
