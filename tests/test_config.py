@@ -275,6 +275,10 @@ def test_set_on_a_value_not_a_table(tmp_path):
      "uint16 cannot hold ids of a 70000-token vocabulary; use 'uint32'"),
     # parallel
     (["parallel.zero_stage=5"], "parallel.zero_stage", "5 is not a ZeRO stage"),
+    (["parallel.qwz=true", "parallel.zero_stage=2"], "parallel.qwz", "set parallel.zero_stage = 3"),
+    (["parallel.hpz=true"], "parallel.hpz", "set parallel.zero_stage = 3"),
+    (["parallel.qgz=true"], "parallel.qgz", "set parallel.zero_stage to 1, 2 or 3"),
+    (["parallel.reduce_dtype=fp64"], "parallel.reduce_dtype", "'fp64' is not one of"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tp > 1"),
     (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.vpp",
      "virtual stages need parallel.schedule = 'interleaved', not '1f1b'"),
@@ -321,6 +325,8 @@ def test_rejected_with_world_size(overrides, world_size, key, fragment):
 
 def test_accepted_parallel_layouts():
     validate(load("parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"), 8)
+    with pytest.raises(ConfigError, match="gpus_per_node"):  # 3 ranks a node, shard group of 4
+        validate(load("parallel.zero_stage=3", "parallel.hpz=true", "cluster.gpus_per_node=3"), 4)
     validate(load("parallel.dp=2", "parallel.zero_group=2", "parallel.zero_stage=3"), 2)
     validate(load("parallel.vpp=2", "parallel.schedule=interleaved", "parallel.pp=2"), 2)
     validate(load("parallel.micro_batch=4"), 2)

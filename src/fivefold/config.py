@@ -62,6 +62,7 @@ class ModelConfig:
     tied_embeddings: bool = _doc("share the input embedding with the output head", False)
     rope_theta: float = _doc("rotary embedding base", 10000.0)
     norm_eps: float = _doc("RMSNorm epsilon", 1e-5)
+    qkv_bias: bool = _doc("learned biases on the query/key/value projections (Qwen2)", False)
     moe: MoEConfig | None = _doc("mixture-of-experts table; absent for dense models", None)
 
     @property
@@ -95,6 +96,11 @@ class ParallelConfig:
                                  None)
     reduce_dtype: str | None = _doc('gradient reduction dtype "fp32" | "bf16" | "fp16"; default: '
                                     "the compute dtype", None)
+    qwz: bool = _doc("ZeRO++ qwZ: int8 block-quantized weight all-gather (zero_stage 3)", False)
+    hpz: bool = _doc("ZeRO++ hpZ: node-local secondary weight shard for backward (zero_stage 3)",
+                     False)
+    qgz: bool = _doc("ZeRO++ qgZ: int8 gradient reduce-scatter by hierarchical all-to-all "
+                     "(zero_stage >= 1)", False)
 
 
 @dataclass

@@ -7,6 +7,7 @@ failure raises `ConfigError` naming the key and the fix; nothing here touches to
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from fivefold.config import Config, ConfigError
@@ -113,11 +114,31 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("parallel.micro_batch", f"{p.micro_batch} does not divide the "
                                                   f"{p.global_batch // dp} sequences per dp rank"
                                                   f" (global_batch {p.global_batch} / dp {dp})")
+    for key in ("qwz", "hpz"):
+        if getattr(p, key) and p.zero_stage != 3:
+            raise ConfigError(f"parallel.{key}", "ZeRO++ weight communication applies to sharded "
+                                                 "parameters; set parallel.zero_stage = 3")
+    if p.qgz and p.zero_stage == 0:
+        raise ConfigError("parallel.qgz", "quantized gradient reduce-scatter needs sharded "
+                                          "gradients; set parallel.zero_stage to 1, 2 or 3")
+    if p.hpz or p.qgz:
+        shard = p.zero_group or dp
+        per_node = ranks_per_node(cfg, shard)
+        if shard % per_node:
+            raise ConfigError("cluster.gpus_per_node", f"{per_node} data-parallel ranks per node"
+                                                       f" do not divide the shard group of "
+                                                       f"{shard}; choose gpus_per_node so they "
+                                                       "do")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
     if p.vpp > 1 and p.schedule not in ("interleaved", "zb"):
         raise ConfigError("parallel.vpp", f"virtual stages need parallel.schedule = "
                                           f"'interleaved', not {p.schedule!r}")
+
+
+def ranks_per_node(cfg: Config, shard: int) -> int:
+    """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node first)."""
+    return max(1, min(shard, cfg.cluster.gpus_per_node // (cfg.parallel.tp * cfg.parallel.cp)))
 
 
 def validate_train(cfg: Config) -> None:
@@ -176,11 +197,37 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_data(cfg)
 
 
+def validate_tensor_parallel(cfg: Config) -> None:
+    """What the tensor-parallel runtime (fivefold.parallel.tensor) needs: whole attention and
+    key/value heads and whole MLP columns per rank, and with sequence parallelism an even split
+    of the sequence. The vocabulary needs nothing: it is padded to a multiple of tp."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp == 1:
+        return
+    common = _divisors(math.gcd(m.heads, m.n_kv_heads, m.ffn_hidden))
+    for key, value, what in (("heads", m.heads, "attention heads"),
+                             ("kv_heads", m.n_kv_heads, "key/value heads"),
+                             ("ffn_hidden", m.ffn_hidden, "MLP columns")):
+        if value % p.tp:
+            raise ConfigError("parallel.tp", f"{p.tp} does not divide model.{key} = {value}: each "
+                                             f"tensor-parallel rank needs whole {what}; choose "
+                                             f"tp among {common}")
+    if p.sequence_parallel and m.seq_len % p.tp:
+        raise ConfigError("parallel.sequence_parallel", f"model.seq_len = {m.seq_len} does not "
+                                                        f"split evenly over tp = {p.tp} ranks; "
+                                                        f"use a multiple of {p.tp} or turn "
+                                                        "sequence parallelism off")
+    if m.moe is not None:
+        raise ConfigError("parallel.tp", "tensor parallelism splits dense MLPs only; use "
+                                         "parallel.tp = 1 with a mixture-of-experts model")
+
+
 def validate_for_training(cfg: Config, world_size: int) -> None:
     """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
     validate(cfg, world_size)
     p = cfg.parallel
-    for key in ("tp", "pp", "cp", "ep"):
+    validate_tensor_parallel(cfg)
+    for key in ("pp", "cp", "ep"):
         if getattr(p, key) != 1:
             raise ConfigError(f"parallel.{key}", "this dimension is not implemented in the "
                                                  "runtime yet (see README, Features); set it to "

@@ -28,6 +28,11 @@ Hierarchical sharding (MiCS, arXiv 2205.00119; FSDP's hybrid sharding): with
 sync in two hops, reduce-scatter within the shard group then all-reduce of the shard across
 replicas, and parameter all-gathers never leave the shard group.
 
+ZeRO++ (arXiv 2306.10209; fivefold.comm.zeropp) adds three switches: qwZ quantizes the
+stage-3 weight all-gathers over the shard group, hpZ keeps a node-local secondary weight shard so the
+backward all-gather stays inside the node, qgZ reduce-scatters gradients as int8 through two
+all-to-all hops. Quantized units are padded so every shard holds whole quantization blocks.
+
 Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
 engine records its model-state bytes per rank there too.
 """
@@ -37,8 +42,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import dataclass
+
 from fivefold.comm import collectives as C
+from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
+from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
@@ -55,6 +64,20 @@ def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramete
     return units
 
 
+@dataclass(frozen=True)
+class ZeroPP:
+    """ZeRO++ switches and the number of shard-group ranks that share a node."""
+
+    qwz: bool = False
+    hpz: bool = False
+    qgz: bool = False
+    ranks_per_node: int = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.qwz or self.qgz
+
+
 class DataParallelEngine:
     """Owns the parameters, gradients and optimizer of a data-parallel model replica.
 
@@ -64,8 +87,8 @@ class DataParallelEngine:
 
     def __init__(self, model: nn.Module, stage: int, mesh: Mesh, train: TrainConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype | None = None):
-        self.model, self.stage, self.train_cfg = model, stage, train
+                 reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP()):
+        self.model, self.stage, self.train_cfg, self.zero_pp = model, stage, train, zero_pp
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
         self.ledger: Ledger = mesh.ledger
         if stage == 0:  # plain data parallel: one all-reduce over every data-parallel rank
@@ -76,8 +99,12 @@ class DataParallelEngine:
             self.replicate_axis = mesh.axis("dp_replicate")
         model.to(device=device, dtype=param_dtype)
         split = split_units(model)
+        multiple = BLOCK if zero_pp.quantized else 1
         self.units = [FlatUnit(name, params, self.shard_axis.size, self.shard_axis.rank,
-                               param_dtype, device) for name, params, _ in split]
+                               param_dtype, device, multiple) for name, params, _ in split]
+        self.nodes = (zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node)
+                      if zero_pp.hpz or zero_pp.qgz else None)
+        self.secondary: dict[int, torch.Tensor] = {}  # hpZ: node-local shards, forward->backward
         self.blocks = [module for _, _, module in split]
         self.masters = [nn.Parameter(self._master_storage(u)) for u in self.units]
         self.grad_buffers = [torch.zeros(u.padded, dtype=param_dtype, device=device)
@@ -146,20 +173,28 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ ZeRO-3 gathering
 
-    def _gather(self, i: int, prefetch: bool = False) -> None:
+    def _gather(self, i: int, prefetch: bool = False, backward: bool = False) -> None:
+        """All-gather unit i's weights: plain, qwZ-quantized, or (hpZ, backward) in the node."""
         unit = self.units[i]
         if i in self._prefetch or unit.is_gathered():
             return
         unit.allocate_full()
-        work = C.all_gather(unit.full, unit.shard, self.shard_axis, "params", async_op=prefetch)
+        if backward and i in self.secondary:
+            work = C.all_gather(unit.full, self.secondary[i], self.nodes.intra, "params",
+                                async_op=prefetch)
+        elif self.zero_pp.qwz:
+            work = zeropp.quantized_all_gather(unit.full, unit.shard, self.shard_axis, "params")
+        else:
+            work = C.all_gather(unit.full, unit.shard, self.shard_axis, "params",
+                                async_op=prefetch)
         if prefetch:
             self._prefetch[i] = work
 
-    def _ensure_gathered(self, i: int) -> None:
+    def _ensure_gathered(self, i: int, backward: bool = False) -> None:
         if i in self._prefetch:
             C.wait(self._prefetch.pop(i))
         else:
-            self._gather(i)
+            self._gather(i, backward=backward)
 
     def _install_zero3_hooks(self) -> None:
         last = len(self.units) - 1
@@ -174,6 +209,9 @@ class DataParallelEngine:
         def before_block(i):
             def hook(module, args):
                 self._ensure_gathered(i)
+                if self.zero_pp.hpz and torch.is_grad_enabled():  # kept until i's backward
+                    g = self.nodes.intra
+                    self.secondary[i] = self.units[i].full.view(g.size, -1)[g.rank].clone()
                 if i < last:
                     self._gather(i + 1, prefetch=True)
             return hook
@@ -192,9 +230,9 @@ class DataParallelEngine:
             self.blocks[i].register_forward_hook(after_block(i))
 
     def _before_block_backward(self, i: int) -> None:
-        self._ensure_gathered(i)
+        self._ensure_gathered(i, backward=True)
         if i > 1:
-            self._gather(i - 1, prefetch=True)
+            self._gather(i - 1, prefetch=True, backward=True)
 
     # ------------------------------------------------------------------ gradients
 
@@ -216,8 +254,7 @@ class DataParallelEngine:
             if self.stage == 0:
                 work = C.all_reduce(buf, self.replicate_axis, "grads", async_op=True)
             else:
-                work = C.reduce_scatter(self.grad_shards[i], buf, self.shard_axis, "grads",
-                                        async_op=True)
+                work = self._reduce_scatter(self.grad_shards[i], buf)
             self._pending.append((i, work, None))
             return
         flat = unit.flatten_grads(torch.empty(unit.padded, dtype=self.reduce_dtype,
@@ -225,10 +262,17 @@ class DataParallelEngine:
         for p in unit.params:
             p.grad = None
         part = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.device)
-        work = C.reduce_scatter(part, flat, self.shard_axis, "grads", async_op=True)
-        self._pending.append((i, work, part))
+        self._pending.append((i, self._reduce_scatter(part, flat), part))
         if self.stage == 3 and i > 0:
             unit.free_full()
+            self.secondary.pop(i, None)
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
+        """Gradient reduce-scatter over the shard group: async ring, or qgZ's two int8 hops."""
+        if self.zero_pp.qgz:
+            zeropp.quantized_reduce_scatter(out, full, self.nodes, "grads")
+            return None
+        return C.reduce_scatter(out, full, self.shard_axis, "grads", async_op=True)
 
     def after_backward(self) -> None:
         """Finish the micro-batch's collectives; after the last, set the master gradients."""

@@ -19,7 +19,8 @@ from torch import nn
 
 class FlatUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], shard_degree: int,
-                 shard_rank: int, dtype: torch.dtype, device: torch.device):
+                 shard_rank: int, dtype: torch.dtype, device: torch.device,
+                 shard_multiple: int = 1):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -27,7 +28,8 @@ class FlatUnit:
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.numel = sum(self.numels)
-        self.padded = math.ceil(self.numel / shard_degree) * shard_degree
+        unit = shard_degree * shard_multiple  # each shard a multiple of `shard_multiple`
+        self.padded = math.ceil(self.numel / unit) * unit
         self.shard_numel = self.padded // shard_degree
         self.shard_rank = shard_rank
         self.shard_slice = slice(shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel)

@@ -12,6 +12,12 @@ parallel layout is compared with. Otherwise fivefold's data-parallel engine
 gradients and optimizer; its collectives sum, so every rank scales its loss by the global
 token count only. The step's collectives and model-state bytes land in the ledger, whose
 summary goes into each metrics record.
+
+With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
+(fivefold.parallel.tensor) before the engine takes it: the engine flattens each rank's
+shards and is data-parallel over the dp axes only, the ranks of one tp group draw the same
+batch (the sampler takes the data-parallel rank), the loss is the vocabulary-parallel
+cross-entropy, and the clipped gradient norm sums the shards over tp as well.
 """
 
 from __future__ import annotations
@@ -32,16 +38,22 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.parallel.data_parallel import DataParallelEngine
+from fivefold.models.pretrained import load_weights_into
+from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.mesh import Mesh, mesh_shape
+from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
+from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
+from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.planner.hardware import detect_profile
 from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
                                        save_checkpoint)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime
+from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.optim import build_optimizer, lr_at
 from fivefold.train.sample import sample_text
+from fivefold.validate import ranks_per_node
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -59,24 +71,30 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None):
+    def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
+                 init_from: Path | str | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
         p, m = cfg.parallel, cfg.model
-        self.dp = rt.world_size
+        self.ledger = Ledger()
+        self.mesh = Mesh(mesh_shape(p, rt.world_size), rt.device.type, self.ledger)
+        self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
+        self.tp_axis = self.mesh.axis("tp")
+        self.dp = self.dp_axis.size  # the ranks of one tp group share a batch
         self.per_rank = p.global_batch // self.dp
         self.micro_batch = p.micro_batch or self.per_rank
         self.global_tokens = p.global_batch * m.seq_len
         self.precision = resolve_precision(cfg, rt.device)
         self.data = data or prepare_data(cfg, log=self.say)
         self.train_sampler = BatchSampler(self.data.train, m.seq_len, p.global_batch,
-                                          cfg.train.seed, 0, rt.rank, self.dp)
+                                          cfg.train.seed, 0, self.dp_axis.rank, self.dp)
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, p.global_batch,
-                                        cfg.train.seed, 1, rt.rank, self.dp)
+                                        cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
-        self.ledger = Ledger()
-        self.mesh = Mesh(mesh_shape(p, rt.world_size), rt.device.type, self.ledger)
-        self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.model: Transformer = build_model(m, cfg.train.seed, rt.device)
+        if init_from is not None:  # pretrained weights, into the plain model before any wrapping
+            load_weights_into(self.model, m, init_from)
+        if self.tp_axis.size > 1:
+            apply_tensor_parallel(self.model, self.tp_axis, p.sequence_parallel)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
@@ -88,13 +106,18 @@ class Trainer:
                                                         " for now; use bf16 or fp32 with data "
                                                         "parallelism")
             reduce = DTYPES[p.reduce_dtype] if p.reduce_dtype else None
+            shard = self.mesh.shape["dp_shard"]
+            zero_pp = ZeroPP(p.qwz, p.hpz, p.qgz, ranks_per_node(cfg, shard))
             self.engine = DataParallelEngine(self.model, p.zero_stage, self.mesh, cfg.train,
-                                             rt.device, DTYPES[self.precision], reduce)
+                                             rt.device, DTYPES[self.precision], reduce, zero_pp)
         else:
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         profile = detect_profile(rt.device, cfg.cluster.gpu)
         self.peak_flops = profile.peak_flops(self.precision) if profile else None
         self.flops_per_token = flops_per_token(m)
+        # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
+        self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
+                           else 0)
 
     def say(self, text: str) -> None:
         if self.rt.is_main:
@@ -110,7 +133,15 @@ class Trainer:
     def micro_batch_loss(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy (fp32) of one micro-batch."""
         with self.autocast():
+            if self.loss_chunk:
+                return linear_cross_entropy_sum(self.model.hidden_states(tokens_BT),
+                                                self.model.output_weight(), targets_BT,
+                                                self.loss_chunk, DTYPES[self.precision],
+                                                self.cfg.train.compile)
             logits_BTV = self.model(tokens_BT)
+        if self.tp_axis.size > 1:  # this rank's vocabulary columns only
+            return vocab_parallel_cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(),
+                                                self.cfg.model.vocab, self.tp_axis).sum()
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                                reduction="sum")
 
@@ -135,7 +166,8 @@ class Trainer:
             loss_sum += ce_sum.detach()
         clip = self.cfg.train.grad_clip or math.inf
         if self.engine:
-            grad_norm = self.engine.clip_grad_norm_(clip)
+            grad_norm = (tp_clip_grad_norm_(self.engine, clip, self.tp_axis)
+                         if self.tp_axis.size > 1 else self.engine.clip_grad_norm_(clip))
             self.engine.step(lr)
             self.engine.zero_grad()
         else:
@@ -169,10 +201,7 @@ class Trainer:
             for j in range(0, self.per_rank, self.micro_batch):
                 x = inputs[j:j + self.micro_batch].to(self.rt.device)
                 y = targets[j:j + self.micro_batch].to(self.rt.device)
-                with self.autocast():
-                    logits = self.model(x)
-                total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                                         reduction="sum").double()
+                total += self.micro_batch_loss(x, y).double()
         C.all_reduce(total, self.dp_axis, "val_loss")
         return total.item() / (self.cfg.train.eval_batches * self.global_tokens)
 
@@ -202,6 +231,9 @@ class Trainer:
 
     def _checkpoint_state(self) -> dict:
         """What DCP saves and loads in place: the engine's shards, or the plain state dicts."""
+        if self.engine and self.tp_axis.size > 1:  # tp ranks hold different shards
+            tag = f".tp{self.tp_axis.rank}of{self.tp_axis.size}"
+            return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
         if self.engine:
             return self.engine.checkpoint_state()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -223,7 +255,8 @@ class Trainer:
                      "raise --steps or use a new --run-dir")
             return {"steps": start_step, "complete": True}
         self.say(f"model {m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
-                 f"{self.rt.world_size} rank(s) on {self.rt.device.type}, {self.precision}; "
+                 f"{self.rt.world_size} rank(s) (tp {self.tp_axis.size}, dp {self.dp}) on "
+                 f"{self.rt.device.type}, {self.precision}; "
                  f"global batch {self.cfg.parallel.global_batch} x {m.seq_len} tokens, "
                  f"micro-batch {self.micro_batch}")
         initial_val = self.evaluate() if start_step == 0 else None
@@ -254,7 +287,9 @@ class Trainer:
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
         if t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
-            text = sample_text(self.model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
+            model = (GatheredLogits(self.model, self.tp_axis, self.cfg.parallel.sequence_parallel)
+                     if self.tp_axis.size > 1 else self.model)
+            text = sample_text(model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
                                self.rt.device)
             if self.rt.is_main:
                 (self.run_dir / "sample.txt").write_text(text)

@@ -1,0 +1,32 @@
+"""Smoke test of bench/train_vs_plain.py: it runs and its JSON is consistent (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "train_vs_plain.py"
+
+
+def test_bench_quick_writes_consistent_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tokens/s" in proc.stdout
+    res = json.loads(out.read_text())
+    f, p = res["fivefold"], res["plain"]
+    assert f["tokens_per_s"] > 0 and p["tokens_per_s"] > 0
+    assert res["ratio"]["tokens_per_s"] == pytest.approx(f["tokens_per_s"] / p["tokens_per_s"],
+                                                         rel=1e-12)
+    assert f["peak_rss_mib"] > 0 and p["peak_rss_mib"] > 0
+    assert res["ratio"]["peak_rss"] == pytest.approx(f["peak_rss_mib"] / p["peak_rss_mib"],
+                                                     rel=1e-12)
+    assert res["config"]["timed_steps"] == 4 and res["config"]["rounds"] == 1
+    for key in ("processor", "cpu_count", "torch", "date"):
+        assert key in res["machine"]
