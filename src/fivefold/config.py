@@ -94,8 +94,10 @@ class ParallelConfig:
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, fp32 on CPU',
                                  None)
-    reduce_dtype: str | None = _doc('gradient reduction dtype "fp32" | "bf16" | "fp16"; default: '
-                                    "the compute dtype", None)
+    reduce_dtype: str | None = _doc('gradient reduce-scatter dtype for zero_stage 2-3 "fp32" | '
+                                    '"bf16" | "fp16"; default: the compute dtype (stages 0-1 '
+                                    "reduce the gradient buffer itself, in the compute dtype)",
+                                    None)
     qwz: bool = _doc("ZeRO++ qwZ: int8 block-quantized weight all-gather (zero_stage 3)", False)
     hpz: bool = _doc("ZeRO++ hpZ: node-local secondary weight shard for backward (zero_stage 3)",
                      False)

@@ -13,6 +13,10 @@ parameter under mixed precision, 8 when the compute copy is itself fp32):
                                                                  forward and backward,
                                                                  reduce-scatter grads  3Ψ
 
+Mixed precision as in the paper: compute copies in bf16/fp16, fp32 master weights and Adam
+moments; stages 2-3 reduce-scatter in `reduce_dtype`, stages 0-1 reduce their gradient
+buffer in place, in the compute dtype (the parameters' .grad are views of it).
+
 Parameters live in flat units (fivefold.parallel.flat_unit). Gradient communication is
 bucketed by unit and overlapped with backward: a unit's collective starts from a
 post-accumulate-grad hook as soon as its last gradient exists, and the step waits for all of
