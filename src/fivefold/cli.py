@@ -1,6 +1,8 @@
 """The `fivefold` command line: train (and, as they land, plan, simulate, calibrate, convert).
 
     fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
+                   [--init-from MODEL_FOLDER]
+    fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
 
 A configuration error exits with status 2 and a one-paragraph message on stderr naming the key
 and the fix, before any rank starts; no Python traceback is shown for it.
@@ -29,6 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="total optimizer steps (sets train.steps)")
     train.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                        help=f"metrics and checkpoints; rerun to resume (default {DEFAULT_RUN_DIR})")
+    train.add_argument("--init-from", metavar="FOLDER",
+                       help="start from these weights: a Hugging Face model folder, a fivefold "
+                            "weights folder or a training checkpoint; the model shape is theirs")
+    convert = sub.add_parser("convert", help="convert weights: Hugging Face folder <-> fivefold "
+                                             "weights folder (or a training checkpoint -> HF)")
+    convert.add_argument("src", help="Hugging Face folder, fivefold weights folder, or a run "
+                                     "directory / checkpoint step folder")
+    convert.add_argument("dst", help="new folder to write")
+    convert.add_argument("--to", choices=("hf", "fivefold"),
+                         help="output format (default: fivefold for a Hugging Face source, "
+                              "else hf)")
+    convert.add_argument("--shard-mib", type=int, default=5120,
+                         help="largest Hugging Face safetensors shard in MiB (default 5120)")
     return parser
 
 
@@ -36,6 +51,14 @@ def train_config(args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.init_from:
+        from fivefold.config import apply_override, read_file
+        from fivefold.models.pretrained import init_from_overrides
+
+        raw = read_file(args.config) if args.config else {}
+        for assignment in overrides:
+            apply_override(raw, assignment)
+        overrides += init_from_overrides(args.init_from, raw)
     return load_config(args.config, overrides)
 
 
@@ -53,18 +76,29 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _without_nproc(argv))
-    return _train_this_rank(cfg, args.run_dir)
+    return _train_this_rank(cfg, args.run_dir, args.init_from)
 
 
-def _train_this_rank(cfg: Config, run_dir: str) -> int:
+def _train_this_rank(cfg: Config, run_dir: str, init_from: str | None = None) -> int:
     from fivefold.train.dist import init_runtime, shutdown
     from fivefold.train.trainer import Trainer
 
     rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
     try:
-        Trainer(cfg, rt, run_dir).run()
+        Trainer(cfg, rt, run_dir, init_from=init_from).run()
     finally:
         shutdown()
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from fivefold.models.pretrained import convert
+
+    pre, fmt = convert(args.src, args.dst, args.to, args.shard_mib * 2**20)
+    m, params = pre.cfg, sum(t.numel() for t in pre.state.values())
+    print(f"wrote {args.dst} ({fmt}): {params / 1e6:.2f}M parameters, {m.layers} layers,"
+          f" hidden {m.hidden}, vocab {m.vocab}, seq_len {m.seq_len}"
+          f"{', MoE' if m.moe else ''}{', q/k/v biases' if m.qkv_bias else ''}")
     return 0
 
 
@@ -86,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, argv)
+        if args.command == "convert":
+            return cmd_convert(args)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2

@@ -2,8 +2,14 @@
 
 RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (RoFormer, arXiv 2104.09864),
 grouped-query attention (GQA, arXiv 2305.13245) through `scaled_dot_product_attention`, and
-a SwiGLU MLP (arXiv 2002.05202) or the GPT-style GELU MLP. Parallel layouts rewrite or wrap
-this module from outside (`fivefold.parallel`); nothing here knows about ranks.
+a SwiGLU MLP (arXiv 2002.05202) or the GPT-style GELU MLP, or a mixture-of-experts MLP in
+the layers `model.moe` names (fivefold.models.moe). `model.qkv_bias` adds learned biases to
+the query, key and value projections, as Qwen2 has. Parallel layouts rewrite or wrap this
+module from outside (`fivefold.parallel`); nothing here knows about ranks.
+
+On CUDA, grouped-query attention hands the shared key/value heads to SDPA as they are
+(`enable_gqa`, which its flash kernel reads in place) instead of repeating them in memory; on
+the CPU they are repeated, as before, which keeps CPU results unchanged.
 
 Tensor names carry their shape: B batch, T tokens, D model width, H heads, K kv heads,
 E head width, F MLP width, V vocabulary.
@@ -17,6 +23,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.models.init import init_model_
+from fivefold.models.moe import MoE, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +60,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.d_head
-        self.wq = nn.Linear(cfg.hidden, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.hidden, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,10 +72,12 @@ class Attention(nn.Module):
         v_BKTE = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = apply_rotary(q_BHTE, cos, sin), apply_rotary(k_BKTE, cos, sin)
         groups = q_BHTE.shape[1] // k_BKTE.shape[1]
-        if groups > 1:
+        gqa_in_kernel = groups > 1 and x_BTD.is_cuda
+        if groups > 1 and not gqa_in_kernel:
             k_BKTE = k_BKTE.repeat_interleave(groups, dim=1)
             v_BKTE = v_BKTE.repeat_interleave(groups, dim=1)
-        out_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BKTE, v_BKTE, is_causal=True)
+        out_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BKTE, v_BKTE, is_causal=True,
+                                                  enable_gqa=gqa_in_kernel)
         return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -100,13 +109,13 @@ class GeluMLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         mlp = SwiGLU if cfg.ffn_type == "swiglu" else GeluMLP
-        self.mlp = mlp(cfg.hidden, cfg.ffn_hidden)
+        self.mlp = MoE(cfg) if is_moe_layer(cfg, layer) else mlp(cfg.hidden, cfg.ffn_hidden)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos, sin)
@@ -120,7 +129,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.output = None if cfg.tied_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.d_head, cfg.rope_theta)
