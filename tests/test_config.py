@@ -388,7 +388,16 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
 # ---------------------------------------------------------------- what training runs today
 
 @pytest.mark.parametrize("overrides, world_size, key, fragment", [
-    (["parallel.tp=2"], 2, "parallel.tp", "not implemented in the runtime"),
+    (["parallel.tp=8"], 8, "parallel.tp",
+     "8 does not divide model.kv_heads = 4: each tensor-parallel rank needs whole key/value "
+     "heads; choose tp among 1, 2, 4"),
+    (["parallel.tp=3"], 3, "parallel.tp", "3 does not divide model.heads = 8"),
+    (["parallel.tp=2", "model.ffn_hidden=701"], 2, "parallel.tp",
+     "2 does not divide model.ffn_hidden = 701: each tensor-parallel rank needs whole MLP"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=255"], 2,
+     "parallel.sequence_parallel", "model.seq_len = 255 does not split evenly over tp = 2"),
+    (["parallel.tp=2", "model.preset=mixtral-8x7B"], 2, "parallel.tp",
+     "tensor parallelism splits dense MLPs only"),
     (["parallel.pp=2"], 2, "parallel.pp", "not implemented in the runtime"),
     (["parallel.cp=2"], 2, "parallel.cp", "not implemented in the runtime"),
     (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
@@ -408,6 +417,9 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 4)
     validate_for_training(load("parallel.micro_batch=2", "parallel.global_batch=8"), 2)
+    validate_for_training(load("parallel.tp=4", "parallel.sequence_parallel=true"), 8)
+    # a vocabulary that tp does not divide is padded, not rejected
+    validate_for_training(load("parallel.tp=2", "model.vocab=8191"), 2)
 
 
 def test_config_error_is_value_error():
