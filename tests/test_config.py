@@ -283,6 +283,20 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.vpp",
      "virtual stages need parallel.schedule = 'interleaved', not '1f1b'"),
     (["parallel.schedule=zigzag"], "parallel.schedule", "'zigzag' is not one of"),
+    (["parallel.vpp=2", "parallel.schedule=zb"], "parallel.vpp", "not 'zb'"),
+    (["parallel.pp=8"], "parallel.pp", "8 pipeline stages but model.layers = 4: every stage"),
+    (["parallel.pp=2", "parallel.vpp=4", "parallel.schedule=interleaved"], "parallel.vpp",
+     "pp*vpp = 8 virtual stages but model.layers = 4"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.layers=6"],
+     "parallel.vpp", "2 does not divide the 3 blocks per stage (model.layers 6 / pp 2)"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "model.layers=5"],
+     "parallel.vpp", "model.layers = 5 does not split evenly over pp = 2"),
+    (["parallel.pp=2", "parallel.stage_layers=[3, 3]"], "parallel.stage_layers",
+     "must list pp*vpp = 2 block counts of at least 1 that sum to model.layers = 4"),
+    (["parallel.stage_layers=3"], "parallel.stage_layers", "expected a list"),
+    (["parallel.token_slices=4"], "parallel.token_slices", "set parallel.schedule = 'terapipe'"),
+    (["parallel.schedule=terapipe", "parallel.token_slices=300"], "parallel.token_slices",
+     "300 slices of a 256-token sequence"),
     (["parallel.recompute=partial"], "parallel.recompute", "'partial' is not one of"),
     (["parallel.precision=bf8"], "parallel.precision", "'bf8' is not one of"),
     (["parallel.cp_mode=star"], "parallel.cp_mode", "'star' is not one of"),
@@ -318,6 +332,13 @@ def test_uint16_tokens_fit_exact_vocab_and_uint32_is_fine():
     (["parallel.dp=2", "parallel.tp=2"], 8, "parallel.dp", "= 4; omit parallel.dp"),
     (["parallel.tp=2", "parallel.pp=2"], 6, "parallel.tp", "tp*pp*cp = 4 does not divide"),
     (["parallel.cp=4"], 2, "parallel.tp", "tp*pp*cp = 4 does not divide the 2 ranks"),
+    (["parallel.pp=2", "parallel.micro_batch=3"], 2, "parallel.micro_batch",
+     "3 does not divide the 8 sequences per dp rank"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+      "parallel.global_batch=6", "parallel.micro_batch=2"], 2, "parallel.micro_batch",
+     "3 per step (6 sequences per dp rank / micro_batch 2) must be a multiple of 2"),
+    (["parallel.pp=2", "parallel.schedule=pipedream-2bw"], 4, "parallel.micro_batch",
+     "PipeDream-2BW needs at least pp = 2 micro-batches per step, got 1"),
 ])
 def test_rejected_with_world_size(overrides, world_size, key, fragment):
     rejects(key, fragment, *overrides, world_size=world_size)
@@ -329,6 +350,12 @@ def test_accepted_parallel_layouts():
         validate(load("parallel.zero_stage=3", "parallel.hpz=true", "cluster.gpus_per_node=3"), 4)
     validate(load("parallel.dp=2", "parallel.zero_group=2", "parallel.zero_stage=3"), 2)
     validate(load("parallel.vpp=2", "parallel.schedule=interleaved", "parallel.pp=2"), 2)
+    validate(load("parallel.pp=2", "parallel.stage_layers=[3, 1]"), 2)
+    validate(load("parallel.pp=4", "parallel.schedule=terapipe", "parallel.token_slices=8"), 4)
+    validate(load("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                  "parallel.micro_batch=2"), 2)  # 4 micro-batches, a multiple of pp
+    validate(load("parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),
+             4)
     validate(load("parallel.micro_batch=4"), 2)
     validate(load("cluster.gpus=8", "parallel.tp=8"))
 

@@ -3,6 +3,9 @@
     fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
                    [--init-from MODEL_FOLDER]
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
+    fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
+    fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
+    fivefold calibrate [--out FILE]                 (measure this machine: a profile)
 
 A configuration error exits with status 2 and a one-paragraph message on stderr naming the key
 and the fix, before any rank starts; no Python traceback is shown for it.
@@ -15,6 +18,7 @@ import os
 import sys
 
 from fivefold.config import Config, ConfigError, load_config
+from fivefold.planner import commands as planner_commands
 from fivefold.validate import validate_for_training
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -44,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "else hf)")
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
+    planner_commands.add_parsers(sub)
     return parser
 
 
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "convert":
             return cmd_convert(args)
+        if args.command in planner_commands.COMMANDS:
+            return planner_commands.run(args)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2

@@ -86,6 +86,10 @@ class ParallelConfig:
     vpp: int = _doc("virtual pipeline stages per rank (interleaved schedule)", 1)
     schedule: str = _doc('"gpipe" | "1f1b" | "interleaved" | "zb" | "pipedream-2bw" | "terapipe"',
                          "1f1b")
+    stage_layers: list[int] | None = _doc("blocks per pipeline stage, pp*vpp numbers from the "
+                                          "first stage; default balanced by cost", None)
+    token_slices: int | None = _doc("TeraPipe: slices each sequence is cut into; default pp",
+                                    None)
     zero_stage: int = _doc("0 plain data parallel, 1 shard optimizer, 2 +grads, 3 +params", 0)
     micro_batch: int | None = _doc("sequences per micro-batch per dp rank; default no accumulation",
                                    None)
@@ -201,6 +205,10 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if value is None:
             return None
         return _check_type(key, value, args[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}; write e.g. {key}=[2, 2]")
+        return [_check_type(key, v, typing.get_args(hint)[0]) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, float) and value.is_integer():
@@ -237,10 +245,20 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+SHAPE_KEYS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len")
+
+
 def resolve_preset(model_raw: dict) -> dict:
-    """Overlay the user's model keys on the named preset's values."""
+    """Overlay the user's model keys on the named preset's values.
+
+    A table that names no preset but sets every shape key (a run spec's full description)
+    takes the field defaults for what it leaves out (kv_heads = heads, untied embeddings), as
+    run_spec.md says, instead of the tiny preset's values; its preset is then "custom".
+    """
     if not isinstance(model_raw, dict):
         raise ConfigError("model", f"expected a table of keys, got {model_raw!r}")
+    if "preset" not in model_raw and all(k in model_raw for k in SHAPE_KEYS):
+        return {**model_raw, "preset": "custom"}
     preset = model_raw.get("preset", "tiny")
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {preset!r}; choose one of "

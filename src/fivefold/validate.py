@@ -131,9 +131,66 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                                        "do")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
-    if p.vpp > 1 and p.schedule not in ("interleaved", "zb"):
+    if p.vpp > 1 and p.schedule != "interleaved":
         raise ConfigError("parallel.vpp", f"virtual stages need parallel.schedule = "
                                           f"'interleaved', not {p.schedule!r}")
+    validate_pipeline(cfg, dp)
+
+
+def validate_pipeline(cfg: Config, dp: int) -> None:
+    """Stages, chunks, micro-batches and slices of pipeline parallelism (docs/pipeline.md)."""
+    p, layers = cfg.parallel, cfg.model.layers
+    stages = p.pp * p.vpp
+    _positive("parallel.token_slices", p.token_slices)
+    if p.pp > layers:
+        raise ConfigError("parallel.pp", f"{p.pp} pipeline stages but model.layers = {layers}: "
+                                         f"every stage needs at least one block; use pp <= "
+                                         f"{layers}")
+    if stages > layers:
+        raise ConfigError("parallel.vpp", f"pp*vpp = {stages} virtual stages but model.layers ="
+                                          f" {layers}: every chunk needs at least one block; "
+                                          f"use vpp <= {layers // p.pp}")
+    if p.stage_layers is not None:
+        counts = p.stage_layers
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != layers:
+            raise ConfigError("parallel.stage_layers", f"{counts} must list pp*vpp = {stages} "
+                                                       f"block counts of at least 1 that sum to "
+                                                       f"model.layers = {layers}")
+    elif p.vpp > 1 and layers % p.pp:
+        raise ConfigError("parallel.vpp", f"interleaving cuts each stage into vpp equal chunks, "
+                                          f"but model.layers = {layers} does not split evenly "
+                                          f"over pp = {p.pp}; change one of them or list the "
+                                          "blocks per chunk in parallel.stage_layers")
+    elif p.vpp > 1 and (layers // p.pp) % p.vpp:
+        per_stage = layers // p.pp
+        raise ConfigError("parallel.vpp", f"{p.vpp} does not divide the {per_stage} blocks per "
+                                          f"stage (model.layers {layers} / pp {p.pp}); choose "
+                                          f"one of {_divisors(per_stage)} or list the blocks per "
+                                          "chunk in parallel.stage_layers")
+    if p.token_slices is not None:
+        if p.schedule != "terapipe":
+            raise ConfigError("parallel.token_slices", "token slices are TeraPipe's; set "
+                                                       "parallel.schedule = 'terapipe' or drop it")
+        if p.token_slices > cfg.model.seq_len:
+            raise ConfigError("parallel.token_slices", f"{p.token_slices} slices of a "
+                                                       f"{cfg.model.seq_len}-token sequence leave"
+                                                       " some empty; use at most model.seq_len")
+    if p.pp == 1:
+        return
+    per_rank = p.global_batch // dp
+    micro = per_rank // (p.micro_batch or per_rank)
+    if p.schedule == "interleaved" and micro > p.pp and micro % p.pp:
+        raise ConfigError("parallel.micro_batch", f"the interleaved schedule sends micro-batches "
+                                                  f"round the {p.pp} stages in groups of pp: "
+                                                  f"{micro} per step ({per_rank} sequences per dp"
+                                                  f" rank / micro_batch {p.micro_batch}) must be "
+                                                  f"a multiple of {p.pp}, or at most {p.pp}")
+    if p.schedule == "pipedream-2bw" and micro < p.pp:
+        raise ConfigError("parallel.micro_batch", f"PipeDream-2BW needs at least pp = {p.pp} "
+                                                  f"micro-batches per step, got {micro} "
+                                                  f"({per_rank} sequences per dp rank / "
+                                                  f"micro_batch {p.micro_batch or per_rank}); "
+                                                  "lower parallel.micro_batch")
 
 
 def ranks_per_node(cfg: Config, shard: int) -> int:

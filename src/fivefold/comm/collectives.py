@@ -5,7 +5,9 @@ ledger (fivefold.comm.ledger) sees every byte. Reductions are sums (callers pre-
 has no PREMUL_SUM and AVG is not on every backend). On an axis of size 1 nothing is sent and
 nothing is recorded; the functions then only copy where an output buffer is expected.
 With `async_op=True` a work handle (or None on a size-1 axis) is returned; `wait(handle)`
-finishes it.
+finishes it. `send` and `recv` are point-to-point (pipeline stages): always asynchronous,
+recorded as op "send" (the buffer on the wire) and "recv" (no wire bytes), between two
+distinct ranks of the axis.
 """
 
 from __future__ import annotations
@@ -87,3 +89,20 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str):
     axis.record("broadcast", tensor, purpose)
     src = dist.get_global_rank(axis.group, src_index) if axis.group is not None else src_index
     return dist.broadcast(tensor, src=src, group=axis.group)
+
+
+def send(tensor: torch.Tensor, axis: Axis, dst_index: int, purpose: str, tag: int = 0):
+    """Start sending `tensor` to rank `dst_index` of the axis (point-to-point, asynchronous);
+    returns the work handle: `wait` it before the tensor is reused. Messages between two ranks
+    are told apart by `tag` (pipeline stages send activations and gradients both ways)."""
+    axis.record("send", tensor, purpose)
+    dst = dist.get_global_rank(axis.group, dst_index) if axis.group is not None else dst_index
+    return dist.isend(tensor, dst=dst, group=axis.group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str, tag: int = 0):
+    """Start receiving into `tensor` from rank `src_index` of the axis; returns the work handle
+    (the data is there after `wait`). Recorded with the buffer's bytes and no wire bytes."""
+    axis.record("recv", tensor, purpose)
+    src = dist.get_global_rank(axis.group, src_index) if axis.group is not None else src_index
+    return dist.irecv(tensor, src=src, group=axis.group, tag=tag)

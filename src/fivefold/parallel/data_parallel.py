@@ -58,11 +58,14 @@ from fivefold.parallel.mesh import Mesh
 
 
 def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
-    """(name, named params, module) per unit: the root unit first, then each block in order."""
+    """(name, named params, module) per unit: the root unit first, then each block in order.
+
+    Blocks are named by their key in `model.layers`, so a pipeline stage, whose `layers` holds
+    blocks by their index in the whole model, keeps the plain model's names."""
     block_ids = {id(p) for p in model.layers.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
     units = [("root", root, None)]
-    for i, block in enumerate(model.layers):
+    for i, block in model.layers.named_children():
         units.append((f"layers.{i}", [(f"layers.{i}.{n}", p) for n, p in block.named_parameters()],
                       block))
     return units

@@ -1,0 +1,67 @@
+"""The simulator against measured CPU steps: predicted vs measured step time of small runs.
+
+    python bench/planner_cpu.py [--profile FILE] [--steps 6]
+
+For each case (the built-in corpus, fp32, gloo ranks of one thread each, as
+`fivefold train --nproc N` runs them), the median wall time of `Trainer.train_step` after two
+warm-up steps is set against `fivefold.planner.simulate` of the same config on the CPU
+profile (`--profile`: a file written by `fivefold calibrate`; default the built-in "cpu"
+profile, itself such a measurement). Prints one line per case and the mean absolute error.
+The issue's target is 20%. Timings on a machine shared with other work vary by tens of
+percent from run to run; run it on an idle machine and calibrate on it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from fivefold.config import load_config
+from fivefold.planner.simulate import simulate
+from fivefold.planner.spec import prepare
+from fivefold.testing import run_on_ranks
+from fivefold.train.data import prepare_data
+from fivefold.train.trainer import Trainer
+
+BASE = ["data.tokenizer_sample_mib=0.5", "train.tensorboard=false", "train.sample_tokens=0",
+        "parallel.global_batch=8"]
+WIDER = ["model.layers=8", "model.hidden=384", "model.heads=6", "model.kv_heads=2",
+         "model.ffn_hidden=1024"]
+CASES = [  # (ranks, overrides): the tiny preset unless stated
+    (1, ["parallel.zero_stage=1"]),
+    (1, ["parallel.zero_stage=1", "parallel.micro_batch=4", "model.seq_len=512"]),
+    (2, ["parallel.zero_stage=0"]),
+    (2, ["parallel.zero_stage=3", "parallel.micro_batch=2"]),
+    (2, ["parallel.zero_stage=1"] + WIDER),
+]
+
+
+def _steps(rt, sets: list[str], steps: int) -> float:
+    trainer = Trainer(load_config(None, sets), rt, "unused")
+    times = [trainer.train_step(s).step_time_s for s in range(steps)]
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    errors = []
+    for ranks, sets in CASES:
+        sets = BASE + sets
+        prepare_data(load_config(None, sets))
+        measured = run_on_ranks(_steps, ranks, sets, args.steps, timeout_s=1800)[0]
+        cfg = prepare(load_config(None, sets + [f"cluster.gpu='{args.profile}'",
+                                                f"cluster.gpus={ranks}",
+                                                f"cluster.gpus_per_node={ranks}"]))
+        predicted = simulate(cfg).step_time_s
+        errors.append(abs(predicted / measured - 1))
+        print(f"{ranks} rank(s) {' '.join(s for s in sets if s not in BASE):60} measured "
+              f"{measured:7.3f} s  predicted {predicted:7.3f} s  {100 * (predicted / measured - 1):+6.1f}%",
+              flush=True)
+    print(f"mean absolute error {100 * statistics.mean(errors):.1f}% over {len(errors)} cases")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Memory techniques: activation accounting, checkpointing, offload, LOMO, GaLore."""

@@ -1,0 +1,64 @@
+"""Count the activation bytes autograd keeps for backward, per module, exactly.
+
+`torch.autograd.graph.saved_tensors_hooks` sees every tensor an operation saves for its
+backward (DESIGN.md, "one ledger"). `SavedActivations` installs a pack hook that records each
+saved tensor's storage once, so a tensor saved by several operations (the input of wq, wk and
+wv) counts once, and skips the storages of parameters and buffers (model state, not
+activations; a weight's transposed view shares its storage). Each storage is charged to the
+module named by `label_modules` that was running when it was first saved; anything saved
+outside them (embedding, final norm, output head, loss) is charged to "root".
+
+    with SavedActivations(model, {f"layers.{i}": b for i, b in enumerate(model.layers)}) as acts:
+        loss = compute_loss(model, batch)
+    acts.bytes_by_label   # {"layers.0": ..., "layers.1": ..., "root": ...}
+
+The counter keeps references to the saved tensors only through their storage ids, so
+counting does not change what the step holds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+
+class SavedActivations:
+    def __init__(self, model: nn.Module, label_modules: dict[str, nn.Module] | None = None):
+        self.model = model
+        self.label_modules = label_modules or {}
+        self.bytes_by_label: dict[str, int] = defaultdict(int)
+        self._seen: set[int] = set()
+        self._state = {t.untyped_storage().data_ptr() for t in
+                       [*model.parameters(), *model.buffers()]}
+        self._label = ["root"]
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_label.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._state and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes_by_label[self._label[0]] += storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        for name, module in self.label_modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, name=name: self._label.__setitem__(0, name)))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out: self._label.__setitem__(0, "root")))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,424 @@
+"""Pipeline schedules as data: for every pp rank, the ordered list of actions it performs.
+
+One definition, two uses: `fivefold.parallel.pipeline.executor` runs these lists on ranks,
+and the planner (or `replay`) replays exactly the same lists with modelled costs. Nothing here
+imports torch, so the lists can be built and checked anywhere.
+
+Stages and chunks. The model's blocks are cut into `pp * vpp` virtual stages; virtual stage s
+lives on rank s % pp as its model chunk s // pp (Megatron-LM's interleaved assignment, arXiv
+2104.04473, Sec. 2.2). With vpp = 1 the virtual stage is the rank. Stage 0 embeds the tokens,
+the last stage applies the final norm, the head and the loss.
+
+Actions. Compute: F (forward), B (full backward), or, for zero-bubble schedules, I (backward
+for the input only: the gradient sent upstream) and W (the weight gradients, any time after
+I). Point-to-point: SEND_ACT / RECV_ACT move a stage's output activation downstream,
+SEND_GRAD / RECV_GRAD move the gradient of a stage's input upstream. With tied embeddings the
+first rank owns the embedding matrix; the last stage borrows it (SEND/RECV_TIED_WEIGHT at the
+start of a step) and returns the head's share of its gradient (SEND/RECV_TIED_GRAD) before the
+first rank's last weight-gradient action, so the owner's gradient is complete when data
+parallelism reduces it. The borrowed copy's gradient is computed with the input gradient (in
+B, or in I: never deferred to W), so it is complete after the last stage's last I, which
+precedes the first rank's last W: the exchange adds no bubble. Sends never wait; a receive
+waits until its message has been sent. Each message has an identity (`message`, sent as the
+tag), so matching never depends on arrival order.
+
+A micro-batch is a group of sequences; TeraPipe (arXiv 2102.07988) further cuts each sequence
+into token slices, and its actions carry the slice index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+F, B, I, W = "F", "B", "I", "W"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
+SEND_TIED_WEIGHT, RECV_TIED_WEIGHT = "send_tied_weight", "recv_tied_weight"
+SEND_TIED_GRAD, RECV_TIED_GRAD = "send_tied_grad", "recv_tied_grad"
+SEND_LOSS, RECV_LOSS, UPDATE = "send_loss", "recv_loss", "update"
+
+COMPUTE = (F, B, I, W)
+GRADIENT_KINDS = (B, W)  # the actions that accumulate weight gradients
+SENDS = (SEND_ACT, SEND_GRAD, SEND_TIED_WEIGHT, SEND_TIED_GRAD, SEND_LOSS)
+RECVS = (RECV_ACT, RECV_GRAD, RECV_TIED_WEIGHT, RECV_TIED_GRAD, RECV_LOSS)
+SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "terapipe")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    stage: int = 0  # virtual stage
+    mb: int = 0  # micro-batch (PipeDream-2BW: the running index over all steps; UPDATE: step)
+    slice: int = 0  # token slice (TeraPipe)
+
+    def __str__(self) -> str:
+        tail = f".{self.slice}" if self.slice else ""
+        return f"{self.kind}[s{self.stage} mb{self.mb}{tail}]"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    pp: int
+    vpp: int
+    micro_batches: int  # per optimizer step
+    slices: int
+    ranks: tuple[tuple[Action, ...], ...]
+    steps: int = 1  # optimizer steps the lists span (PipeDream-2BW runs without flushes)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages (model chunks) rank `rank` holds, first chunk first."""
+        return [rank + c * self.pp for c in range(self.vpp)]
+
+
+def message(action: Action, stages: int) -> tuple:
+    """The identity of the message a send or receive action moves (the sender's view)."""
+    a = action
+    if a.kind == SEND_ACT:
+        return ("act", a.stage, a.mb, a.slice)
+    if a.kind == RECV_ACT:
+        return ("act", a.stage - 1, a.mb, a.slice)
+    if a.kind == SEND_GRAD:
+        return ("grad", a.stage, a.mb, a.slice)
+    if a.kind == RECV_GRAD:
+        return ("grad", a.stage + 1, a.mb, a.slice)
+    if a.kind in (SEND_TIED_WEIGHT, RECV_TIED_WEIGHT):
+        return ("tied_weight", 0, a.mb, 0)
+    if a.kind in (SEND_TIED_GRAD, RECV_TIED_GRAD):
+        return ("tied_grad", stages - 1, a.mb, 0)
+    if a.kind in (SEND_LOSS, RECV_LOSS):
+        return ("loss", stages - 1, a.mb, 0)
+    raise ValueError(f"{a} moves no message")
+
+
+def peer_stage(action: Action, stages: int) -> int:
+    """The virtual stage at the other end of a send or receive."""
+    kind = action.kind
+    if kind == SEND_ACT or kind == RECV_GRAD:
+        return action.stage + 1
+    if kind == RECV_ACT or kind == SEND_GRAD:
+        return action.stage - 1
+    if kind in (SEND_TIED_WEIGHT, RECV_TIED_GRAD, RECV_LOSS):
+        return stages - 1
+    if kind in (RECV_TIED_WEIGHT, SEND_TIED_GRAD, SEND_LOSS):
+        return 0
+    raise ValueError(f"{action} has no peer")
+
+
+# ---------------------------------------------------------------- compute orders per rank
+
+def gpipe_order(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """GPipe (arXiv 1811.06965, Sec. 2.2, Fig. 2c).
+
+    Fill: every micro-batch's forward, in order; the last stage starts its backward only after
+    the last forward. Drain: the backwards, last micro-batch first (the figure's order), so the
+    last stage starts with the micro-batch it has just finished. All m activations are alive
+    at the turn: peak in-flight = m on every rank.
+    """
+    return ([Action(F, rank, j) for j in range(micro_batches)] +
+            [Action(B, rank, j) for j in reversed(range(micro_batches))])
+
+
+def one_f_one_b_order(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """1F1B, PipeDream-Flush (PipeDream arXiv 1806.03377 Sec. 3.2; 2BW arXiv 2006.09503 Sec. 3.3).
+
+    Warm-up: rank r runs min(p - r - 1, m) forwards, exactly enough that the first backward
+    reaches it the moment its next forward is done. Steady state: one forward, one backward.
+    Cool-down: the remaining backwards. The bubble is the same as GPipe's, (p-1)/(m+p-1) of
+    the step, but rank r holds at most p - r activations instead of m.
+    """
+    warm = min(pp - rank - 1, micro_batches)
+    out = [Action(F, rank, j) for j in range(warm)]
+    for i in range(micro_batches - warm):
+        out += [Action(F, rank, warm + i), Action(B, rank, i)]
+    out += [Action(B, rank, j) for j in range(micro_batches - warm, micro_batches)]
+    return out
+
+
+def interleaved_tables(pp: int, vpp: int, micro_batches: int) -> tuple[list, list]:
+    """(micro-batch, chunk) in the order every rank runs forwards, and backwards.
+
+    Micro-batches go in groups of g = min(p, m) (the last group holds the rest): a group passes
+    chunk 0, then chunk 1, ... (forward), and the chunks in reverse order (backward).
+    """
+    group = min(pp, micro_batches)
+    fwd, bwd = [], []
+    for first in range(0, micro_batches, group):
+        mbs = range(first, min(first + group, micro_batches))
+        fwd += [(j, c) for c in range(vpp) for j in mbs]
+        bwd += [(j, c) for c in reversed(range(vpp)) for j in mbs]
+    return fwd, bwd
+
+
+def interleaved_order(pp: int, vpp: int, micro_batches: int, rank: int) -> list[Action]:
+    """Interleaved 1F1B (Megatron-LM, arXiv 2104.04473, Sec. 2.2, Fig. 4).
+
+    Each rank holds v model chunks, so one micro-batch visits every rank v times and each
+    visit costs 1/v of a stage: the bubble shrinks to (p-1)/(v*m + p - 1) of the step, for v
+    times the point-to-point traffic. Warm-up: rank r runs 2(p - r - 1) + (v - 1) g chunk
+    forwards (g micro-batches per group), which lets the first backward of the last chunk
+    arrive as it finishes. Steady state: one chunk forward, one chunk backward, following
+    the tables above. Cool-down: the remaining chunk backwards.
+    """
+    fwd, bwd = interleaved_tables(pp, vpp, micro_batches)
+    total = len(fwd)
+    warm = min(2 * (pp - rank - 1) + (vpp - 1) * min(pp, micro_batches), total)
+    stage = lambda c: c * pp + rank  # noqa: E731
+    out = [Action(F, stage(c), j) for j, c in fwd[:warm]]
+    for k in range(total - warm):
+        j, c = fwd[warm + k]
+        jb, cb = bwd[k]
+        out += [Action(F, stage(c), j), Action(B, stage(cb), jb)]
+    out += [Action(B, stage(c), j) for j, c in bwd[total - warm:]]
+    return out
+
+
+def zb_h1_order(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """ZB-H1, zero-bubble pipeline parallelism (arXiv 2401.10241, Sec. 3.1, Fig. 3 top).
+
+    The backward splits into I (gradient of the stage input, on the critical path between
+    stages) and W (weight gradients, needed only by the optimizer). Warm-up: as 1F1B,
+    p - r - 1 forwards. Steady state: F, I, and a W, except that rank r keeps its r oldest
+    W's pending; they run in cool-down, where 1F1B would wait for gradients. Every rank then
+    holds up to p micro-batches between F and W (1F1B's peak, now on every rank), and with
+    T_F = T_I = T_W the bubble is (p-1) T_F: a third of 1F1B's (p-1)(T_F + T_B).
+    """
+    warm = min(pp - rank - 1, micro_batches)
+    out = [Action(F, rank, j) for j in range(warm)]
+    pending: list[int] = []
+
+    def backward(j: int) -> None:
+        out.append(Action(I, rank, j))
+        pending.append(j)
+        while len(pending) > rank:
+            out.append(Action(W, rank, pending.pop(0)))
+
+    for i in range(micro_batches - warm):
+        out.append(Action(F, rank, warm + i))
+        backward(i)
+    for j in range(micro_batches - warm, micro_batches):
+        backward(j)
+    out += [Action(W, rank, j) for j in pending]
+    return out
+
+
+def terapipe_order(pp: int, micro_batches: int, slices: int, rank: int) -> list[Action]:
+    """TeraPipe, token-level pipelining (arXiv 2102.07988, Sec. 3, Fig. 2).
+
+    A causal model's token t depends only on tokens before it, so each sequence is cut into
+    `slices` slices that enter the pipeline one after another: slice k's attention reads the
+    cached keys and values of slices < k on the same stage. Forward: every (micro-batch,
+    slice) in order. Backward: in exactly the reverse order, so that a slice's gradient has
+    collected the key/value gradients of every later slice before it runs. With m*n units of
+    1/n of a micro-batch each, the bubble is (p-1)/(m*n + p - 1).
+    """
+    units = [(j, k) for j in range(micro_batches) for k in range(slices)]
+    return ([Action(F, rank, j, k) for j, k in units] +
+            [Action(B, rank, j, k) for j, k in reversed(units)])
+
+
+def forward_only_order(pp: int, vpp: int, micro_batches: int, slices: int,
+                       rank: int) -> list[Action]:
+    """Evaluation: every forward, in the training schedule's forward order."""
+    if vpp > 1:
+        fwd, _ = interleaved_tables(pp, vpp, micro_batches)
+        return [Action(F, c * pp + rank, j) for j, c in fwd]
+    return [Action(F, rank, j, k) for j in range(micro_batches) for k in range(slices)]
+
+
+# ---------------------------------------------------------------- communication
+
+def with_p2p(order: list[Action], stages: int) -> list[Action]:
+    """Add the point-to-point actions around compute: receive right before use, send right
+    after the result exists."""
+    out = []
+    for a in order:
+        if a.kind == F:
+            if a.stage > 0:
+                out.append(Action(RECV_ACT, a.stage, a.mb, a.slice))
+            out.append(a)
+            if a.stage < stages - 1:
+                out.append(Action(SEND_ACT, a.stage, a.mb, a.slice))
+        elif a.kind in (B, I):
+            if a.stage < stages - 1:
+                out.append(Action(RECV_GRAD, a.stage, a.mb, a.slice))
+            out.append(a)
+            if a.stage > 0:
+                out.append(Action(SEND_GRAD, a.stage, a.mb, a.slice))
+        else:
+            out.append(a)
+    return out
+
+
+def _index(actions: list[Action], pick, last: bool) -> int | None:
+    hits = [i for i, a in enumerate(actions) if pick(a)]
+    return (hits[-1] if last else hits[0]) if hits else None
+
+
+def with_tied_embedding(ranks: list[list[Action]], stages: int, pp: int,
+                        backward: bool) -> list[list[Action]]:
+    """Add the tied-embedding exchange between the first rank (owner) and the last stage."""
+    first, last = ranks[0], ranks[(stages - 1) % pp]
+    at = _index(last, lambda a: a.stage == stages - 1, last=False)
+    last.insert(at, Action(RECV_TIED_WEIGHT))
+    first.insert(0, Action(SEND_TIED_WEIGHT))
+    if backward:
+        at = _index(last, lambda a: a.kind in (B, I) and a.stage == stages - 1, True)
+        at += 1
+        while at < len(last) and last[at].kind in SENDS:  # keep the gradient sends first
+            at += 1
+        last.insert(at, Action(SEND_TIED_GRAD))
+        at = _index(first, lambda a: a.kind in GRADIENT_KINDS and a.stage == 0, True)
+        first.insert(at, Action(RECV_TIED_GRAD))
+    return ranks
+
+
+def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1, slices: int = 1,
+                   tied_embeddings: bool = False, forward_only: bool = False) -> Schedule:
+    """The action lists of a synchronous schedule: "gpipe", "1f1b", "interleaved", "zb"
+    (ZB-H1) or "terapipe"; `forward_only` gives the evaluation pass of the same layout."""
+    if name not in SYNC_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; one of {SYNC_SCHEDULES}")
+    if name != "interleaved" and vpp != 1:
+        raise ValueError(f"{name} runs one chunk per rank; vpp must be 1")
+    if name != "terapipe" and slices != 1:
+        raise ValueError(f"{name} does not slice sequences; slices must be 1")
+    stages = pp * vpp
+    orders = []
+    for r in range(pp):
+        if forward_only:
+            order = forward_only_order(pp, vpp, micro_batches, slices, r)
+        elif name == "gpipe":
+            order = gpipe_order(pp, micro_batches, r)
+        elif name == "1f1b":
+            order = one_f_one_b_order(pp, micro_batches, r)
+        elif name == "interleaved":
+            order = interleaved_order(pp, vpp, micro_batches, r)
+        elif name == "zb":
+            order = zb_h1_order(pp, micro_batches, r)
+        else:
+            order = terapipe_order(pp, micro_batches, slices, r)
+        orders.append(with_p2p(order, stages))
+    if tied_embeddings and pp > 1:
+        orders = with_tied_embedding(orders, stages, pp, backward=not forward_only)
+    label = f"{name} (forward only)" if forward_only else name
+    return Schedule(label, pp, vpp, micro_batches, slices, tuple(tuple(o) for o in orders))
+
+
+def pipedream_2bw_schedule(pp: int, micro_batches: int, steps: int,
+                           tied_embeddings: bool = False) -> Schedule:
+    """PipeDream-2BW (arXiv 2006.09503, Sec. 3.1-3.2): 1F1B that never flushes.
+
+    The warm-up of 1F1B happens once; after it every rank alternates forward and backward
+    across step boundaries, so step t+1's first micro-batches enter while step t's last ones
+    are still in backward. Rank r applies step t's update (UPDATE t) right after its own last
+    backward of step t, without waiting for the other ranks. Every micro-batch of step t
+    computes with weight version t-1 (the "double buffer"), giving the paper's update
+    W(t+1) = W(t) - lr * grad f(W(t-1)); m >= p guarantees that version t-1 exists before
+    step t's first forward on every rank. With tied embeddings the owner sends each new
+    version of the matrix to the last stage after its update, and the last stage returns the
+    head's gradient share of step t before the owner's UPDATE t; the last stage also sends
+    the step's loss to the first rank there (no all-rank synchronization per step).
+    """
+    m, total = micro_batches, micro_batches * steps
+    if m < pp:
+        raise ValueError(f"PipeDream-2BW needs at least pp = {pp} micro-batches per step, got {m}")
+    stages, last_rank = pp, pp - 1
+    ranks = []
+    for r in range(pp):
+        warm = min(pp - r - 1, total)
+        order = [Action(F, r, g) for g in range(warm)]
+        for g in range(total):
+            if g + warm < total:
+                order.append(Action(F, r, g + warm))
+            order.append(Action(B, r, g))
+            if g % m == m - 1:
+                order.append(Action(UPDATE, r, g // m))
+        ranks.append(with_p2p(order, stages))
+    if pp > 1:
+        _add_2bw_exchanges(ranks, m, steps, tied_embeddings)
+    return Schedule("pipedream-2bw", pp, 1, m, 1, tuple(tuple(o) for o in ranks), steps)
+
+
+def _add_2bw_exchanges(ranks: list[list[Action]], m: int, steps: int, tied: bool) -> None:
+    """Loss (and tied-embedding) messages between the first and the last rank of 2BW."""
+    first, last = ranks[0], ranks[-1]
+    out_last = []
+    for a in last:
+        if tied and a.kind == RECV_ACT and a.mb % m == 0 and a.mb // m != 1:
+            out_last.append(Action(RECV_TIED_WEIGHT, mb=max(a.mb // m - 1, 0)))
+        if a.kind == UPDATE:
+            out_last += ([Action(SEND_TIED_GRAD, mb=a.mb)] if tied else []) + [
+                Action(SEND_LOSS, mb=a.mb)]
+        out_last.append(a)
+    last[:] = out_last
+    out_first = [Action(SEND_TIED_WEIGHT, mb=0)] if tied else []
+    for a in first:
+        if a.kind == UPDATE:
+            out_first += ([Action(RECV_TIED_GRAD, mb=a.mb)] if tied else []) + [
+                Action(RECV_LOSS, mb=a.mb)]
+        out_first.append(a)
+        if tied and a.kind == UPDATE and a.mb + 1 <= steps - 2:
+            out_first.append(Action(SEND_TIED_WEIGHT, mb=a.mb + 1))
+    first[:] = out_first
+
+
+# ---------------------------------------------------------------- theory
+
+def theory_bubble(name: str, pp: int, micro_batches: int, vpp: int = 1, slices: int = 1) -> float:
+    """Idle fraction of the step with the costs of `replay.unit_cost` (T_F = 1, T_B = 2, or
+    T_I = T_W = 1, per micro-batch through one whole stage).
+
+    GPipe and 1F1B (GPipe Sec. 2.2): (p-1)/(m+p-1). Interleaved (Megatron Sec. 2.2.2): the
+    bubble time divides by v, (p-1)/(v m + p - 1). ZB-H1 (ZB Sec. 3.1): the bubble is
+    (p-1)(T_F + T_I - T_W) = (p-1) T_F against 3 m T_F of work, (p-1)/(3m + p - 1). TeraPipe:
+    m*n units of 1/n micro-batch each, (p-1)/(m n + p - 1).
+
+    The interleaved and ZB-H1 figures assume m >= p. With fewer micro-batches, each of the
+    v - 1 extra trips of the micro-batch group around the ring leaves p - m chunk slots idle,
+    and ZB-H1 has only m deferred W's to fill the p - 1 slots of its drain: both add p - m
+    to the bubble, in chunk slots times v - 1 (interleaved) or in T_F (ZB-H1).
+    """
+    p, m, v = pp, micro_batches, vpp
+    short = max(p - m, 0)
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        idle = p - 1 + (v - 1) * short
+        return idle / (v * m + idle)
+    if name == "zb":
+        idle = p - 1 + short
+        return idle / (3 * m + idle)
+    if name == "terapipe":
+        return (p - 1) / (m * slices + p - 1)
+    raise ValueError(f"no bubble theory for {name!r}")
+
+
+def theory_peak_in_flight(name: str, pp: int, micro_batches: int, rank: int, vpp: int = 1,
+                          slices: int = 1) -> int:
+    """Most (chunk, micro-batch, slice) activations rank `rank` holds at once: from its
+    forward until its backward (zero-bubble: until its W, which still reads the inputs).
+
+    GPipe: all m. 1F1B: p - r (the warm-up plus one). ZB-H1: p on every rank (Sec. 3.1:
+    the deferred W's keep every rank at 1F1B's peak). Interleaved: the warm-up plus one,
+    2(p-r-1) + (v-1)g + 1 chunk activations (each 1/v of a stage). TeraPipe: m n slices.
+    Each is capped by the m (or m v) units that exist.
+    """
+    p, m, r = pp, micro_batches, rank
+    if name == "gpipe":
+        return m
+    if name == "1f1b":
+        return min(p - r, m)
+    if name == "zb":
+        return min(p, m)
+    if name == "interleaved":
+        return min(2 * (p - r - 1) + (vpp - 1) * min(p, m) + 1, vpp * m)
+    if name == "terapipe":
+        return m * slices
+    raise ValueError(f"no in-flight theory for {name!r}")

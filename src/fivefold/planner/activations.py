@@ -1,0 +1,86 @@
+"""Bytes autograd saves for backward, per block and for the root, for one micro-batch.
+
+Counted operator by operator from what fivefold.models.llama saves (checked against
+fivefold.memory.activation_count on the plain model, tests/test_planner_ledger.py), per
+token, with a = bytes of the compute dtype (4 fp32, 2 bf16/fp16; fp8 training keeps bf16
+activations), D width, Hd = heads x head_dim, H heads, F MLP width:
+
+  RMSNorm (x2)     its fp32 input (pow), rsqrt (4 bytes), the normalized value (x weight)
+                   -> (4 + a)D + 4 each
+  q/k/v input      aD (one tensor, saved by three linears)
+  attention        q, k and v (repeated to all heads), output, fp32 log-sum-exp
+                   -> 4a Hd + 4H
+  wo input         a Hd
+  MLP input        aD
+  SwiGLU           w1 out, w3 out, silu out, w2 input -> 4aF   (GELU: w1 out, w2 input: 2aF)
+
+This is Korthikanti et al.'s accounting (arXiv 2205.05198, Sec. 4.1) for a fused-attention
+Llama block: no s x s scores, no dropout masks. Tensor parallelism divides the Hd, H and F
+terms by tp; sequence parallelism also the D terms. Context parallelism divides the tokens.
+Recomputation: `full` keeps only each block's input (aD) plus, during its backward, one
+block's full set; `selective` (torchtitan's per-op policy) keeps the block input and the
+outputs of wq, wv, attention, w1 and w2 (every second matmul is recomputed).
+
+The root (embedding stage / head stage): token ids (int64), the final norm, the head input,
+the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import ModelConfig
+from fivefold.planner.compute import is_moe_layer
+
+
+def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                      sp: bool = False, recompute: str = "none", layer: int = 0) -> float:
+    """Bytes one block keeps for backward over `tokens` tokens of one micro-batch."""
+    a = act_bytes
+    D = model.hidden / tp if sp else model.hidden
+    hd = model.heads * model.d_head / tp
+    kv = max(1, model.n_kv_heads // tp) * model.d_head
+    heads = model.heads / tp
+    moe = is_moe_layer(model, layer)
+    if recompute == "full":
+        per_token = a * D
+    elif recompute == "selective":
+        f_saved = _expert_width(model, tp) if moe else model.ffn_hidden / tp
+        per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + a * D
+    else:
+        norms = 2 * ((4 + a) * D + 4)
+        attention = a * D + 4 * a * hd + 4 * heads + a * hd
+        per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D, moe)
+    return tokens * per_token
+
+
+def _expert_width(model: ModelConfig, tp: int) -> float:
+    """Expert MLP width one token passes through (top-k routed plus shared experts)."""
+    m = model.moe
+    ffn = m.expert_ffn_hidden or model.ffn_hidden
+    return (m.top_k + m.shared_experts) * ffn / tp
+
+
+def _mlp_saved(model: ModelConfig, a: int, tp: int, D: float, moe: bool) -> float:
+    if not moe:
+        F = model.ffn_hidden / tp
+        return 4 * a * F if model.ffn_type == "swiglu" else 2 * a * F
+    m = model.moe
+    # router logits and fp32 probabilities, the gathered token copies per chosen expert,
+    # SwiGLU inside each expert, the gated expert outputs
+    return 8 * m.experts + 2 * m.top_k * a * D + 4 * a * _expert_width(model, tp)
+
+
+def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                     sp: bool = False, layer: int = 0) -> float:
+    """What one block holds while it is recomputed and differentiated (no recompute mode)."""
+    return block_saved_bytes(model, tokens, act_bytes, tp, sp, "none", layer)
+
+
+def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                     first: bool = True, last: bool = True) -> float:
+    """Bytes saved outside the blocks: token ids; final norm, head input, loss."""
+    a = act_bytes
+    n = 8 * tokens if first else 0.0
+    if last:
+        D = model.hidden
+        n += tokens * ((4 + a) * D + 4 + a * D + 4 * model.vocab / tp + 8) + 4
+    return n

@@ -1,0 +1,247 @@
+"""`fivefold calibrate`: measure this machine and write a hardware profile file.
+
+Measures, on the local device (CPU by default, or this rank's GPU):
+- GEMM rates over a grid of shapes, then fits the compute model's GEMM roofline
+  (fivefold.planner.compute.gemm_time: peak * gemm_eff, HBM * gemm_mem_eff, a fixed
+  kernel overhead) to them by least squares on log time (`fit_gemm`);
+- causal fused attention (SDPA) forward and forward+backward, fitted to the attention model
+  (`attn_eff`, the per-score and per-row costs, `fit_attention`);
+- memory bandwidth (a large tensor copy) for element-wise ops and the optimizer;
+- all-reduce bandwidth and latency across `--ranks` local gloo processes (the "intra-node"
+  link of this machine).
+On a CPU the `--ranks` processes measure all at once, one thread each, so the rates are
+what each rank of a `--nproc` run gets on this machine (shared memory bus and caches); the
+profile's `cores` says for how many ranks they hold (more ranks split them evenly).
+The profile file (JSON of fivefold.planner.hardware.HardwareProfile) is accepted by
+`--set cluster.gpu=PATH`. `fit_gemm` and `fit_attention` are also how the H200 profile's
+curves were fitted to shared/reference/h200_measured.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from fivefold.planner.compute import ATTN_TILE, Gemm
+from fivefold.planner.hardware import Efficiency, HardwareProfile
+
+GEMM_SHAPES_CPU = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 1024, 256),
+                   (2048, 256, 704), (2048, 704, 256), (512, 256, 8192), (1024, 2048, 512)]
+GEMM_SHAPES_GPU = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 2048, 2048),
+                   (16384, 4096, 14336), (16384, 14336, 4096), (2048, 1024, 1024),
+                   (8192, 4096, 1024), (16384, 8192, 28672)]
+ATTN_SHAPES_CPU = [(2, 4, 256, 32), (1, 8, 512, 32), (4, 8, 128, 64)]
+ATTN_SHAPES_GPU = [(8, 16, 2048, 128), (4, 32, 4096, 128), (1, 32, 16384, 128),
+                   (16, 16, 2048, 64)]
+
+
+# ------------------------------------------------------------------ fitting
+
+def _lstsq_pos(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least squares (relative error weighting) for a few unknowns."""
+    from scipy.optimize import nnls
+    import numpy as np
+
+    a = np.array([[v / t for v in r] for r, t in zip(rows, y)])
+    return list(nnls(a, np.ones(len(y)))[0])
+
+
+def fit_gemm(samples: list[tuple[int, int, int, float]], peak_flops: float, hbm_Bps: float,
+             elem_bytes: int) -> tuple[float, float, float]:
+    """(gemm_eff, gemm_mem_eff, kernel_overhead_s) from (M, K, N, seconds) samples:
+    t = 2MKN / (peak * e) + bytes / (HBM * m) + overhead, fitted linear in 1/e, 1/m."""
+    rows, ts = [], []
+    for M, K, N, t in samples:
+        g = Gemm("g", M, K, N)
+        nbytes = elem_bytes * (M * K + K * N + M * N)
+        rows.append([g.flops / peak_flops, nbytes / hbm_Bps, 1.0])
+        ts.append(t)
+    inv_e, inv_m, overhead = _lstsq_pos(rows, ts)
+    return 1.0 / max(inv_e, 1e-9), min(1.0, 1.0 / max(inv_m, 1e-9)), overhead
+
+
+def attention_scores(b: int, h: int, s: int) -> float:
+    tiles = s / ATTN_TILE
+    return b * h * ATTN_TILE**2 * tiles * (tiles + 1) / 2
+
+
+def fit_attention(samples: list[tuple[int, int, int, int, float, float]],
+                  peak_flops: float) -> tuple[float, float, float]:
+    """(attn_eff, attn_score_s, attn_row_s) from (b, h, s, d, forward s, forward+backward s)
+    samples, by the model of fivefold.planner.compute.attention_time."""
+    rows, ts = [], []
+    for b, h, s, d, fwd, total in samples:
+        n, r = attention_scores(b, h, s), b * h * s
+        rows += [[n * 4 * d / peak_flops, n, r], [n * 14 * d / peak_flops, 3 * n, 6 * r]]
+        ts += [fwd, total]
+    inv_e, score, row = _lstsq_pos(rows, ts)
+    return 1.0 / max(inv_e, 1e-9), score, row
+
+
+def fit_h200_reference(path: str | Path) -> dict[str, float]:
+    """The H200 profile's GEMM and attention terms, from h200_measured.json."""
+    data = json.loads(Path(path).read_text())
+    peak, hbm = 989e12, 4800e9
+    gemms = [(g["M"], g["K"], g["N"], 2 * g["M"] * g["K"] * g["N"] / (g["tflops"] * 1e12))
+             for g in data["gemm_table"]]
+    e, m, overhead = fit_gemm(gemms, peak, hbm, 2)
+    attn = []
+    for a in data["attention"]:
+        flops = 2 * a["b"] * a["h"] * a["s"] ** 2 * a["d"]  # the file's causal convention
+        attn.append((a["b"], a["h"], a["s"], a["d"], flops / (a["fwd_tflops"] * 1e12),
+                     3.5 * flops / (a["fwdbwd_tflops"] * 1e12)))
+    ae, score, row = fit_attention(attn, peak)
+    fp8 = [2 * g["M"] * g["K"] * g["N"] / (g["fp8_tensorwise_tflops"] * 1e12)
+           for g in data.get("fp8_gemm", [])]
+    fp8_eff = (sum(2 * g["M"] * g["K"] * g["N"] / t for g, t in zip(data["fp8_gemm"], fp8))
+               / len(fp8) / 1979e12) if fp8 else float("nan")
+    return {"gemm_eff": e, "gemm_mem_eff": m, "kernel_overhead_s": overhead, "attn_eff": ae,
+            "attn_score_s": score, "attn_row_s": row, "gemm_fp8_eff": fp8_eff,
+            "mem_eff": data["copy_GBps_rw"] * 1e9 / hbm}
+
+
+# ------------------------------------------------------------------ measuring
+
+def _timeit(fn, sync, repeat: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_device(device_type: str = "cpu", threads: int | None = None,
+                   repeat: int = 5) -> dict:
+    """Raw measurements of this device: GEMMs, attention, copy bandwidth, op overhead."""
+    import torch
+    import torch.nn.functional as F
+
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device_type)
+    dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    gemm_shapes = GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU
+    gemms = []
+    for M, K, N in gemm_shapes:
+        a = torch.randn(M, K, device=dev, dtype=dtype)
+        b = torch.randn(K, N, device=dev, dtype=dtype)
+        gemms.append((M, K, N, _timeit(lambda: a @ b, sync, repeat)))
+    attn = []
+    for bsz, h, s, d in (ATTN_SHAPES_CPU if device_type == "cpu" else ATTN_SHAPES_GPU):
+        q, k, v = (torch.randn(bsz, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        fwd = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), sync,
+                      repeat)
+
+        def both():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        attn.append((bsz, h, s, d, fwd, _timeit(both, sync, repeat)))
+    n = (64 if device_type == "cpu" else 1024) * 2**20
+    x = torch.empty(n, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    copy_s = _timeit(lambda: y.copy_(x), sync, repeat)
+    small = torch.ones(8, device=dev)
+    op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
+    return {"device": device_type, "threads": torch.get_num_threads(),
+            "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
+            "copy_Bps": 2 * n / copy_s, "op_overhead_s": op_s}
+
+
+def _measure_worker(rt, threads: int | None) -> dict:
+    return measure_device("cpu", threads)
+
+
+def _allreduce_worker(rt, sizes: list[int], repeat: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        x = torch.ones(n // 4)
+        dist.all_reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            dist.all_reduce(x)
+        out.append((time.perf_counter() - start) / repeat)
+    return out
+
+
+def measure_collectives(ranks: int, repeat: int = 5) -> tuple[float, float]:
+    """(bytes/s, per-hop latency s) of gloo ring all-reduce across `ranks` local processes."""
+    from fivefold.testing import run_on_ranks
+
+    sizes = [4096, 1 << 20, 16 << 20]
+    times = run_on_ranks(_allreduce_worker, ranks, sizes, repeat)[0]
+    hops, factor = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
+    # t = factor * bytes / bw + hops * latency: two unknowns from the small and large sizes
+    inv_bw, lat = _lstsq_pos([[factor * s, hops] for s in sizes], times)
+    return 1.0 / max(inv_bw, 1e-15), lat
+
+
+def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | None,
+                              memory_bytes: int, cores: int) -> HardwareProfile:
+    peak = max(2 * M * K * N / t for M, K, N, t in m["gemms"])
+    hbm = m["copy_Bps"]
+    e, mem_e, overhead = fit_gemm(m["gemms"], peak, hbm, m["elem_bytes"])
+    ae, score, row = fit_attention(m["attention"], peak)
+    bw, lat = link or (hbm / 4, 5e-5)
+    precision = "fp32" if m["elem_bytes"] == 4 else "bf16"
+    peaks = {"fp32": peak / 1e12} if precision == "fp32" else {
+        "bf16": peak / 1e12, "fp16": peak / 1e12, "fp32": peak / 8e12}
+    eff = Efficiency(gemm_eff=min(1.0, e), gemm_fp8_eff=min(1.0, e), gemm_mem_eff=mem_e,
+                     attn_eff=min(1.0, ae), attn_score_s=score, attn_row_s=row,
+                     mem_eff=1.0,
+                     eltwise_passes=3.0, kernel_overhead_s=max(overhead, m["op_overhead_s"]),
+                     comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=lat,
+                     latency_inter_s=lat, overlap_eff=0.0 if m["device"] == "cpu" else 0.85,
+                     reserved_bytes=0)
+    return HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
+                           f"measured by `fivefold calibrate` on {m['device']} with "
+                           f"{m['threads']} thread(s)", eff, cores or 8, cores)
+
+
+def calibrate(out: str | Path, device_type: str = "cpu", ranks: int = 2,
+              threads: int | None = None) -> HardwareProfile:
+    """Measure, fit and write the profile. On a CPU, `threads` defaults to 1: what each rank
+    of a multi-rank run gets (torch.distributed.run sets OMP_NUM_THREADS=1); calibrate a
+    single-process run with --threads set to the core count."""
+    if device_type == "cpu" and threads is None:
+        threads = 1
+    import torch
+
+    if device_type == "cpu" and ranks > 1:  # every rank measures at once: shared caches,
+        from fivefold.testing import run_on_ranks  # memory bus and cores, as in training
+
+        m = run_on_ranks(_measure_worker, ranks, threads)[0]
+    else:
+        m = measure_device(device_type, threads)
+    link = measure_collectives(ranks) if ranks > 1 else None
+    if device_type == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory
+        cores = 0
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cores = max(ranks, 1)  # ranks that ran at once at the measured rates
+    prof = profile_from_measurements(f"calibrated-{device_type}", m, link, memory, cores)
+    Path(out).write_text(json.dumps(dataclasses.asdict(prof), indent=1) + "\n")
+    return prof
+
+
+def summary(prof: HardwareProfile) -> str:
+    e = prof.eff
+    peak = max(prof.peak_tflops.values())
+    return (f"{prof.name}: GEMM peak {peak * 1e3:.1f} GFLOP/s (efficiency curve "
+            f"{e.gemm_eff:.2f}, memory term {e.gemm_mem_eff:.2f}, overhead "
+            f"{e.kernel_overhead_s * 1e6:.1f} us), attention {e.attn_eff:.2f} of peak + "
+            f"{e.attn_score_s * 1e12:.2f} ps/score, memory {prof.hbm_GBps:.1f} GB/s, "
+            f"ranks link {prof.intra_node_GBps:.2f} GB/s + {e.latency_intra_s * 1e6:.0f} us/hop")

@@ -1,0 +1,123 @@
+"""The planner's subcommands of `fivefold`: simulate, plan, plan validate, calibrate.
+
+    fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE]
+    fivefold plan SPEC [--set k=v]... [--top K] [--json]
+    fivefold plan validate [RUNS.json] [--json]      (also: fivefold validate-plan)
+    fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
+
+SPEC is a run spec (shared/reference/run_spec.md; TOML or JSON). `--json` prints exactly
+the fields run_spec.md lists (one object for simulate, a list best first for plan); the
+number of layouts plan scored goes to stderr then. A bad spec, an unknown key, an impossible
+layout or a profile file that does not parse raises ConfigError (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fivefold.config import ConfigError
+
+COMMANDS = ("simulate", "plan", "validate-plan", "calibrate")
+
+
+def add_parsers(sub) -> None:
+    sim = sub.add_parser("simulate", help="predict memory and step time of one layout")
+    sim.add_argument("spec", help="run spec (TOML or JSON, keys of run_spec.md)")
+    _common(sim)
+    sim.add_argument("--trace", metavar="FILE",
+                     help="write a Chrome/Perfetto trace of one simulated step")
+    plan = sub.add_parser("plan", help="search the parallel layouts for the fastest that fits "
+                                       "(`plan validate` checks the simulator against "
+                                       "published runs)")
+    plan.add_argument("spec", help="run spec, or `validate` to check against published runs")
+    plan.add_argument("runs", nargs="?", help="with `validate`: a runs file (default: the "
+                                              "calibration runs shipped with fivefold)")
+    _common(plan)
+    plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    val = sub.add_parser("validate-plan", help="predicted vs published step time, with MAPE")
+    val.add_argument("runs", nargs="?", help="runs file (default: the shipped calibration runs)")
+    val.add_argument("--json", action="store_true", help="print JSON")
+    cal = sub.add_parser("calibrate", help="measure this machine; write a profile file")
+    cal.add_argument("--out", default="profile.json", help="profile file to write")
+    cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cal.add_argument("--ranks", type=int, default=2,
+                     help="local gloo ranks for the collective measurement (default 2)")
+    cal.add_argument("--threads", type=int, help="torch threads per rank while measuring")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="override one key, e.g. --set cluster.gpus=64")
+    p.add_argument("--json", action="store_true", help="print JSON (fields of run_spec.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "calibrate":
+        return cmd_calibrate(args)
+    if args.command == "validate-plan" or (args.command == "plan" and args.spec == "validate"):
+        return cmd_validate(args.runs, args.json)
+    if args.command == "plan" and args.runs is not None:
+        raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
+                                  "takes one spec")
+    from fivefold.planner.simulate import profile_of
+    from fivefold.planner.spec import load_spec
+
+    cfg = load_spec(args.spec, args.overrides)
+    prof = profile_of(cfg)
+    if args.command == "simulate":
+        return cmd_simulate(cfg, prof, args)
+    return cmd_plan(cfg, prof, args)
+
+
+def cmd_simulate(cfg, prof, args) -> int:
+    from fivefold.planner.report import estimate_text
+    from fivefold.planner.simulate import simulate
+    from fivefold.planner.trace import write_trace
+
+    est = simulate(cfg, prof, keep_events=bool(args.trace))
+    if args.trace:
+        write_trace(est, args.trace)
+    print(json.dumps(est.to_json(), indent=1) if args.json else estimate_text(est, prof))
+    return 0
+
+
+def cmd_plan(cfg, prof, args) -> int:
+    from fivefold.planner.report import plan_text
+    from fivefold.planner.search import search
+
+    if args.top < 1:
+        raise ConfigError("--top", f"must be at least 1, got {args.top}")
+    result = search(cfg, prof, args.top)
+    if args.json:
+        print(f"fivefold plan: scored {result.scored} layouts ({result.fitting} fit) in "
+              f"{result.seconds:.1f} s", file=sys.stderr)
+        print(json.dumps([e.to_json() for e in result.best], indent=1))
+    else:
+        print(plan_text(result, cfg, prof, args.spec))
+    return 0 if result.best else 1
+
+
+def cmd_validate(runs_path: str | None, as_json: bool) -> int:
+    from fivefold.planner.validation import mape, read_runs, report, validate_runs
+
+    checks = validate_runs(read_runs(runs_path))
+    if as_json:
+        print(json.dumps({"runs": [{"id": c.id, "gpu": c.gpu, "predicted_s": c.predicted_s,
+                                    "published_s": c.published_s, "error": c.error}
+                                   for c in checks], "mape": mape(checks)}, indent=1))
+    else:
+        print(report(checks))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from fivefold.planner.calibrate import calibrate, summary
+
+    if args.ranks < 1:
+        raise ConfigError("--ranks", f"must be at least 1, got {args.ranks}")
+    prof = calibrate(args.out, args.device, args.ranks, args.threads)
+    print(summary(prof))
+    print(f"wrote {args.out}; use it with --set cluster.gpu={args.out}", file=sys.stderr)
+    return 0

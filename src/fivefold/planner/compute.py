@@ -1,0 +1,262 @@
+"""Compute time of one micro-batch through one layer, as a roofline per operator.
+
+Every operator of a block is listed with its shape on one rank (after tensor, context and
+expert parallelism have split it) and timed against the hardware profile
+(fivefold.planner.hardware):
+
+- GEMM (M x K times K x N): `2MKN / (peak * gemm_eff) + operand bytes / (HBM * gemm_mem_eff)`
+  plus one kernel overhead. The two terms add rather than max, which reproduces the measured
+  fall-off of narrow GEMMs (h200_measured.json: K = N = 2048 reaches 0.58 of peak, 8192^3
+  0.76). Backward runs two GEMMs of the same size (input and weight gradients). fp8 runs
+  the matrix multiplications of linear layers at the fp8 rate and pays the casts
+  (amax, scale, transpose) as memory traffic; attention, norms and the output head stay in
+  bf16, as torchao's Float8 training does.
+- Attention: fused causal attention (FlashAttention-2, arXiv 2307.08691). Work is counted per
+  score element that is really computed (the causal half plus the diagonal tiles of 128),
+  4d FLOPs per score forward and 10d backward (recomputing P, then dV, dP, dQ, dK), plus a
+  per-score softmax cost (`attn_score_s`: the exp throughput limit FlashAttention-3 names,
+  arXiv 2407.08608 Sec. 3, or the s x s memory traffic of unfused attention) and a per query
+  row cost (`attn_row_s`: loading Q, rescaling and writing O and the log-sum-exp; backward
+  5x). Fitted to measured SDPA on H200 the row term explains why short sequences run at 0.45
+  of peak and 16k-token ones at 0.65. Context parallelism splits scores and rows evenly
+  (load-balanced ring).
+- Element-wise ops and norms: memory bound, bytes read and written / (HBM * mem_eff), times
+  `eltwise_passes` (eager PyTorch re-reads intermediates; with `train.compile` the chains
+  are fused and each tensor is read and written once).
+
+Recomputation (`full`: the whole block's forward again before its backward; `selective`:
+torchtitan's per-op policy, arXiv 2410.06511, which saves matmul and attention outputs except
+every second matmul (wk, wo, w3 of a Llama block) and recomputes those and every element-wise
+op) adds forward work to the backward. Model FLOPs follow docs/planner.md: forward matmuls
+(attention scores and values over the full s x s square) times three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import ModelConfig
+from fivefold.planner.hardware import HardwareProfile
+
+ATTN_TILE = 128  # FlashAttention's block size along both sequence axes
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Seconds of one micro-batch through one unit (a block or the head) on one rank."""
+
+    fwd: float  # forward compute
+    bwd: float  # backward compute: input and weight gradients
+    wgrad: float  # the weight-gradient part of `bwd` (zero-bubble schedules move it)
+    recompute: float  # forward work repeated in backward under the recompute mode
+    model_flops: float  # forward + backward model FLOPs (the FLOP convention)
+    hw_flops: float  # FLOPs executed, recomputation included
+
+
+def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int) -> float:
+    e = prof.eff
+    if fp8:
+        rate = prof.peak_flops("fp8") * e.gemm_fp8_eff
+        nbytes = g.m * g.k + g.k * g.n + act_bytes * g.m * g.n
+    else:
+        rate = prof.peak_flops(_compute_precision(act_bytes)) * e.gemm_eff
+        nbytes = act_bytes * (g.m * g.k + g.k * g.n + g.m * g.n)
+    return g.flops / rate + nbytes / (prof.hbm_GBps * 1e9 * e.gemm_mem_eff) + e.kernel_overhead_s
+
+
+def _compute_precision(act_bytes: int) -> str:
+    return "fp32" if act_bytes == 4 else "bf16"
+
+
+def fp8_cast_bytes(g: Gemm, act_bytes: int) -> tuple[float, float]:
+    """Forward and backward bytes of torchao-style dynamic fp8 scaling around one linear.
+
+    Forward: amax of input and weight (read), then cast (read, write 1 byte). Backward: the
+    same for the output gradient, plus fp8 transposes of input, weight and gradient for the
+    two backward GEMMs.
+    """
+    cast = 2 * act_bytes + 1
+    fwd = cast * (g.m * g.k + g.k * g.n)
+    bwd = cast * g.m * g.n + 2 * (g.m * g.k + g.k * g.n + g.m * g.n)
+    return fwd, bwd
+
+
+def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: HardwareProfile,
+                   ring: bool = False, precision: str = "bf16") -> tuple[float, float]:
+    """(forward s, backward s) of causal fused attention over `seq` tokens on one of cp
+    ranks: 1/cp of the causal score tiles. Ulysses gives each rank heads/cp whole sequences
+    (`heads` is then already divided); ring attention (`ring`) runs cp kernel steps, each
+    over all seq/cp local queries, so the per-row cost is paid cp times, and merges each
+    step's partial output and log-sum-exp into an fp32 accumulator."""
+    e = prof.eff
+    tiles = seq / ATTN_TILE
+    scores = b * heads * ATTN_TILE**2 * tiles * (tiles + 1) / 2 / cp
+    rows = b * heads * seq / cp * (cp if ring else 1)
+    rate = prof.peak_flops("bf16" if precision == "fp8" else precision) * e.attn_eff
+    merge = 0.0
+    if ring and cp > 1:  # read and write the fp32 output and lse once per extra step
+        merge = eltwise_time(rows / cp * (cp - 1) * (d + 1) * 4 * 3, prof, 2 * (cp - 1), 1.0)
+    fwd = (scores * (4 * d / rate + e.attn_score_s) + rows * e.attn_row_s
+           + e.kernel_overhead_s * (cp if ring else 1) + merge)
+    bwd = (scores * (10 * d / rate + 2 * e.attn_score_s) + 5 * rows * e.attn_row_s
+           + 3 * e.kernel_overhead_s * (cp if ring else 1) + 2 * merge)
+    return fwd, bwd
+
+
+def eltwise_time(nbytes: float, prof: HardwareProfile, kernels: int, passes: float) -> float:
+    e = prof.eff
+    return nbytes * passes / (prof.hbm_GBps * 1e9 * e.mem_eff) + kernels * e.kernel_overhead_s
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one rank sees a micro-batch: tokens, and the splits of tp, cp and sp."""
+
+    micro_batch: int
+    seq_len: int
+    tp: int
+    cp: int
+    sp: bool
+    ep: int
+    precision: str
+    recompute: str
+    cp_mode: str = "ring"
+    compiled: bool = False  # torch.compile fuses element-wise chains into single passes
+
+    def passes(self, prof: HardwareProfile) -> float:
+        return 1.0 if self.compiled else prof.eff.eltwise_passes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the micro-batch in this rank's GEMMs (cp splits the sequence)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], list[Gemm]]:
+    """(attention-side GEMMs, MLP-side GEMMs) of one block on one rank, forward."""
+    n, D, d, tp = sh.tokens, model.hidden, model.d_head, sh.tp
+    kv = max(1, model.n_kv_heads // tp) * d
+    attn = [Gemm("wq", n, D, model.heads * d // tp), Gemm("wk", n, D, kv),
+            Gemm("wv", n, D, kv), Gemm("wo", n, model.heads * d // tp, D)]
+    if not moe:
+        return attn, mlp_gemms(model.ffn_type, n, D, model.ffn_hidden // tp, "")
+    m = model.moe
+    mlp = [Gemm("router", n, D, m.experts)]
+    routed = n * m.top_k  # token-expert pairs this rank computes (balanced dispatch)
+    mlp += mlp_gemms(model.ffn_type, routed, D, m.expert_ffn_hidden // tp, "expert.")
+    if m.shared_experts:
+        mlp += mlp_gemms(model.ffn_type, n, D, m.shared_experts * m.expert_ffn_hidden // tp,
+                         "shared.")
+    return attn, mlp
+
+
+def mlp_gemms(ffn_type: str, n: int, D: int, F: int, prefix: str) -> list[Gemm]:
+    gemms = [Gemm(prefix + "w1", n, D, F)]
+    if ffn_type == "swiglu":
+        gemms.append(Gemm(prefix + "w3", n, D, F))
+    gemms.append(Gemm(prefix + "w2", n, F, D))
+    return gemms
+
+
+def is_moe_layer(model: ModelConfig, i: int) -> bool:
+    """fivefold.models.moe's rule (kept here torch-free): from `dense_layers` on, every
+    `layer_freq`-th block is a mixture-of-experts block."""
+    m = model.moe
+    return m is not None and i >= m.dense_layers and (i - m.dense_layers) % m.layer_freq == 0
+
+
+# The GEMMs torchtitan's selective policy recomputes: every second matmul of the block.
+SELECTIVE_RECOMPUTED = ("wk", "wo", "w3", "expert.w3", "shared.w3")
+
+
+def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool) -> OpTimes:
+    """Compute seconds and FLOPs of one block for one micro-batch on one rank."""
+    a, fp8 = sh.act_bytes, sh.precision == "fp8"
+    attn_g, mlp_g = block_gemms(model, sh, moe)
+    gemms = attn_g + mlp_g
+    gemm_s = selective_s = cast_f = cast_b = 0.0
+    for g in gemms:
+        quantized = fp8 and g.name != "router"
+        t = gemm_time(g, prof, quantized, a)
+        gemm_s += t
+        if g.name in SELECTIVE_RECOMPUTED:
+            selective_s += t
+        if quantized:
+            cf, cb = fp8_cast_bytes(g, a)
+            cast_f, cast_b = cast_f + cf, cast_b + cb
+    heads = model.heads // sh.tp
+    at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
+                                sh.cp_mode != "ulysses", sh.precision)
+    ew_bytes = block_eltwise_bytes(model, sh, moe)
+    ew_f = eltwise_time(ew_bytes, prof, 12, sh.passes(prof))
+    ew_b = eltwise_time(2 * ew_bytes, prof, 24, sh.passes(prof))
+    cast_tf = eltwise_time(cast_f, prof, 0, 1.0)
+    cast_tb = eltwise_time(cast_b, prof, 0, 1.0)
+    f = gemm_s + at_f + ew_f + cast_tf
+    b = 2 * gemm_s + at_b + ew_b + cast_tb
+    rec = {"full": f, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
+           "none": 0.0}[sh.recompute]
+    model_fl = 3 * (sum(g.flops for g in gemms) + 4 * sh.micro_batch * heads * model.d_head
+                    * sh.seq_len * sh.seq_len / sh.cp)
+    rec_fl = {"full": model_fl / 3, "none": 0.0,
+              "selective": sum(g.flops for g in gemms if g.name in SELECTIVE_RECOMPUTED)}
+    return OpTimes(f, b, gemm_s, rec, model_fl, model_fl + rec_fl[sh.recompute])
+
+
+def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:
+    """Forward bytes of one block's element-wise ops (norms, rotary, activation, residuals)."""
+    a, n, tp = sh.act_bytes, sh.tokens, sh.tp
+    D = model.hidden
+    d_side = D / tp if sh.sp else D  # tensors of width D are split by sequence parallelism
+    q, kv = model.heads * model.d_head / tp, max(1, model.n_kv_heads // tp) * model.d_head
+    if moe:
+        m = model.moe
+        f = (m.top_k * m.expert_ffn_hidden + m.shared_experts * m.expert_ffn_hidden) / tp
+    else:
+        f = model.ffn_hidden / tp
+    act = 3 * f if model.ffn_type == "swiglu" else 2 * f
+    per_token = 2 * 2 * d_side + 2 * (q + kv) + 2 * q + act + 2 * 3 * d_side
+    if moe:
+        per_token += 2 * model.hidden * model.moe.top_k  # permute and unpermute tokens
+    return a * n * per_token
+
+
+def head_times(model: ModelConfig, sh: Shard, prof: HardwareProfile) -> OpTimes:
+    """Final norm, output projection (vocab-parallel over tp) and fp32 cross-entropy."""
+    a = sh.act_bytes
+    n = sh.tokens
+    v = -(-model.vocab // sh.tp)  # the vocabulary-parallel shard, padded
+    g = Gemm("output", n, model.hidden, v)
+    t = gemm_time(g, prof, False, a)
+    logits = n * v
+    loss_f = eltwise_time(logits * (a + 4 + 8), prof, 4, 1.0)
+    loss_b = eltwise_time(logits * (8 + 4 + a), prof, 4, 1.0)
+    norm = eltwise_time(2 * a * n * model.hidden, prof, 2, sh.passes(prof))
+    fl = 3 * g.flops
+    return OpTimes(t + loss_f + norm, 2 * t + loss_b + 2 * norm, t, 0.0, fl, fl)
+
+
+def embedding_times(model: ModelConfig, sh: Shard, prof: HardwareProfile) -> OpTimes:
+    """Token lookup forward; backward scatters into a dense gradient of the table."""
+    a = sh.act_bytes
+    n = sh.tokens
+    rows = -(-model.vocab // sh.tp)
+    fwd = eltwise_time(2 * a * n * model.hidden, prof, 1, 1.0)
+    bwd = eltwise_time(a * (rows * model.hidden + 2 * n * model.hidden), prof, 2, 1.0)
+    return OpTimes(fwd, bwd, bwd, 0.0, 0.0, 0.0)

@@ -1,0 +1,164 @@
+"""The ledger of one training step, predicted from the configuration alone.
+
+`predict_ledger(cfg, world_size)` returns a `Ledger` (fivefold.comm.ledger) filled with the
+collectives the runtime will issue in one `Trainer.train_step` and the model-state bytes it
+will hold, so `predicted.totals()` can be compared with `trainer.ledger.totals()` key by key.
+It follows the data-parallel engine (fivefold.parallel.data_parallel) step by step, per flat
+unit (root first, then one per block; fivefold.planner.memory pads them as the runtime does):
+
+  stage 0   last micro-batch: all-reduce each unit's gradient buffer over all dp ranks
+  stage 1   last micro-batch: reduce-scatter each buffer over dp_shard; after the step,
+            all-gather each unit's parameters
+  stage 2   every micro-batch: reduce-scatter each unit's gradient; all-gather after the step
+  stage 3   every micro-batch: all-gather the root once and each block twice (forward and
+            backward), reduce-scatter each unit's gradient
+  stage>=1  hierarchical sharding (zero_group < dp): all-reduce each gradient shard over
+            dp_replicate after the last micro-batch; a 4-byte fp32 all-reduce of the squared
+            gradient norm over dp_shard
+  always    a 4-byte fp32 all-reduce of the summed loss over every dp rank
+  tp > 1    per micro-batch the collectives of tensor (and sequence) parallelism, see
+            `_Step.tensor_parallel`; a 4-byte fp32 all-reduce of the gradient norm over tp;
+            every unit holds this rank's shards (vocabulary padded to a multiple of tp)
+
+ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
+scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
+gradient reduce-scatter by two int8 all-to-alls (within, then across nodes). Sizes are
+computed here, not read from the runtime; tests/test_planner_ledger.py holds one against the
+other.
+"""
+
+from __future__ import annotations
+
+from fivefold.comm.ledger import Ledger
+from fivefold.config import Config
+from fivefold.planner.layout import Layout, layout_from_config
+from fivefold.planner.memory import Unit, model_state_bytes, stage_units
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+QUANT_BLOCK = 256  # fivefold.comm.quantize.BLOCK
+DP = "dp_replicate+dp_shard"
+
+
+def runtime_layout(cfg: Config, world_size: int, device_type: str = "cpu") -> Layout:
+    """The layout the trainer runs on `world_size` ranks (precision default as it resolves)."""
+    default = "bf16" if device_type == "cuda" else "fp32"
+    lay = layout_from_config(cfg, default, world_size)
+    return lay.replace(reduce_dtype=cfg.parallel.reduce_dtype or lay.precision)
+
+
+def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu") -> Ledger:
+    """The ledger `Trainer.train_step` records on one rank, predicted (data parallelism)."""
+    p = cfg.parallel
+    lay = runtime_layout(cfg, world_size, device_type)
+    quantized = getattr(p, "qwz", False) or getattr(p, "qgz", False)
+    units = stage_units(cfg.model, lay, list(range(cfg.model.layers)), True, True,
+                        QUANT_BLOCK if quantized else 1)
+    ledger = Ledger()
+    if world_size == 1 and lay.zero_stage == 0:
+        return ledger  # the plain single-process path: no engine, no collectives
+    _Step(ledger, lay, units, cfg).run()
+    ledger.model_state_bytes = model_state_bytes(units, lay)
+    return ledger
+
+
+class _Step:
+    """Replays the engine's collectives for one optimizer step into a ledger."""
+
+    def __init__(self, ledger: Ledger, lay: Layout, units: list[Unit], cfg: Config):
+        from fivefold.validate import ranks_per_node
+
+        self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
+        p = cfg.parallel
+        self.qwz, self.hpz, self.qgz = (getattr(p, k, False) for k in ("qwz", "hpz", "qgz"))
+        self.param = DTYPE_NAMES[lay.precision]
+        self.reduce = DTYPE_NAMES[lay.reduce_dtype] if lay.zero_stage >= 2 else self.param
+        self.pb = 4 if lay.precision == "fp32" else 2
+        self.gb = 4 if self.reduce == "float32" else 2
+        self.shard = lay.zero_group if lay.zero_stage >= 1 else 1
+        self.replicate = lay.dp // self.shard if lay.zero_stage >= 1 else 1
+        self.node = ranks_per_node(cfg, self.shard) if (self.hpz or self.qgz) else 1
+
+    def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
+        if size > 1:
+            self.ledger.record(op, dim, size, dtype, nbytes, purpose)
+
+    def gather(self, u: Unit, backward: bool) -> None:
+        if backward and self.hpz:
+            self.record("all_gather", "dp_shard.intra", self.node, self.param,
+                        u.padded * self.pb, "params")
+        elif self.qwz:
+            self.record("all_gather", "dp_shard", self.shard, "int8", u.padded, "params")
+            self.record("all_gather", "dp_shard", self.shard, "float32",
+                        u.padded // QUANT_BLOCK * 4, "params")
+        else:
+            self.record("all_gather", "dp_shard", self.shard, self.param, u.padded * self.pb,
+                        "params")
+
+    def reduce_scatter(self, u: Unit, dtype: str, nbytes_per: int) -> None:
+        if not self.qgz:
+            self.record("reduce_scatter", "dp_shard", self.shard, dtype, u.padded * nbytes_per,
+                        "grads")
+            return
+        g, nodes = self.node, self.shard // self.node
+        for dim, size, numel in (("dp_shard.intra", g, u.padded),
+                                 ("dp_shard.inter", nodes, u.padded // g)):
+            self.record("all_to_all", dim, size, "int8", numel, "grads")
+            self.record("all_to_all", dim, size, "float32", numel // QUANT_BLOCK * 4, "grads")
+
+    def tensor_parallel(self) -> None:
+        """One micro-batch's tensor-parallel collectives (fivefold.parallel.tensor): Megatron's
+        f/g all-reduces at the embedding, around each attention and MLP and at the final norm;
+        with sequence parallelism their all-gather / reduce-scatter halves, one re-gather of
+        each region's input in backward and an all-reduce of every norm gain's gradient; and
+        the vocabulary-parallel loss's all-gather of three fp32 statistics per token."""
+        lay, t, m = self.lay, self.lay.tp, self.cfg.model
+        tokens = lay.micro_batch * m.seq_len
+        act = tokens * m.hidden * self.pb
+        if lay.sequence_parallel:
+            regions = 2 * m.layers
+            for op, count, purpose in (("reduce_scatter", 1 + 2 * regions + 1, "sp_activations"),
+                                       ("all_gather", 1 + 2 * regions + 1, "sp_activations"),
+                                       ("all_gather", regions, "sp_regather")):
+                for _ in range(count):
+                    self.record(op, "tp", t, self.param, act, purpose)
+            for _ in range(2 * m.layers + 1):
+                self.record("all_reduce", "tp", t, self.param, m.hidden * self.pb,
+                            "sp_norm_grads")
+        else:  # embedding and 2 regions forward; 2 regions and the final norm backward
+            for _ in range(2 + 4 * m.layers):
+                self.record("all_reduce", "tp", t, self.param, act, "tp_activations")
+        self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
+
+    def run(self) -> None:
+        lay, units = self.lay, self.units
+        stage, micro = lay.zero_stage, lay.micro_batches
+        root, blocks = units[0], units[1:]
+        for j in range(micro):
+            last = j == micro - 1
+            if lay.tp > 1:
+                self.tensor_parallel()
+            if stage == 3:
+                for u in units:  # root, then each block (prefetched one ahead)
+                    self.gather(u, backward=False)
+            for u in reversed(blocks):
+                if stage == 3:
+                    self.gather(u, backward=True)
+            for u in [*reversed(blocks), root]:
+                if stage == 0 and last:
+                    self.record("all_reduce", DP, lay.dp, self.param, u.padded * self.pb, "grads")
+                elif stage == 1 and last:
+                    self.reduce_scatter(u, self.param, self.pb)
+                elif stage >= 2:
+                    self.reduce_scatter(u, self.reduce, self.gb)
+            if last and stage >= 1:
+                for u in units:
+                    self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
+                                u.shard_numel * self.gb, "grads")
+        if stage >= 1:
+            self.record("all_reduce", "dp_shard", self.shard, "float32", 4, "grad_norm")
+        self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
+        if stage in (1, 2):
+            for u in units:
+                self.record("all_gather", "dp_shard", self.shard, self.param,
+                            u.padded * self.pb, "params")
+        self.record("all_reduce", DP, lay.dp, "float32", 4, "loss")

@@ -1,0 +1,89 @@
+"""Model-state bytes per rank: parameters, gradients, fp32 master copies, optimizer states.
+
+The runtime keeps each data-parallel unit (root, then one per block) as one flat buffer padded
+to a multiple of the shard degree n (fivefold.parallel.flat_unit); these formulas pad the
+same way, so for the layouts the runtime executes they equal its ledger exactly. ZeRO
+(arXiv 1910.02054, Sec. 5.1) decides what is divided by n:
+
+  stage   params        grads              master + optimizer
+  0       p * padded    p * padded         (4 + K) * padded     (master only if p < 4)
+  1       p * padded    p * padded         (4 + K) * padded / n
+  2       p * padded    g * padded / n     (4 + K) * padded / n
+  3       p * padded/n  g * padded / n     (4 + K) * padded / n
+
+p bytes of the compute dtype, g of the gradient-reduction dtype, K the optimizer's state bytes
+per parameter: AdamW 8 (two fp32 moments), SGD with momentum 4, LOMO 0 (it fuses the update
+into backward, LOMO arXiv 2306.09782, and keeps no full gradient either), GaLore the moments
+of rank-r projections (arXiv 2403.03507, Sec. 4, r = a quarter of the smaller side: 2 bytes
+per parameter; the projection matrices are not counted). Expert parameters of MoE layers are split over ep ranks and sharded over
+the remaining data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fivefold.config import ModelConfig
+from fivefold.planner.layout import PRECISION_BYTES, Layout
+from fivefold.planner.params import block_params, root_params
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4, "lomo": 0, "galore": 8}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One flat unit on one rank: its element count and the degree it is sharded over."""
+
+    numel: int
+    shard: int
+    multiple: int = 1  # each shard a multiple of this many elements (ZeRO++ quantization)
+
+    @property
+    def padded(self) -> int:
+        step = self.shard * self.multiple
+        return math.ceil(self.numel / step) * step
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.shard
+
+
+def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool,
+                multiple: int = 1) -> list[Unit]:
+    """The units of one pipeline stage on one rank: root (if any), then each block's dense
+    and expert parts. The shard degree is the ZeRO group (times cp, whose ranks also replicate
+    the model) for stages >= 1, and 1 for plain data parallelism."""
+    shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
+    expert_shard = max(1, shard // lay.ep) if lay.zero_stage >= 1 else 1
+    units = []
+    root = root_params(model, lay.tp, first, last)
+    if root:
+        units.append(Unit(root, shard, multiple))
+    for i in layers:
+        dense, expert = block_params(model, i, lay.tp, lay.ep)
+        if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
+            dense, expert = dense + expert, 0
+        units.append(Unit(dense, shard, multiple))
+        if expert:
+            units.append(Unit(expert, expert_shard, multiple))
+    return units
+
+
+def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
+    """{params, grads, master, optimizer, total} on one rank, as the runtime records them."""
+    p = PRECISION_BYTES[lay.precision]
+    stage = lay.zero_stage
+    g = lay.grad_bytes if stage >= 2 else p
+    params = sum((u.shard_numel if stage == 3 else u.padded) * p for u in units)
+    grads = sum((u.shard_numel if stage >= 2 else u.padded) * g for u in units)
+    if lay.optimizer == "lomo":
+        grads = max((u.padded for u in units), default=0) * g  # one unit's gradient at a time
+    local = [(u.shard_numel if stage >= 1 else u.padded) for u in units]
+    master = 0 if p == 4 else sum(local) * 4
+    if lay.optimizer == "galore":
+        optimizer = sum(local) * OPTIMIZER_STATE_BYTES["galore"] // 4  # rank-r moments
+    else:
+        optimizer = sum(local) * OPTIMIZER_STATE_BYTES[lay.optimizer]
+    return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
+            "total": params + grads + master + optimizer}

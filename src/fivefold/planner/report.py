@@ -1,0 +1,81 @@
+"""Plain-text output of `fivefold simulate` and `fivefold plan` (the JSON is Estimate.to_json).
+
+`plan_text` ends with the `fivefold train` command that runs the winning layout: every
+searched field as a `--set`, including the planner's block split (`parallel.stage_layers`),
+launched with torchrun across nodes when the layout needs more than one.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.planner.hardware import HardwareProfile
+from fivefold.planner.simulate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
+
+GiB = 2**30
+SEARCHED = ("tp", "pp", "cp", "ep", "dp", "vpp", "schedule", "zero_stage", "micro_batch",
+            "recompute", "sequence_parallel", "stage_layers")
+
+
+def layout_line(p: dict) -> str:
+    sched = f" {p['schedule']}" + (f" vpp={p['vpp']}" if p["vpp"] > 1 else "") if p["pp"] > 1 \
+        else ""
+    sp = " sp" if p["sequence_parallel"] else ""
+    ep = f" ep={p['ep']}" if p["ep"] > 1 else ""
+    return (f"tp={p['tp']}{sp} pp={p['pp']}{sched} cp={p['cp']} dp={p['dp']}{ep} "
+            f"zero={p['zero_stage']} mb={p['micro_batch']} recompute={p['recompute']} "
+            f"{p['precision']}")
+
+
+def estimate_text(est: Estimate, prof: HardwareProfile) -> str:
+    mem, bd = est.memory_per_gpu_bytes, est.breakdown_s
+    lines = [f"layout     {layout_line(est.parallel)}",
+             f"profile    {prof.name}  (peak {prof.peak_tflops.get('bf16', 0):g} TFLOP/s bf16, "
+             f"{prof.memory_bytes / GiB:.0f} GiB)",
+             f"step       {est.step_time_s:.4g} s   {est.tokens_per_s:,.0f} tokens/s   "
+             f"MFU {100 * est.mfu:.1f}%   HFU {100 * est.hfu:.1f}%",
+             "time       " + "   ".join(f"{k} {bd[k]:.4g} s" for k in BREAKDOWN_FIELDS),
+             "memory     " + "   ".join(f"{k} {mem[k] / GiB:.2f}" for k in MEMORY_FIELDS)
+             + f" GiB   ({'fits' if est.fits else 'does NOT fit'} in "
+               f"{prof.memory_bytes / GiB:.0f} GiB)"]
+    if len(est.stage_layers) > 1:
+        lines.append(f"stages     blocks per virtual stage {est.stage_layers}")
+    return "\n".join(lines)
+
+
+def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str:
+    lines = [f"{'#':>2} {'step s':>9} {'tok/s':>11} {'MFU':>6}  {'mem GiB':>8}  "
+             f"{'compute':>8} {'comm':>7} {'bubble':>7} {'optim':>6}  layout"]
+    for i, est in enumerate(result.best, 1):
+        bd = est.breakdown_s
+        lines.append(f"{i:2d} {est.step_time_s:9.4g} {est.tokens_per_s:11,.0f} "
+                     f"{100 * est.mfu:5.1f}%  {est.memory_per_gpu_bytes['total'] / GiB:8.1f}  "
+                     f"{bd['compute']:8.3g} {bd['exposed_comm']:7.3g} {bd['bubble']:7.3g} "
+                     f"{bd['optimizer']:6.3g}  {layout_line(est.parallel)}")
+    lines.append(f"\nscored {result.scored} layouts ({result.fitting} fit in memory) in "
+                 f"{result.seconds:.1f} s on {prof.name} x {cfg.cluster.gpus}")
+    if not result.best:
+        lines.append("no layout fits: add devices, shorten the sequence or lower the batch")
+        return "\n".join(lines)
+    best = result.best[0]
+    mem = best.memory_per_gpu_bytes
+    lines.append("best layout memory per device: " + ", ".join(
+        f"{k} {mem[k] / GiB:.2f} GiB" for k in MEMORY_FIELDS))
+    lines.append("\nrun it:\n  " + train_command(best, cfg, spec_path))
+    return "\n".join(lines)
+
+
+def train_command(est: Estimate, cfg: Config, spec_path: str) -> str:
+    p = est.parallel
+    sets = []
+    for key in SEARCHED:
+        value = p.get(key)
+        if value is None or (key == "stage_layers" and p["pp"] * p["vpp"] == 1):
+            continue
+        text = str(value).lower() if isinstance(value, bool) else (
+            value if isinstance(value, str) else str(value).replace(" ", ""))
+        sets.append(f"--set parallel.{key}={text}")
+    gpn = min(cfg.cluster.gpus_per_node, cfg.cluster.gpus)
+    nodes = cfg.cluster.gpus // gpn
+    head = (f"fivefold train {spec_path} --nproc {gpn}" if nodes == 1 else
+            f"torchrun --nnodes {nodes} --nproc-per-node {gpn} -m fivefold train {spec_path}")
+    return " ".join([head] + sets)

@@ -1,0 +1,212 @@
+"""`fivefold plan`: search the parallel layouts of a model on a cluster for the fastest one.
+
+The space: tensor (powers of two within a node, dividing the heads), context (powers of two
+dividing the sequence), pipeline (any degree up to the layers, blocks cut unevenly by
+fivefold.planner.partition), data (the rest; it must divide the global batch) and expert
+(MoE: divisors of dp*cp that divide the experts) degrees; virtual stages and schedule
+(1f1b, gpipe, zb; interleaved with 2 or 4 virtual stages); ZeRO stage 0-3; micro-batch;
+recomputation (none, selective, full); sequence parallelism with tp. Precision and the
+global batch stay as the spec says.
+
+Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
+closed form built from the same per-block costs the simulator uses (the pipeline's bubble
+from the schedule's theory, memory from the schedule's peak in-flight activations); layouts
+that do not fit are dropped; the best few are then simulated exactly (event replay of the
+schedule, blocks cut into stages by dynamic programming within each stage's memory) and
+ranked by that step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from fivefold.config import Config
+from fivefold.planner import activations as A
+from fivefold.planner.compute import is_moe_layer
+from fivefold.planner.hardware import HardwareProfile
+from fivefold.planner.layout import PRECISION_BYTES, Layout, layout_from_config
+from fivefold.planner.memory import OPTIMIZER_STATE_BYTES
+from fivefold.planner.params import root_params
+from fivefold.planner.schedules import bubble_fraction, peak_in_flight
+from fivefold.planner.simulate import Estimate, StepModel, default_precision
+
+RECOMPUTE = ("none", "selective", "full")
+VIRTUAL_STAGES = (2, 4)
+
+
+@dataclass
+class SearchResult:
+    best: list[Estimate]  # exactly simulated, fastest first
+    scored: int  # layouts scored by the fast pass
+    fitting: int  # of those, the ones that fit in memory
+    seconds: float
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def candidates(cfg: Config, base: Layout) -> list[Layout]:
+    """Every layout of the search space that the model and batch can take."""
+    m, gpus = cfg.model, base.gpus
+    gpn = cfg.cluster.gpus_per_node
+    out = []
+    tps = [t for t in powers_of_two(min(gpn, m.heads)) if m.heads % t == 0
+           and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0) and m.ffn_hidden % t == 0]
+    cps = [c for c in powers_of_two(16) if m.seq_len % (c * 2) == 0 or c == 1]
+    for tp, cp in itertools.product(tps, cps):
+        if gpus % (tp * cp):
+            continue
+        rest = gpus // (tp * cp)
+        for pp in (d for d in range(1, min(rest, m.layers) + 1) if rest % d == 0):
+            dp = rest // pp
+            if base.global_batch % dp:
+                continue
+            per_rank = base.global_batch // dp
+            eps = [1]
+            if m.moe is not None:
+                eps = [e for e in range(1, dp * cp + 1)
+                       if (dp * cp) % e == 0 and m.moe.experts % e == 0]
+            micro = [b for b in range(1, per_rank + 1) if per_rank % b == 0][:8]
+            for ep, mb in itertools.product(eps, micro):
+                for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
+                    for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
+                                                           (False, True) if tp > 1 else (False,)):
+                        out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
+                                                zero_group=dp, micro_batch=mb, schedule=sched,
+                                                vpp=vpp, zero_stage=zero, recompute=rec,
+                                                sequence_parallel=sp))
+    return out
+
+
+def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1), ("zb", 1)]
+    for v in VIRTUAL_STAGES:
+        if pp * v <= layers and (micro <= pp or micro % pp == 0):
+            out.append(("interleaved", v))
+    return out
+
+
+class FastScorer:
+    """The closed-form step time and peak memory of a layout (first pass)."""
+
+    def __init__(self, cfg: Config, prof: HardwareProfile):
+        self.cfg, self.prof, self.cache = cfg, prof, {}
+        m = cfg.model
+        self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
+
+    def score(self, lay: Layout) -> tuple[float, float]:
+        """(step seconds, peak bytes per device)."""
+        sm = StepModel(self.cfg, self.prof, lay, self.cache)
+        m = self.cfg.model
+        L, pp, v = m.layers, lay.pp, lay.vpp
+        dense_layers = L - self.moe_layers
+        kinds = [(n, moe) for n, moe in ((dense_layers, False), (self.moe_layers, True)) if n]
+        costs = [(n, sm.moe_cost if moe else sm.dense_cost) for n, moe in kinds]
+        total = sum(n * (c.f + c.b) for n, c in costs)
+        biggest = max(c.f + c.b for _, c in costs)
+        emb, head = sm.embedding, sm.head
+        extra = emb.fwd + emb.bwd + head.fwd + head.bwd
+        per_rank = max((total + extra) / pp, biggest + head.fwd + head.bwd)
+        micro = lay.micro_batches
+        bubble = bubble_fraction(lay.schedule, pp, micro, v)
+        pipe = micro * per_rank / (1 - bubble) + 2 * (pp - 1) * v * sm.p2p_s
+        rank_layers = math.ceil(L / pp)
+        grad_bytes = sum(n * c.grad_sync_bytes for n, c in costs) / pp
+        tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
+        numel = sum(n * sm.block_numel(moe) for n, moe in kinds) / pp + \
+            root_params(m, lay.tp, True, pp == 1)
+        shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
+        opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
+        step = pipe + tail + regather + opt_s
+        return step, self._memory(sm, lay, numel, shard, rank_layers)
+
+    def _dp(self, sm: StepModel, lay: Layout, grad_bytes: float, window: float):
+        if lay.zero_stage >= 2:
+            return 0.0, (sm._coll("all_gather", grad_bytes, sm.shard_group)
+                         if lay.zero_stage == 2 else 0.0)
+        op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
+        t = sm._coll(op, grad_bytes, sm.shard_group)
+        hide = self.prof.eff.overlap_eff
+        tail = max(t - hide * window, (1 - hide) * t)
+        return tail, (sm._coll("all_gather", grad_bytes, sm.shard_group)
+                      if lay.zero_stage == 1 else 0.0)
+
+    def _memory(self, sm: StepModel, lay: Layout, numel: float, shard: int,
+                rank_layers: int) -> float:
+        m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
+        g = PRECISION_BYTES[lay.reduce_dtype]
+        stage = lay.zero_stage
+        params = numel * p / (shard if stage == 3 else 1)
+        grads = numel * (g / shard if stage >= 2 else p)
+        state = OPTIMIZER_STATE_BYTES[lay.optimizer] + (0 if p == 4 else 4)
+        optimizer = numel * state / (shard if stage >= 1 else 1)
+        n = sm.shard.tokens
+        per_block = A.block_saved_bytes(m, n, p, lay.tp, lay.sequence_parallel, lay.recompute,
+                                        m.layers - 1)
+        inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
+        acts = per_block * rank_layers / lay.vpp * inflight + A.root_saved_bytes(
+            m, n, p, lay.tp, True, lay.pp == 1) * inflight
+        if lay.recompute != "none":
+            acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
+        other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * (p + 8)
+        if stage == 3:
+            other += 2 * sm.block_numel(m.moe is not None) * p
+        return params + grads + optimizer + acts + other
+
+
+def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24) -> SearchResult:
+    """The `top_k` fastest layouts that fit, simulated exactly."""
+    start = time.perf_counter()
+    base = layout_from_config(cfg, default_precision(prof))
+    base = base.replace(source=dataclasses.replace(base.source, stage_layers=None))
+    scorer = FastScorer(cfg, prof)
+    usable = prof.memory_bytes
+    scored, ranked = 0, []
+    for lay in candidates(cfg, base):
+        scored += 1
+        step, peak = scorer.score(lay)
+        if peak <= usable:
+            ranked.append((step, lay))
+    ranked.sort(key=lambda x: x[0])
+    best = []
+    for _, lay in ranked[:exact]:
+        est = exact_estimate(cfg, prof, lay, scorer.cache)
+        if est is not None and est.fits:
+            best.append(est)
+    best.sort(key=lambda e: e.step_time_s)
+    return SearchResult(best[:top_k], scored, len(ranked), time.perf_counter() - start)
+
+
+def exact_estimate(cfg: Config, prof: HardwareProfile, lay: Layout,
+                   cache: dict) -> Estimate | None:
+    """Simulate `lay` with its blocks cut into stages by the planner's partition (by time,
+    each stage within its share of the device memory); None when no split fits."""
+    sm = StepModel(cfg, prof, lay, cache)
+    stages = lay.pp * lay.vpp
+    if stages > 1:
+        m, v = cfg.model, lay.vpp
+        budget = prof.memory_bytes / v
+        inflight = [peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, r, v) / v
+                    for r in range(lay.pp)]
+        fixed = [sm.rank_fixed_bytes(r, inflight[r] * v) / v for r in range(lay.pp)]
+        per_block = [[sm.block_state_bytes(i) + sm.block_saved_bytes(i) * inflight[r]
+                      for i in range(m.layers)] for r in range(lay.pp)]
+
+        def fits(stage: int, first: int, end: int) -> bool:
+            r = stage % lay.pp
+            return fixed[r] + sum(per_block[r][first:end]) <= budget
+
+        try:
+            counts = sm.balanced_stage_layers(fits)
+        except ValueError:
+            return None
+        source = dataclasses.replace(lay.source, stage_layers=counts)
+        sm = StepModel(cfg, prof, lay.replace(source=source), cache)
+    return sm.estimate()

@@ -1,0 +1,542 @@
+"""Predict one training step of a layout: memory per device and step time with its breakdown.
+
+The step is assembled from the models of this package:
+
+1. Per block and per micro-batch on one rank: compute (fivefold.planner.compute) and the
+   communication each technique puts on the critical path (fivefold.planner.comm), under the
+   overlap rules below. Blocks are cut into pipeline stages by fivefold.planner.partition.
+2. The pipeline schedule's action lists (fivefold.planner.schedules) replayed event by event
+   with those stage durations (fivefold.planner.replay): each rank's finish time, busy time
+   and peak in-flight activations.
+3. After the last backward: the data-parallel gradient synchronisation that did not hide
+   behind that backward, then the optimizer step (memory bound) and, for ZeRO-1/2, the
+   parameter all-gather that follows it.
+
+Overlap rules (each technique's own):
+- tensor parallelism (Megatron-LM, arXiv 1909.08053): two all-reduces per block forward and
+  two backward (all-gather + reduce-scatter pairs with sequence parallelism, arXiv
+  2205.05198), on the critical path; full recomputation repeats the forward ones. Under fp8
+  the sequence-parallel all-gather moves fp8 activations (torchao's Float8 tensor parallel).
+- context parallelism: ring attention (arXiv 2310.01889) sends K/V shards around the ring
+  while attention computes, so only what exceeds the attention time shows; Ulysses
+  (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path.
+- expert parallelism: dispatch and combine all-to-alls (GShard, arXiv 2006.16668) forward
+  and backward, on the critical path.
+- ZeRO-3 / FSDP (arXiv 2304.11277): each block's all-gather is prefetched during the
+  previous block's compute, and its gradient reduce-scatter runs during the next block's
+  backward; only the excess over that compute shows, plus the first gather of each pass.
+- DDP / ZeRO-1/2 (arXiv 2006.15704): a block's gradient bucket is reduced as soon as its
+  backward ends, during the remaining backward of the step's last micro-batch; the root
+  unit (embeddings, reduced last) is exposed.
+- pipeline send/receive: activations and gradients cross stages on their own stream; the
+  receiver waits for the transfer.
+A collective hidden behind compute still slows it by (1 - overlap_eff) of its time (shared
+SMs and HBM bandwidth).
+
+FLOPs follow docs/planner.md: model FLOPs are three times the forward matmul FLOPs, attention
+over the full s x s square; hardware FLOPs add what recomputation repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.planner import activations as A
+from fivefold.planner.comm import Group, Links, collective_time
+from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
+                                      embedding_times, head_times, is_moe_layer)
+from fivefold.planner.hardware import HardwareProfile, load_profile
+from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_layout,
+                                     layout_from_config)
+from fivefold.planner.memory import model_state_bytes, stage_units
+from fivefold.planner.params import block_params, root_params
+from fivefold.planner.partition import partition
+from fivefold.planner.replay import Replay, replay
+from fivefold.planner.schedules import Action, actions_for
+
+MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "other", "total")
+BREAKDOWN_FIELDS = ("compute", "exposed_comm", "bubble", "optimizer")
+
+
+@dataclass
+class Estimate:
+    """A simulated step; `to_json()` gives exactly the fields of run_spec.md."""
+
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    memory_per_gpu_bytes: dict[str, int]
+    fits: bool
+    breakdown_s: dict[str, float]
+    parallel: dict
+    layout: Layout = field(repr=False)
+    stage_layers: list[int] = field(default_factory=list, repr=False)
+    replay: Replay | None = field(default=None, repr=False)
+    dp_tail_s: list[float] = field(default_factory=list, repr=False)
+    step_model: "StepModel | None" = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+                "mfu": self.mfu, "hfu": self.hfu,
+                "memory_per_gpu_bytes": dict(self.memory_per_gpu_bytes), "fits": self.fits,
+                "breakdown_s": dict(self.breakdown_s), "parallel": dict(self.parallel)}
+
+
+def default_precision(prof: HardwareProfile) -> str:
+    """bf16 where the device has bf16 units at least as fast as fp32, else fp32 (CPUs)."""
+    peaks = prof.peak_tflops
+    return "bf16" if peaks.get("bf16", 0.0) >= peaks["fp32"] else "fp32"
+
+
+def profile_of(cfg: Config) -> HardwareProfile:
+    if cfg.cluster.gpu is None:
+        raise ConfigError("cluster.gpu", "plan and simulate need a hardware profile; set "
+                                         "cluster.gpu to one of V100-32GB, A100-40GB, "
+                                         "A100-80GB, H100-SXM, H800, H200, B200, GB200, cpu "
+                                         "or a file written by `fivefold calibrate`")
+    return load_profile(cfg.cluster.gpu)
+
+
+def shared_machine(prof: HardwareProfile, ranks: int) -> HardwareProfile:
+    """A CPU profile's rates when more ranks than it was measured for share the machine:
+    `cores` ranks run at the measured rate; beyond that they split the cores evenly."""
+    if not prof.cores or ranks <= prof.cores:
+        return prof
+    share = prof.cores / ranks
+    return dataclasses.replace(prof, peak_tflops={k: v * share for k, v in
+                                                  prof.peak_tflops.items()},
+                               hbm_GBps=prof.hbm_GBps * share)
+
+
+def simulate(cfg: Config, prof: HardwareProfile | None = None, lay: Layout | None = None,
+             keep_events: bool = False) -> Estimate:
+    """The predicted step of `cfg` (or of `lay` on cfg's model and cluster)."""
+    prof = shared_machine(prof or profile_of(cfg), cfg.cluster.gpus or 1)
+    lay = lay or layout_from_config(cfg, default_precision(prof))
+    check_model_fits_layout(cfg.model, lay)
+    return StepModel(cfg, prof, lay).estimate(keep_events)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One block, one micro-batch, one rank: compute and exposed communication seconds."""
+
+    f_compute: float
+    f_comm: float
+    b_compute: float  # backward compute, recomputation included
+    b_comm: float
+    wgrad: float
+    grad_sync_bytes: float  # this block's gradient bucket (data-parallel sync)
+
+    @property
+    def f(self) -> float:
+        return self.f_compute + self.f_comm
+
+    @property
+    def b(self) -> float:
+        return self.b_compute + self.b_comm
+
+
+class StepModel:
+    """All per-layout quantities of one simulated step, computed once."""
+
+    def __init__(self, cfg: Config, prof: HardwareProfile, lay: Layout,
+                 cache: dict | None = None):
+        self.cfg, self.model, self.prof, self.lay = cfg, cfg.model, prof, lay
+        self.cache = {} if cache is None else cache
+        c = cfg.cluster
+        gpn = c.gpus_per_node
+        self.links = Links.of(prof, gpn, c.intra_node_GBps, c.inter_node_GBps)
+        tp, cp, dp = lay.tp, lay.cp, lay.dp
+        self.tp_group = Group.strided(tp, 1, gpn)
+        self.cp_group = Group.strided(cp, tp, gpn)
+        self.ep_group = Group.strided(lay.ep, tp, gpn)
+        shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
+        self.shard_group = Group.strided(shard, tp, gpn)
+        self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
+                                             gpn) if lay.zero_stage >= 1 else Group(1, 1)
+        self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
+        self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
+                           lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile)
+        self.a = PRECISION_BYTES[lay.precision]
+
+    # ------------------------------------------------------------ per-block costs
+
+    @functools.cached_property
+    def dense_cost(self) -> LayerCost:
+        return self._layer_cost(False)
+
+    @functools.cached_property
+    def moe_cost(self) -> LayerCost:
+        return self._layer_cost(True)
+
+    def layer_cost(self, i: int) -> LayerCost:
+        return self.moe_cost if is_moe_layer(self.model, i) else self.dense_cost
+
+    def _coll(self, op: str, nbytes: float, group: Group) -> float:
+        return collective_time(op, nbytes, group, self.links)
+
+    def _shape_key(self) -> tuple:
+        lay = self.lay
+        return (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, lay.micro_batch, lay.recompute,
+                lay.precision, lay.cp_mode, self.cfg.cluster.gpus_per_node)
+
+    def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
+        """(compute times, forward comm, backward comm) of one block and micro-batch, before
+        data parallelism: tensor-, context- and expert-parallel collectives. Shared through
+        `cache` by every layout with the same shard shape (the search's speed)."""
+        key = ("core", moe) + self._shape_key()
+        if key in self.cache:
+            return self.cache[key]
+        m, lay, sh = self.model, self.lay, self.shard
+        t: OpTimes = block_times(m, sh, self.prof, moe)
+        act = sh.tokens * m.hidden * self.a  # one full-width activation of the micro-batch
+        if lay.sequence_parallel:  # fp8: the gathered activation travels as fp8 (torchao)
+            gathered = act / self.a if lay.precision == "fp8" else act
+            tp_one = (self._coll("all_gather", gathered, self.tp_group)
+                      + self._coll("reduce_scatter", act, self.tp_group))
+        else:
+            tp_one = self._coll("all_reduce", act, self.tp_group)
+        cp_f, cp_b = self._cp_exposed(moe)
+        ep = 0.0
+        if moe and lay.ep > 1:
+            routed = sh.tokens * m.moe.top_k * m.hidden * self.a
+            ep = 2 * self._coll("all_to_all", routed, self.ep_group)
+        f_comm = 2 * tp_one + cp_f + ep
+        b_comm = 2 * tp_one + cp_b + ep + (f_comm if lay.recompute == "full" else 0.0)
+        self.cache[key] = (t, f_comm, b_comm)
+        return self.cache[key]
+
+    def block_numel(self, moe: bool) -> int:
+        m = self.model
+        index = next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
+        return sum(block_params(m, index, self.lay.tp, self.lay.ep))
+
+    def _layer_cost(self, moe: bool) -> LayerCost:
+        lay, e = self.lay, self.prof.eff
+        t, f_comm, b_comm = self.core_cost(moe)
+        numel = self.block_numel(moe)
+        z_f = z_b = 0.0
+        hide = e.overlap_eff
+        g = PRECISION_BYTES[lay.reduce_dtype]
+        if lay.zero_stage == 3:
+            ag = self._coll("all_gather", numel * self.a, self.shard_group)
+            rs = self._coll("reduce_scatter", numel * g, self.shard_group)
+            # the block is freed after its forward; a full recomputation gathers it once
+            # more (the runtime's pre-forward hook), then the backward gathers it again
+            bwd_ag = ag * (2 if lay.recompute == "full" else 1)
+            z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
+            z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
+        elif lay.zero_stage == 2:
+            rs = self._coll("reduce_scatter", numel * g, self.shard_group)
+            z_b = max(rs - hide * t.bwd, (1 - hide) * rs)
+        grad_bytes = numel * (self.a if lay.zero_stage <= 1 else g)
+        return LayerCost(t.fwd, f_comm + z_f, t.bwd + t.recompute, b_comm + z_b, t.wgrad,
+                         grad_bytes)
+
+    def _cp_exposed(self, moe: bool) -> tuple[float, float]:
+        m, lay, sh, e = self.model, self.lay, self.shard, self.prof.eff
+        if lay.cp == 1:
+            return 0.0, 0.0
+        n = sh.tokens
+        kv = max(1, m.n_kv_heads // lay.tp) * m.d_head
+        q = m.heads * m.d_head // lay.tp
+        if lay.cp_mode == "ring":
+            shard_kv = 2 * n * kv * self.a
+            step = self._coll("send", shard_kv, self.cp_group)
+            at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len,
+                                        m.d_head, lay.cp, self.prof, True, lay.precision)
+            comm_f = (lay.cp - 1) * step
+            comm_b = 2 * comm_f
+            return (max(comm_f - e.overlap_eff * at_f, (1 - e.overlap_eff) * comm_f),
+                    max(comm_b - e.overlap_eff * at_b, (1 - e.overlap_eff) * comm_b))
+        a2a = sum(self._coll("all_to_all", n * width * self.a, self.cp_group)
+                  for width in (q, kv, kv, q))
+        return a2a, a2a
+
+    @functools.cached_property
+    def head(self) -> OpTimes:
+        key = ("head",) + self._shape_key()
+        if key not in self.cache:
+            self.cache[key] = head_times(self.model, self.shard, self.prof)
+        return self.cache[key]
+
+    @functools.cached_property
+    def embedding(self) -> OpTimes:
+        key = ("embedding",) + self._shape_key()
+        if key not in self.cache:
+            self.cache[key] = embedding_times(self.model, self.shard, self.prof)
+        return self.cache[key]
+
+    def _root_tp_comm(self) -> tuple[float, float]:
+        """Vocabulary-parallel embedding and loss: one full-width reduction each way."""
+        act = self.shard.tokens * self.model.hidden * self.a
+        op = "reduce_scatter" if self.lay.sequence_parallel else "all_reduce"
+        return self._coll(op, act, self.tp_group), self._coll(op, act, self.tp_group)
+
+    # ------------------------------------------------------------ stages
+
+    @functools.cached_property
+    def stage_layers(self) -> list[int]:
+        """Blocks per virtual stage (pp * vpp stages): the layout's `stage_layers` when set
+        (the planner's search sets it by fivefold.planner.partition), else the runtime's own
+        default split (fivefold.parallel.pipeline.partition), so that `simulate` predicts
+        what `train` runs."""
+        stages = self.lay.pp * self.lay.vpp
+        given = self.lay.source.stage_layers if hasattr(self.lay.source, "stage_layers") else None
+        if given:
+            return list(given)
+        if stages == 1:
+            return [self.model.layers]
+        from fivefold.parallel.pipeline.partition import stage_layer_ranges
+
+        return [len(r) for r in stage_layer_ranges(self.model, stages)]
+
+    def balanced_stage_layers(self, fits=lambda stage, first, end: True) -> list[int]:
+        """The planner's split: blocks cut by modelled time, each stage within `fits`
+        (fivefold.planner.partition, Alpa's inter-operator pass)."""
+        stages = self.lay.pp * self.lay.vpp
+        if stages == 1:
+            return [self.model.layers]
+        costs = [self.layer_cost(i).f + self.layer_cost(i).b for i in range(self.model.layers)]
+        emb, head = self.embedding, self.head
+        return partition(costs, stages, emb.fwd + emb.bwd, head.fwd + head.bwd, fits)
+
+    @functools.cached_property
+    def stage_ranges(self) -> list[range]:
+        out, start = [], 0
+        for n in self.stage_layers:
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def stage_times(self, g: int) -> tuple[float, float, float, float, float]:
+        """(F, B, W, F comm, B comm) seconds of virtual stage g for one micro-batch."""
+        costs = [self.layer_cost(i) for i in self.stage_ranges[g]]
+        f = sum(c.f for c in costs)
+        b = sum(c.b for c in costs)
+        fc = sum(c.f_comm for c in costs)
+        bc = sum(c.b_comm for c in costs)
+        w = sum(c.wgrad for c in costs)
+        stages = len(self.stage_layers)
+        tp_f, tp_b = self._root_tp_comm()
+        if g == 0:
+            f, b = f + self.embedding.fwd + tp_f, b + self.embedding.bwd
+            fc += tp_f
+            w += self.embedding.wgrad
+        if g == stages - 1:
+            f, b = f + self.head.fwd + tp_f, b + self.head.bwd + tp_b
+            fc, bc = fc + tp_f, bc + tp_b
+            w += self.head.wgrad
+        return f, b, w, fc, bc
+
+    @functools.cached_property
+    def p2p_s(self) -> float:
+        if self.lay.pp == 1:
+            return 0.0
+        act = self.shard.tokens * self.model.hidden * self.a
+        if self.lay.sequence_parallel:
+            act /= self.lay.tp
+        return self._coll("send", act, self.pp_pair)
+
+    # ------------------------------------------------------------ the step
+
+    @property
+    def slices(self) -> int:
+        """TeraPipe's token slices per sequence (default pp); 1 for other schedules."""
+        if self.lay.schedule != "terapipe":
+            return 1
+        return getattr(self.lay.source, "token_slices", None) or self.lay.pp
+
+    def run_pipeline(self, keep_events: bool) -> Replay:
+        """Replay the schedule; PipeDream-2BW never flushes, so its step is the steady-state
+        difference between replays of two and three optimizer steps."""
+        lay = self.lay
+        stages = len(self.stage_layers)
+        times = [self.stage_times(g) for g in range(stages)]
+        split = lay.schedule == "zb"
+        n = self.slices
+
+        def duration(act: Action) -> float:
+            f, b, w, _, _ = times[act.stage]
+            if act.kind == "F":
+                return f / n
+            if act.kind == "W":
+                return w / n
+            return (b - w if split else b) / n
+
+        m = lay.micro_batches
+        weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
+        if lay.schedule == "pipedream-2bw":
+            two, three = (replay(actions_for(lay.schedule, lay.pp, 1, m, steps=k), stages,
+                                 duration, self.p2p_s, lambda g: weights[g], keep_events)
+                          for k in (2, 3))
+            return Replay([c - b for b, c in zip(two.finish_s, three.finish_s)],
+                          [c - b for b, c in zip(two.busy_s, three.busy_s)],
+                          three.peak_weight, three.events)
+        sched = actions_for(lay.schedule, lay.pp, lay.vpp, m, n)
+        return replay(sched, stages, duration, self.p2p_s, lambda g: weights[g], keep_events)
+
+    def stage_activation_bytes(self, g: int) -> float:
+        """Bytes virtual stage g keeps per in-flight micro-batch."""
+        lay = self.lay
+        n = self.shard.tokens
+        total = sum(A.block_saved_bytes(self.model, n, self.a, lay.tp, lay.sequence_parallel,
+                                        lay.recompute, i) for i in self.stage_ranges[g])
+        first, last = g == 0, g == len(self.stage_layers) - 1
+        return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last)
+
+    def dp_sync(self, rank: int, last_backward_s: float) -> tuple[float, float]:
+        """(exposed gradient-sync seconds after the last backward, parameter re-gather after
+        the optimizer) of pipeline rank `rank`."""
+        lay, e = self.lay, self.prof.eff
+        layers = [i for g in range(rank, len(self.stage_layers), lay.pp)
+                  for i in self.stage_ranges[g]]
+        first, last = rank == 0, rank == lay.pp - 1
+        root = root_params(self.model, lay.tp, first, last)
+        p, g = self.a, PRECISION_BYTES[lay.reduce_dtype]
+        block_bytes = [self.layer_cost(i).grad_sync_bytes for i in layers]
+        tail = 0.0
+        if lay.zero_stage <= 1:
+            op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
+            blocks = sum(self._coll(op, nb, self.shard_group) for nb in block_bytes)
+            root_t = self._coll(op, root * p, self.shard_group)
+            window = max(0.0, last_backward_s - (last_backward_s / max(1, len(layers))))
+            tail = max(blocks - e.overlap_eff * window, (1 - e.overlap_eff) * blocks) + root_t
+        elif lay.zero_stage >= 2:  # the root's reduce-scatter ends the last backward
+            tail = self._coll("reduce_scatter", root * g, self.shard_group)
+        if lay.zero_stage >= 1 and self.replicate_group.size > 1:
+            shard_n = self.shard_group.size
+            tail += sum(self._coll("all_reduce", nb / shard_n, self.replicate_group)
+                        for nb in block_bytes + [root * g])
+            tail += self._coll("all_reduce", 4, self.shard_group)
+        regather = 0.0
+        if lay.zero_stage in (1, 2):
+            regather = sum(self._coll("all_gather", nb / g * p if lay.zero_stage == 2 else nb,
+                                      self.shard_group) for nb in block_bytes + [root * p])
+        return tail, regather
+
+    def optimizer_s(self, rank: int) -> float:
+        """AdamW over this rank's shard of parameters: memory bound (fp32 master, moments)."""
+        lay = self.lay
+        units = self.rank_units(rank)
+        local = sum(u.shard_numel if lay.zero_stage >= 1 else u.padded for u in units)
+        g = PRECISION_BYTES[lay.reduce_dtype]
+        per_param = {"adamw": 28 + 2 * g + self.a, "sgd": 16 + 2 * g + self.a,
+                     "lomo": 0, "galore": 16 + 2 * g + self.a}[lay.optimizer]
+        e = self.prof.eff
+        return local * per_param / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s
+
+    def rank_units(self, rank: int):
+        lay = self.lay
+        layers = [i for g in range(rank, len(self.stage_layers), lay.pp)
+                  for i in self.stage_ranges[g]]
+        return stage_units(self.model, lay, layers, rank == 0, rank == lay.pp - 1)
+
+    def block_state_bytes(self, i: int) -> float:
+        """Parameters, gradients and optimizer states of block i on its rank."""
+        from fivefold.planner.memory import Unit
+
+        lay = self.lay
+        shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
+        units = [Unit(n, shard) for n in block_params(self.model, i, lay.tp, lay.ep) if n]
+        return model_state_bytes(units, lay)["total"]
+
+    def block_saved_bytes(self, i: int) -> float:
+        lay = self.lay
+        return A.block_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp,
+                                   lay.sequence_parallel, lay.recompute, i)
+
+    def rank_fixed_bytes(self, rank: int, inflight: float) -> float:
+        """What pipeline rank `rank` holds besides its blocks: root parameters and their
+        activations over `inflight` micro-batches, and the memory() 'other' terms."""
+        lay = self.lay
+        first, last = rank == 0, rank == lay.pp - 1
+        units = stage_units(self.model, lay, [], first, last)
+        states = model_state_bytes(units, lay)["total"] if units else 0
+        root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last)
+        return states + root * inflight + self.other_bytes(rank)
+
+    def other_bytes(self, rank: int) -> float:
+        """Reserved memory, ZeRO-3's gathered buffers and the loss's logits on `rank`."""
+        lay, m = self.lay, self.model
+        other = self.prof.eff.reserved_bytes
+        if lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
+            dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep)
+            other += 2 * (dense + expert) * self.a
+            other += root_params(m, lay.tp, rank == 0, rank == lay.pp - 1) * self.a
+        if rank == lay.pp - 1:  # logits, their fp32 copy and gradient around the loss
+            other += self.shard.tokens * m.vocab / lay.tp * (self.a + 8)
+        return other
+
+    def memory(self, rank: int, peak_act: float) -> dict[str, int]:
+        lay, m = self.lay, self.model
+        states = model_state_bytes(self.rank_units(rank), lay)
+        if lay.recompute != "none":  # one block rematerialised during its backward
+            peak_act += A.full_block_bytes(m, self.shard.tokens, self.a, lay.tp,
+                                           lay.sequence_parallel)
+        mem = {"params": states["params"], "grads": states["grads"],
+               "optimizer": states["master"] + states["optimizer"],
+               "activations": int(peak_act), "other": int(self.other_bytes(rank))}
+        mem["total"] = sum(mem.values())
+        return mem
+
+    @functools.cached_property
+    def flops_per_sequence(self) -> tuple[float, float]:
+        """(model, hardware) FLOPs of one sequence through the whole model, all ranks."""
+        one = Shard(1, self.model.seq_len, 1, 1, False, 1, "bf16", self.lay.recompute)
+        model = hw = 0.0
+        for i in range(self.model.layers):
+            t = block_times(self.model, one, self.prof, is_moe_layer(self.model, i))
+            model, hw = model + t.model_flops, hw + t.hw_flops
+        h = head_times(self.model, one, self.prof)
+        return model + h.model_flops, hw + h.hw_flops
+
+    def estimate(self, keep_events: bool = False) -> Estimate:
+        lay, prof = self.lay, self.prof
+        rp = self.run_pipeline(keep_events)
+        ends, stages = [], len(self.stage_layers)
+        times = [self.stage_times(g) for g in range(stages)]
+        tails = []
+        for r in range(lay.pp):
+            last_g = r  # the last backward of rank r is its first virtual stage's
+            tail, regather = self.dp_sync(r, times[last_g][1])
+            opt = self.optimizer_s(r)
+            tails.append(tail)
+            ends.append((rp.finish_s[r] + tail + opt + regather, r, tail, opt, regather))
+        step, r, tail, opt, regather = max(ends)
+        m = lay.micro_batches
+        rank_stages = range(r, stages, lay.pp)
+        comm_in = sum(m * (times[g][3] + times[g][4]) for g in rank_stages)
+        busy = rp.busy_s[r]
+        compute = busy - comm_in
+        bubble = max(0.0, rp.finish_s[r] - busy)
+        exposed = comm_in + tail + regather
+        breakdown = {"compute": compute, "exposed_comm": exposed, "bubble": bubble,
+                     "optimizer": opt}
+        mems = [self.memory(k, rp.peak_weight[k]) for k in range(lay.pp)]
+        mem = max(mems, key=lambda x: x["total"])
+        model_fl, hw_fl = self.flops_per_sequence
+        per_gpu = lay.global_batch / lay.gpus / step
+        peak = prof.peak_flops("bf16" if lay.precision == "fp8" else lay.precision)
+        tokens = lay.global_batch * self.model.seq_len
+        return Estimate(step, tokens / step, model_fl * per_gpu / 1e12, hw_fl * per_gpu / 1e12,
+                        model_fl * per_gpu / peak, hw_fl * per_gpu / peak, mem,
+                        mem["total"] <= prof.memory_bytes, breakdown, lay.parallel_table(), lay,
+                        list(self.stage_layers), rp if keep_events else None, tails, self)
+
+
+def model_flops_per_token(model: ModelConfig, prof: HardwareProfile) -> float:
+    """Model FLOPs per trained token by the convention of docs/planner.md."""
+    one = Shard(1, model.seq_len, 1, 1, False, 1, "bf16", "none")
+    total = sum(block_times(model, one, prof, is_moe_layer(model, i)).model_flops
+                for i in range(model.layers))
+    return (total + head_times(model, one, prof).model_flops) / model.seq_len

@@ -1,0 +1,59 @@
+"""Read a run spec (run_spec.md) for `plan` and `simulate`, and check it.
+
+A spec is a config file (TOML or JSON, `load_config`) whose keys run_spec.md lists, or the
+`spec` table of a runs file. On top of `validate`, a spec needs the cluster (cluster.gpus
+and cluster.gpu, a profile name or file) and a model whose shape the layout can split
+(fivefold.planner.layout.check_model_fits_layout). A pipelined spec without
+`parallel.stage_layers` gets the runtime's own balanced split written in
+(fivefold.parallel.pipeline.partition), so the layout that is scored, printed and trained is
+one and the same. Every problem raises `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fivefold.config import Config, ConfigError, load_config
+from fivefold.planner.hardware import load_profile
+from fivefold.planner.layout import cluster_gpus
+from fivefold.validate import validate, validate_cluster, validate_model
+
+
+def prepare(cfg: Config) -> Config:
+    """Validate `cfg` as a planning spec; fill the pipeline split the runtime would use."""
+    validate_model(cfg)
+    validate_cluster(cfg)
+    cluster_gpus(cfg)
+    if cfg.cluster.gpu is not None:
+        load_profile(cfg.cluster.gpu)  # a name it knows or a file that parses
+    p = cfg.parallel
+    stages = p.pp * p.vpp
+    if getattr(p, "stage_layers", "absent") is None and 1 < stages <= cfg.model.layers:
+        from fivefold.parallel.pipeline.partition import stage_layer_ranges
+
+        p.stage_layers = [len(r) for r in stage_layer_ranges(cfg.model, stages)]
+    validate(cfg)
+    return cfg
+
+
+def load_spec(path: str | None, overrides: list[str] = ()) -> Config:
+    return prepare(load_config(path, list(overrides)))
+
+
+def spec_overrides(spec: dict, prefix: str = "") -> list[str]:
+    """A nested spec table as `section.key=value` overrides (values as TOML literals)."""
+    out = []
+    for key, value in spec.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += spec_overrides(value, dotted + ".")
+        else:
+            out.append(f"{dotted}={json.dumps(value)}")
+    return out
+
+
+def spec_config(spec: dict) -> Config:
+    """A validated config from a spec table (the `spec` of a runs-file row)."""
+    if not isinstance(spec, dict):
+        raise ConfigError("spec", f"a run's spec must be a table, got {spec!r}")
+    return prepare(load_config(None, spec_overrides(spec)))
