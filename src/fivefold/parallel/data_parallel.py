@@ -85,6 +85,11 @@ class ZeroPP:
         return self.qwz or self.qgz
 
 
+# Stages 2-3: reduce-scatters in flight at once; each holds its unit's full flat gradient, so
+# this bounds the transient gradient memory to about two units while keeping the overlap.
+MAX_INFLIGHT_REDUCE_SCATTERS = 2
+
+
 class DataParallelEngine:
     """Owns the parameters, gradients and optimizer of a data-parallel model replica.
 
@@ -270,6 +275,8 @@ class DataParallelEngine:
             p.grad = None
         part = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.device)
         self._pending.append((i, self._reduce_scatter(part, flat), part))
+        while len(self._pending) > MAX_INFLIGHT_REDUCE_SCATTERS:  # free finished flat buffers
+            self._finish_pending(0)
         if self.stage == 3 and i > 0:
             unit.free_full()
             self.secondary.pop(i, None)
@@ -281,13 +288,17 @@ class DataParallelEngine:
             return None
         return C.reduce_scatter(out, full, self.shard_axis, "grads", async_op=True)
 
+    def _finish_pending(self, k: int) -> None:
+        """Wait for pending gradient collective k; add a reduce-scattered part to its shard."""
+        i, work, part = self._pending.pop(k)
+        C.wait(work)
+        if part is not None:
+            self.grad_shards[i] += part
+
     def after_backward(self) -> None:
         """Finish the micro-batch's collectives; after the last, set the master gradients."""
-        for i, work, part in self._pending:
-            C.wait(work)
-            if part is not None:
-                self.grad_shards[i] += part
-        self._pending.clear()
+        while self._pending:
+            self._finish_pending(0)
         if self.stage == 3:
             self.units[0].free_full()
         if not self._last:

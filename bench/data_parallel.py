@@ -1,0 +1,625 @@
+"""Data-parallel throughput and peak memory: fivefold's DDP and ZeRO stages next to PyTorch's
+DDP and FSDP2 and DeepSpeed's ZeRO stages, on the same model, ranks and batch, in one run.
+
+Every side trains the same fixed setup: the `tiny` preset, fp32 on the CPU, `--nproc` ranks
+(default 2) joined in one gloo process group, a global batch of 8 sequences x 256 tokens
+(8 / nproc per rank, no gradient accumulation), AdamW with fivefold's default
+hyper-parameters (decay on matrices only, warm-up + cosine learning rate), gradient clipping
+at 1.0, on the built-in corpus.
+
+* fivefold-k (k = 0 DDP, 1, 2, 3 ZeRO): `Trainer.train_step(step)` with
+  `parallel.zero_stage = k`, so fivefold's own engine (fivefold.parallel.data_parallel), sampler
+  and optimizer; no checkpoints, evaluation or metrics.
+* torch-ddp: `torch.nn.parallel.DistributedDataParallel` around the model definition.
+* torch-fsdp2: `torch.distributed.fsdp.fully_shard` on each block, then on the root.
+* deepspeed-k (k = 1, 2, 3): `deepspeed.initialize` with a config dict (`zero_optimization.
+  stage = k`, fp32, DeepSpeed's default buckets and overlap, every parameter sharded at
+  stage 3) and a client `torch.optim.AdamW`; runs with
+  `DS_ACCELERATOR=cpu` on the same gloo group. Skipped, with the reason printed, when
+  DeepSpeed is not importable (it is the `bench` extra: `pip install -e '.[bench]'`).
+
+The peer sides use none of fivefold's trainer, engine, sampler or optimizer construction; their
+model is `fivefold.models.llama.Transformer`, a plain `nn.Module` with no parallel code, so
+every side runs the same forward/backward math and the comparison isolates the data-parallel
+machinery. Their batches are cut at numpy random offsets from the same token array, and their
+loss is the per-rank token mean (each wrapper averages gradients over ranks, so the update is
+the global-mean gradient, as fivefold's).
+
+Each rank of each side is its own process (this script re-invoked with `--side`, the rank in
+its environment as `torch.distributed.run` would set it), so its peak resident set (`VmHWM`)
+is one rank's: interpreter, libraries, model states, activations, communication buffers.
+Every side is started once and kept alive; the driver runs untimed warm-up steps per side,
+then `--rounds` rounds of timed steps, interleaved side after side (the order rotated each
+round), so machine noise hits every side alike. A timed run starts and ends on a barrier;
+its time is the slowest rank's. Reported per side: median tokens/s over the rounds, the
+peak RSS of the largest rank, and the growth of each rank's peak over its peak after imports
+and process-group set-up (the largest rank's), each with its ratio to
+fivefold's matching stage (torch-ddp / fivefold-0, torch-fsdp2 / fivefold-3,
+deepspeed-k / fivefold-k).
+
+`--ledger` instead records one fivefold training step on 4 gloo ranks with
+`cluster.gpus_per_node = 2` for each ZeRO stage and each ZeRO++ switch, and prints the bytes
+per step of every collective (the table of docs/data_parallel.md).
+
+    python bench/data_parallel.py                  # 30 timed steps per side, 5 rounds of 6
+    python bench/data_parallel.py --quick          # smoke test: 2 steps, 1 round
+    python bench/data_parallel.py --sides fivefold-0,torch-ddp --json out.json
+    python bench/data_parallel.py --ledger         # ZeRO / ZeRO++ bytes per collective
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import selectors
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
+TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
+DEEPSPEED_SIDES = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
+SIDES = FIVEFOLD_SIDES + TORCH_SIDES + DEEPSPEED_SIDES
+REFERENCE = {"torch-ddp": "fivefold-0", "torch-fsdp2": "fivefold-3",
+             "deepspeed-1": "fivefold-1", "deepspeed-2": "fivefold-2",
+             "deepspeed-3": "fivefold-3"}
+GLOBAL_BATCH = 8
+SEQ_LEN = 256
+PRESET = "tiny"
+REPLY_TIMEOUT_S = 900.0
+
+
+def bench_config(zero_stage: int, world: int, extra: tuple[str, ...] = ()):
+    """The fixed fivefold config (imported lazily: peer workers never load fivefold's config)."""
+    from fivefold.config import load_config
+    from fivefold.validate import validate_for_training
+
+    cfg = load_config(None, [f'model.preset="{PRESET}"', f"model.seq_len={SEQ_LEN}",
+                             f"parallel.global_batch={GLOBAL_BATCH}", 'parallel.precision="fp32"',
+                             f"parallel.zero_stage={zero_stage}", 'train.device="cpu"',
+                             "train.compile=false", "train.tensorboard=false",
+                             "train.sample_tokens=0", *extra])
+    validate_for_training(cfg, world)
+    return cfg
+
+
+def rss_mib(field: str) -> float:
+    """This process's resident set from /proc (Linux): "VmRSS" now, "VmHWM" its peak.
+
+    Not `ru_maxrss`: Linux carries that across fork + exec, so a rank started by a driver that
+    has torch loaded would begin at the driver's RSS. Elsewhere `ru_maxrss` is the fallback.
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def lr_for_step(hp: dict, step: int, total_steps: int) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    if hp["warmup_steps"] and step < hp["warmup_steps"]:
+        return hp["lr"] * (step + 1) / hp["warmup_steps"]
+    progress = min(1.0, (step - hp["warmup_steps"]) /
+                   max(1, total_steps - hp["warmup_steps"] - 1))
+    floor = hp["lr"] * hp["min_lr_ratio"]
+    return floor + (hp["lr"] - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------ the sides (one rank each)
+
+class FivefoldSide:
+    """fivefold's Trainer with its data-parallel engine at ZeRO stage k."""
+
+    def __init__(self, spec: dict, rank: int, world: int):
+        import torch
+
+        from fivefold.train.data import prepare_data
+        from fivefold.train.dist import Runtime
+        from fivefold.train.trainer import Trainer
+
+        cfg = bench_config(int(spec["side"].split("-")[1]), world)
+        cfg.train.steps = spec["total_steps"]  # the learning-rate schedule's length
+        data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-dp-")  # never written
+        self.trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")),
+                               self._tmp.name, data)
+        self.step = 0
+
+    def run(self, n: int) -> float:
+        loss = math.nan
+        for _ in range(n):
+            loss = self.trainer.train_step(self.step).loss
+            self.step += 1
+        return loss
+
+    def report(self) -> dict:
+        """The last step's collectives (bytes by op, axis, purpose) and model-state bytes."""
+        ledger = self.trainer.ledger
+        wire = ledger.totals("wire_bytes")
+        return {"model_state_bytes": dict(ledger.model_state_bytes),
+                "comm": [{"op": op, "mesh_dim": dim, "purpose": purpose, "bytes": nbytes,
+                          "wire_bytes": wire[(op, dim, purpose)]}
+                         for (op, dim, purpose), nbytes in sorted(ledger.totals().items())]}
+
+
+class PeerSide:
+    """A plain training loop around a peer's data-parallel wrapper of the same model."""
+
+    def __init__(self, spec: dict, rank: int, world: int):
+        import numpy as np
+        import torch
+
+        from fivefold.config import ModelConfig  # only to build the model definition
+        from fivefold.models.llama import Transformer
+
+        self.torch, self.np, self.F = torch, np, torch.nn.functional
+        self.side, self.world = spec["side"], world
+        self.hp, self.total_steps = spec["train"], spec["total_steps"]
+        self.rows, self.seq_len = GLOBAL_BATCH // world, spec["model"]["seq_len"]
+        self.tokens = np.load(spec["train_tokens"], mmap_mode="r")
+        self.rng = np.random.default_rng([1234, rank])
+        torch.manual_seed(0)  # the same initial weights on every rank
+        model = Transformer(ModelConfig(**spec["model"]))
+        with torch.no_grad():  # GPT-2 style normal(0, 0.02), as fivefold initializes
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, 0.02)
+        self.model, self.opt = self._wrap(model)
+        self.step = 0
+
+    def _adamw(self, params):
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        hp = self.hp
+        return self.torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+
+    def _wrap(self, model):
+        torch = self.torch
+        if self.side == "torch-ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            return DistributedDataParallel(model), self._adamw(list(model.parameters()))
+        if self.side == "torch-fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (self.world,))
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, self._adamw(list(model.parameters()))
+        import deepspeed
+        client = self._adamw(list(model.parameters()))
+        config = {"train_batch_size": GLOBAL_BATCH,
+                  "train_micro_batch_size_per_gpu": self.rows,
+                  "gradient_accumulation_steps": 1,
+                  "gradient_clipping": self.hp["grad_clip"],
+                  # persistence threshold 0: ZeRO-3 shards every parameter, as fivefold-3 and
+                  # FSDP2 do (the default 1e5 would keep this model's attention matrices whole)
+                  "zero_optimization": {"stage": int(self.side.split("-")[1]),
+                                        "stage3_param_persistence_threshold": 0},
+                  "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 10**9}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
+        return engine, client  # ZeRO keeps the client's param_groups: the learning rate goes there
+
+    def run(self, n: int) -> float:
+        torch, np, F = self.torch, self.np, self.F
+        deepspeed = self.side.startswith("deepspeed")
+        loss = torch.zeros(())
+        for _ in range(n):
+            self.model.train()
+            for group in self.opt.param_groups:
+                group["lr"] = lr_for_step(self.hp, self.step, self.total_steps)
+            offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.rows)
+            rows = torch.from_numpy(np.stack(
+                [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
+                 for o in offsets]))
+            x_BT, y_BT = rows[:, :-1], rows[:, 1:]
+            # one expression, so the (B, T, V) logits are not kept alive into the next step
+            loss = F.cross_entropy(self.model(x_BT).flatten(0, 1), y_BT.flatten())
+            if deepspeed:  # the engine clips (config) and steps its ZeRO optimizer
+                self.model.backward(loss)
+                self.model.step()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp["grad_clip"])
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            loss = loss.detach()
+            self.step += 1
+        total = loss.clone()  # the global mean of the last step's loss, for the log
+        torch.distributed.all_reduce(total)
+        return total.item() / self.world
+
+    def report(self) -> dict:
+        return {}
+
+
+def import_side(side: str) -> None:
+    """Load the side's libraries before the baseline RSS is taken."""
+    if side.startswith("fivefold"):
+        import fivefold.train.trainer  # noqa: F401
+    elif side.startswith("deepspeed"):
+        import logging
+
+        import deepspeed  # noqa: F401
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    else:
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+
+
+def worker(side: str) -> None:
+    """One rank. Line protocol on stdin/stdout: a spec, then {"steps": n}, then {"quit": 1}."""
+    import traceback
+
+    proto = sys.stdout
+    sys.stdout = sys.stderr  # anything the libraries print stays off the protocol channel
+    # FSDP2 and DeepSpeed call torch 2.13's deprecated all_gather_into_tensor: once per rank
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spec = json.loads(sys.stdin.readline())
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(spec["threads"])
+        dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
+        import_side(side)
+        base_rss = rss_mib("VmHWM")  # not VmRSS: idle file pages may be reclaimed
+        runner = (FivefoldSide if side.startswith("fivefold") else PeerSide)(spec, rank, world)
+        reply({"ready": True, "threads": torch.get_num_threads(), "base_rss_mib": base_rss})
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if "quit" in cmd:
+                break
+            dist.barrier()
+            start = time.perf_counter()
+            loss = runner.run(cmd["steps"])
+            dist.barrier()
+            reply({"seconds": time.perf_counter() - start, "loss": loss})
+        reply({"peak_rss_mib": rss_mib("VmHWM"), "report": runner.report()})
+        dist.destroy_process_group()
+    except BaseException:  # the driver drops this side and says why
+        reply({"error": traceback.format_exc()})
+
+
+class Side:
+    """The ranks of one side, driven in lock step over their stdin/stdout pipes."""
+
+    def __init__(self, side: str, spec: dict, nproc: int, store: str):
+        self.name, self.error = side, None
+        env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
+        self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--side", side],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+                      for r in range(nproc)]
+        self.send(dict(spec, side=side, store=store))
+
+    def send(self, obj: dict) -> None:
+        for p in self.procs:
+            p.stdin.write(json.dumps(obj) + "\n")
+            p.stdin.flush()
+
+    def receive(self) -> list[dict] | None:
+        """One reply per rank; on a rank's error or exit, stop the side and keep the reason."""
+        sel = selectors.DefaultSelector()
+        for r, p in enumerate(self.procs):
+            sel.register(p.stdout, selectors.EVENT_READ, r)
+        replies: dict[int, dict] = {}
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        try:
+            while len(replies) < len(self.procs) and self.error is None:
+                events = sel.select(timeout=max(0.0, deadline - time.monotonic()))
+                if not events:
+                    self.error = f"no reply within {REPLY_TIMEOUT_S:.0f} s"
+                for key, _ in events:
+                    line = key.fileobj.readline()
+                    out = json.loads(line) if line else {"error": "rank exited"}
+                    if "error" in out:
+                        self.error = f"rank {key.data}: {out['error'].strip()}"
+                        break
+                    replies[key.data] = out
+                    sel.unregister(key.fileobj)
+        finally:
+            sel.close()
+        if self.error:
+            self.kill()
+            return None
+        return [replies[r] for r in range(len(self.procs))]
+
+    def ask(self, obj: dict) -> list[dict] | None:
+        self.send(obj)
+        return self.receive()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:  # for libraries that read MASTER_PORT; the group uses a file
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ the driver
+
+def machine_info() -> dict:
+    import torch
+    info = {"processor": platform.processor() or platform.machine(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if importlib.util.find_spec("deepspeed"):
+        from importlib.metadata import version
+        info["deepspeed"] = version("deepspeed")
+    return info
+
+
+def chosen_sides(names: str | None) -> tuple[list[str], dict[str, str]]:
+    """The sides to run, and the reason for each side left out."""
+    sides = SIDES if names is None else tuple(n.strip() for n in names.split(",") if n.strip())
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        raise SystemExit(f"unknown side(s) {', '.join(unknown)}; choose from {', '.join(SIDES)}")
+    skipped = {}
+    if any(s in DEEPSPEED_SIDES for s in sides) and not importlib.util.find_spec("deepspeed"):
+        for s in sides:
+            if s in DEEPSPEED_SIDES:
+                skipped[s] = ("DeepSpeed is not installed (it is the bench extra: "
+                              "pip install -e '.[bench]')")
+    return [s for s in sides if s not in skipped], skipped
+
+
+def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int, rounds: int,
+              warmup: int, threads: int) -> dict:
+    import dataclasses
+
+    from fivefold.train.data import prepare_data
+
+    if steps < rounds or rounds < 1:
+        raise SystemExit(f"--steps ({steps}) must be at least --rounds ({rounds}) >= 1")
+    if GLOBAL_BATCH % nproc:
+        raise SystemExit(f"--nproc ({nproc}) must divide the global batch of {GLOBAL_BATCH}")
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+    load_before = os.getloadavg()
+    cfg = bench_config(0, nproc)
+    data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))  # build the cache once
+    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "moe"}
+    spec = {"model": model, "total_steps": warmup + steps, "threads": threads,
+            "train": dataclasses.asdict(cfg.train), "train_tokens": str(data.train.filename)}
+    tokens_per_step = GLOBAL_BATCH * SEQ_LEN
+    running: dict[str, Side] = {}
+    ready: dict[str, list[dict]] = {}
+
+    def drop(name: str) -> None:
+        skipped[name] = running.pop(name).error
+        print(f"dropping {name}: {skipped[name]}", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
+        try:
+            print(f"starting {len(sides)} side(s) x {nproc} ranks ...", file=sys.stderr)
+            for name in sides:  # all start together; set-up overlaps
+                running[name] = Side(name, spec, nproc, os.path.join(tmp, f"store-{name}"))
+            for name in sides:
+                out = running[name].receive()
+                if out is None:
+                    drop(name)
+                else:
+                    ready[name] = out
+            for name in list(running):
+                print(f"{name}: {warmup} warm-up step(s)", file=sys.stderr)
+                if warmup and running[name].ask({"steps": warmup}) is None:
+                    drop(name)
+            rates = {name: [] for name in running}
+            losses = {}
+            for r, n in enumerate(per_round):
+                order = list(running)  # rotated each round: no side always follows another
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    out = running[name].ask({"steps": n})
+                    if out is None:
+                        drop(name)
+                        continue
+                    rates[name].append(n * tokens_per_step / max(o["seconds"] for o in out))
+                    losses[name] = out[0]["loss"]
+                    print(f"round {r + 1}/{rounds} {name:>12}: {n} steps, "
+                          f"{rates[name][-1]:,.0f} tokens/s, loss {losses[name]:.3f}",
+                          file=sys.stderr)
+            finals = {}
+            for name in list(running):
+                out = running[name].ask({"quit": 1})
+                if out is None:
+                    drop(name)
+                else:
+                    finals[name] = out
+                    running[name].kill()
+        finally:
+            for side in running.values():
+                side.kill()
+    result = {"config": {"preset": PRESET, "precision": "fp32", "device": "cpu",
+                         "backend": "gloo", "nproc": nproc, "threads_per_rank": threads,
+                         "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
+                         "tokens_per_step": tokens_per_step, "timed_steps": steps,
+                         "rounds": rounds, "steps_per_round": per_round, "warmup_steps": warmup},
+              "machine": dict(machine_info(), load_average_before=load_before),
+              "sides": {}, "skipped": skipped}
+    for name in sides:
+        if name not in finals:
+            continue
+        peaks = [o["peak_rss_mib"] for o in finals[name]]
+        bases = [o["base_rss_mib"] for o in ready[name]]
+        result["sides"][name] = {
+            "tokens_per_s": statistics.median(rates[name]), "tokens_per_s_best": max(rates[name]),
+            "tokens_per_s_rounds": rates[name], "peak_rss_mib": max(peaks),
+            "peak_rss_mib_per_rank": peaks, "base_rss_mib_per_rank": bases,
+            "rss_growth_mib": max(p - b for p, b in zip(peaks, bases)),
+            "last_loss": losses[name], "threads_per_rank": ready[name][0]["threads"],
+            **finals[name][0]["report"]}
+    result["ratios"] = ratios(result["sides"])
+    return result
+
+
+def ratios(sides: dict) -> dict:
+    """Each peer over fivefold's matching stage, where both ran."""
+    out = {}
+    for peer, ref in REFERENCE.items():
+        if peer in sides and ref in sides:
+            p, f = sides[peer], sides[ref]
+            out[peer] = {"reference": ref,
+                         "tokens_per_s": p["tokens_per_s"] / f["tokens_per_s"],
+                         "peak_rss": p["peak_rss_mib"] / f["peak_rss_mib"],
+                         "rss_growth": p["rss_growth_mib"] / f["rss_growth_mib"]}
+    return out
+
+
+def print_table(res: dict) -> None:
+    c, m = res["config"], res["machine"]
+    print(f"{c['preset']} preset, {c['precision']} on {c['device']} ({c['backend']}), "
+          f"{c['nproc']} ranks x {c['threads_per_rank']} thread(s), batch {c['global_batch']} x "
+          f"{c['seq_len']} tokens, {c['timed_steps']} timed steps per side in {c['rounds']} "
+          f"round(s) (+{c['warmup_steps']} warm-up); {m['cpu_count']} CPUs, torch {m['torch']}"
+          + (f", deepspeed {m['deepspeed']}" if "deepspeed" in m else ""))
+    print(f"{'side':<13}{'tokens/s':>10}{'ratio':>8}{'peak RSS/rank':>15}{'ratio':>8}"
+          f"{'growth':>9}{'ratio':>8}  vs")
+    for name, s in res["sides"].items():
+        r = res["ratios"].get(name)
+        cell = lambda key: f"{r[key]:>8.3f}" if r else f"{'':>8}"  # noqa: E731
+        print(f"{name:<13}{s['tokens_per_s']:>10,.0f}{cell('tokens_per_s')}"
+              f"{s['peak_rss_mib']:>11,.0f} MiB{cell('peak_rss')}"
+              f"{s['rss_growth_mib']:>5,.0f} MiB{cell('rss_growth')}"
+              f"  {r['reference'] if r else ''}")
+    for name, reason in res["skipped"].items():
+        print(f"{name}: not run: {reason.splitlines()[-1]}")
+
+
+# ------------------------------------------------------------------ the ZeRO++ ledger
+
+LEDGER_WORLD = 4
+LEDGER_LAYOUTS = {
+    "stage 0": ("parallel.zero_stage=0",),
+    "stage 1": ("parallel.zero_stage=1",),
+    "stage 2": ("parallel.zero_stage=2",),
+    "stage 3": ("parallel.zero_stage=3",),
+    "stage 3 + qwZ": ("parallel.zero_stage=3", "parallel.qwz=true"),
+    "stage 3 + hpZ": ("parallel.zero_stage=3", "parallel.hpz=true"),
+    "stage 3 + qgZ": ("parallel.zero_stage=3", "parallel.qgz=true"),
+    "stage 3 + qwZ+hpZ+qgZ": ("parallel.zero_stage=3", "parallel.qwz=true", "parallel.hpz=true",
+                              "parallel.qgz=true"),
+}
+
+
+def _ledger_step(rt, layouts: dict) -> dict:
+    """On each rank: one training step per layout; its collectives and model-state bytes."""
+    from fivefold.train.trainer import Trainer
+
+    out = {}
+    for label, sets in layouts.items():
+        cfg = bench_config(0, rt.world_size, ("cluster.gpus_per_node=2", *sets))
+        with tempfile.TemporaryDirectory(prefix="bench-dp-ledger-") as tmp:
+            trainer = Trainer(cfg, rt, tmp)
+            trainer.train_step(0)
+        wire = trainer.ledger.totals("wire_bytes")
+        out[label] = {"model_state_bytes": dict(trainer.ledger.model_state_bytes),
+                      "comm": [{"op": op, "mesh_dim": dim, "purpose": purpose, "bytes": nbytes,
+                                "wire_bytes": wire[(op, dim, purpose)]}
+                               for (op, dim, purpose), nbytes in
+                               sorted(trainer.ledger.totals().items())]}
+    return out
+
+
+def run_ledger() -> dict:
+    from fivefold.testing import run_on_ranks
+    from fivefold.train.data import prepare_data
+
+    prepare_data(bench_config(0, LEDGER_WORLD), log=lambda text: print(text, file=sys.stderr))
+    layouts = run_on_ranks(_ledger_step, LEDGER_WORLD, LEDGER_LAYOUTS, timeout_s=900)[0]
+    return {"config": {"preset": PRESET, "precision": "fp32", "world": LEDGER_WORLD,
+                       "gpus_per_node": 2, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN},
+            "machine": machine_info(), "layouts": layouts}
+
+
+def print_ledger(res: dict) -> None:
+    c = res["config"]
+    print(f"{c['preset']} preset, {c['precision']}, {c['world']} ranks, {c['gpus_per_node']} per "
+          f"node; one step, bytes on this rank (rank 0)")
+    base = res["layouts"]["stage 3"]
+    base_total = sum(r["wire_bytes"] for r in base["comm"] if r["purpose"] in ("grads", "params"))
+    for label, layout in res["layouts"].items():
+        state = layout["model_state_bytes"]
+        print(f"{label}: model states {state['total']:,} B (params {state['params']:,}, grads "
+              f"{state['grads']:,}, optimizer {state['optimizer']:,})")
+        total = 0
+        for r in layout["comm"]:
+            print(f"  {r['op']:<15}{r['mesh_dim']:<24}{r['purpose']:<10}{r['bytes']:>14,} B"
+                  f"{r['wire_bytes']:>14,} B on the wire")
+            total += r["wire_bytes"] if r["purpose"] in ("grads", "params") else 0
+        print(f"  grads + params on the wire: {total:,} B ({total / base_total:.3f} of stage 3)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks per side (default 2)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per side (default 30)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds the timed steps are split into (default 5)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default 3)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: CPUs / nproc, at least 1)")
+    ap.add_argument("--sides", metavar="A,B,...",
+                    help=f"comma-separated subset of: {', '.join(SIDES)} (default all)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 steps, 1 round, 1 warm-up")
+    ap.add_argument("--ledger", action="store_true",
+                    help="print the ZeRO / ZeRO++ bytes per collective of one step on 4 ranks")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: one rank
+    args = ap.parse_args(argv)
+    if args.side:
+        return worker(args.side)
+    if args.ledger:
+        res = run_ledger()
+        print_ledger(res)
+    else:
+        if args.quick:
+            args.steps, args.rounds, args.warmup = 2, 1, 1
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+        sides, skipped = chosen_sides(args.sides)
+        res = run_bench(sides, skipped, args.nproc, args.steps, args.rounds, args.warmup,
+                        threads)
+        print_table(res)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+            fh.write("\n")
+
+
+if __name__ == "__main__":
+    main()
