@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,10 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         profile = detect_profile(rt.device, cfg.cluster.gpu)
-        self.peak_flops = profile.peak_flops(self.precision) if profile else None
+        # MFU denominator, all ranks together: one device per rank on GPUs; on the CPU the
+        # profile's rate is per core (one thread per rank), and the ranks share the cores
+        devices = rt.world_size if rt.device.type == "cuda" else (os.cpu_count() or 1)
+        self.peak_flops = profile.peak_flops(self.precision) * devices if profile else None
         self.flops_per_token = flops_per_token(m)
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
@@ -273,7 +277,7 @@ class Trainer:
                 record = {"step": done, "loss": result.loss, "lr": lr_at(step, t),
                           "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
                           "mfu": (self.flops_per_token * tokens_per_s /
-                                  (self.peak_flops * self.rt.world_size)
+                                  self.peak_flops
                                   if self.peak_flops else None),
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
                           "ledger": self.ledger.summary()}
