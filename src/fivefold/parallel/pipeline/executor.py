@@ -1,0 +1,328 @@
+"""One executor for every synchronous pipeline schedule: it runs this rank's action list.
+
+`PipelineEngine(stage, schedule, pp_axis)` walks `schedule.ranks[pp_axis.rank]` in order
+(fivefold.parallel.pipeline.schedules): F runs a virtual stage on a micro-batch (the last
+stage ends in the summed token cross-entropy, scaled by the caller's `loss_scale`, so the
+accumulated gradient is the global-batch mean exactly as in the single-process trainer); B
+runs its backward; I and W split that backward for zero-bubble schedules; the send and
+receive actions move activations ("pp_activations"), input gradients ("pp_grads") and the
+tied embedding ("pp_tied_weight", "pp_tied_grads") over the "pp" mesh axis through
+fivefold.comm.collectives, so the ledger sees every byte. Sends are asynchronous and waited
+at the end of the step; a receive blocks right where the list puts it. TeraPipe's slices
+attend to the cached keys and values of earlier slices (fivefold.parallel.pipeline.terapipe).
+
+Zero-bubble split (ZB, arXiv 2401.10241, Sec. 2). During a forward that a W will follow, every
+module that owns parameters (Linear, RMSNorm, Embedding, the head) has its output recorded.
+I asks autograd for the gradients of the stage input and of those outputs only, which walks
+the activation-gradient chain and skips every weight gradient; W then runs, per recorded
+output, the backward from that output to its own parameters: exactly the weight-gradient
+matrix multiplies that I skipped, accumulated into `.grad` as a full backward would.
+
+Data parallelism composes through `grad_sync`, an object with `prepare_backward(last)` and
+`after_backward()` (fivefold.parallel.data_parallel.DataParallelEngine): `prepare_backward`
+runs before every action that accumulates weight gradients (B or W), with `last` on the last
+such action of each virtual stage, and `after_backward` once at the end of the step, so the
+engine's per-unit hooks reduce each block's gradient once, when it is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from fivefold.comm import collectives as C
+from fivefold.comm.collectives import Axis
+from fivefold.parallel.pipeline.replay import Event
+from fivefold.parallel.pipeline.schedules import (B, F, GRADIENT_KINDS, I, RECV_ACT, RECV_GRAD,
+                                                  RECV_TIED_GRAD, RECV_TIED_WEIGHT, SEND_ACT,
+                                                  SEND_GRAD, SEND_TIED_GRAD, SEND_TIED_WEIGHT,
+                                                  W, Action, Schedule, message, peer_stage)
+from fivefold.parallel.pipeline.stage import PipelineStage
+from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
+
+MESSAGE_KINDS = ("act", "grad", "tied_weight", "tied_grad", "loss")
+PURPOSES = {"act": "pp_activations", "grad": "pp_grads", "tied_weight": "pp_tied_weight",
+            "tied_grad": "pp_tied_grads", "loss": "loss"}
+
+
+def message_tag(key: tuple, space: int = 0) -> int:
+    """A tag unique among the messages in flight: kind, sender stage, micro-batch, slice, and
+    a space bit that keeps an evaluation pass apart from training messages still in flight."""
+    kind, stage, mb, slc = key
+    return MESSAGE_KINDS.index(kind) + 8 * (slc % 64 + 64 * (mb % 4096 + 4096 * (
+        stage % 256 + 256 * space)))
+
+
+@contextlib.contextmanager
+def capture_weight_ops(stage: PipelineStage):
+    """Record (output, own parameters) of every parameter-owning module run in the block."""
+    ops: list[tuple[torch.Tensor, list[torch.nn.Parameter]]] = []
+
+    def hook(module, args, output):
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params and isinstance(output, torch.Tensor) and output.requires_grad:
+            ops.append((output, params))
+
+    handles = [m.register_forward_hook(hook) for m in stage.modules()
+               if next(m.parameters(recurse=False), None) is not None]
+    stage.capture = ops
+    try:
+        yield ops
+    finally:
+        stage.capture = None
+        for handle in handles:
+            handle.remove()
+
+
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, axes: list[Axis]) -> torch.Tensor:
+    """Clip gradients whose squares, summed over `axes` (pp, and the data-parallel shard axis
+    when a ZeRO engine holds shards), make the global norm; returns the norm before clipping.
+    The same coefficient as torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6))."""
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    for axis in axes:
+        C.all_reduce(sq, axis, "grad_norm")
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+class PipelineEngine:
+    """Runs one rank's action lists: `train_step` for a step, `eval_step` for validation."""
+
+    def __init__(self, stage: PipelineStage, schedule: Schedule, pp_axis: Axis,
+                 eval_schedule: Schedule | None = None, grad_sync=None, autocast=None,
+                 record_timeline: bool = False, tag_space: int = 0):
+        if pp_axis.size != schedule.pp:
+            raise ValueError(f"schedule for pp={schedule.pp} on a pp axis of {pp_axis.size}")
+        self.stage, self.schedule, self.axis = stage, schedule, pp_axis
+        self.eval_schedule = eval_schedule
+        self.rank = pp_axis.rank
+        self.grad_sync = grad_sync
+        self.autocast = autocast or contextlib.nullcontext
+        self.record_timeline = record_timeline
+        self.timeline: list[Event] = []
+        self.tag_space = tag_space
+        self.sends: list = []
+        self.mailbox: dict[tuple, torch.Tensor] = {}
+        self.last_stage = schedule.stages - 1
+        split = any(a.kind == I for a in schedule.ranks[self.rank])
+        if split and stage.has_first and stage.has_last and stage.cfg.tied_embeddings:
+            raise ValueError("a zero-bubble W pass computes one module's weight gradient; a "
+                             "head tied to the embedding on the same rank (pp = 1) is two "
+                             "uses of one matrix: use pp >= 2 or untied embeddings")
+
+    # ------------------------------------------------------------------ public API
+
+    def train_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor,
+                   loss_scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step; gradients
+        accumulate in the stage's `.grad` (or the data-parallel engine's buffers). Returns the
+        step's summed token cross-entropy, the same on every pp rank."""
+        self.stage.train()
+        loss = self._run(self.schedule, inputs_BT, targets_BT, loss_scale)
+        if self.grad_sync is not None:
+            self.grad_sync.after_backward()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """The summed token cross-entropy of a batch (forwards only), on every pp rank."""
+        if self.eval_schedule is None:
+            raise ValueError("this engine was built without an evaluation schedule")
+        self.stage.eval()
+        return self._run(self.eval_schedule, inputs_BT, targets_BT, 1.0)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self, schedule: Schedule, inputs_BT: torch.Tensor, targets_BT: torch.Tensor,
+             loss_scale: float) -> torch.Tensor:
+        m, rows = schedule.micro_batches, inputs_BT.shape[0]
+        if rows % m:
+            raise ValueError(f"{rows} sequences do not split into {m} micro-batches")
+        self.mb_rows = rows // m
+        self.inputs, self.targets, self.loss_scale = inputs_BT, targets_BT, loss_scale
+        self.bounds = slice_bounds(inputs_BT.shape[1], schedule.slices)
+        self.kv = TokenSliceCache() if schedule.slices > 1 else None
+        self.act_dtype = next(self.stage.parameters()).dtype
+        self.device = next(self.stage.parameters()).device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.state: dict[tuple, dict] = {}
+        actions = schedule.ranks[self.rank]
+        self.split_backward = any(a.kind == I for a in actions)
+        last_grad = {}
+        for idx, a in enumerate(actions):
+            if a.kind in GRADIENT_KINDS:
+                last_grad[a.stage] = idx
+        self.timeline = []
+        for idx, a in enumerate(actions):
+            start = time.perf_counter()
+            if a.kind in GRADIENT_KINDS and self.grad_sync is not None:
+                self.grad_sync.prepare_backward(last=last_grad[a.stage] == idx)
+            self._do(a, schedule)
+            if self.record_timeline:  # the system-wide monotonic clock: ranks line up
+                self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
+        for work, _ in self.sends:
+            C.wait(work)
+        self.sends.clear()
+        if self.stage.borrows_embedding:
+            self.stage.tied_head_weight.grad = None
+        C.all_reduce(self.loss_sum, self.axis, "loss")
+        return self.loss_sum
+
+    def _do(self, a: Action, schedule: Schedule) -> None:
+        if a.kind == F:
+            self._forward(a)
+        elif a.kind == B:
+            self._backward(a)
+        elif a.kind == I:
+            self._backward_input(a)
+        elif a.kind == W:
+            self._backward_weight(a)
+        elif a.kind in (SEND_ACT, SEND_GRAD, SEND_TIED_WEIGHT, SEND_TIED_GRAD):
+            self._send(a, schedule)
+        elif a.kind in (RECV_ACT, RECV_GRAD, RECV_TIED_WEIGHT, RECV_TIED_GRAD):
+            self._recv(a, schedule)
+        else:
+            raise ValueError(f"the synchronous executor cannot run {a}")
+
+    # ------------------------------------------------------------------ compute
+
+    def _micro_batch(self, tensor: torch.Tensor, a: Action) -> torch.Tensor:
+        lo, hi = self.bounds[a.slice]
+        rows = slice(a.mb * self.mb_rows, (a.mb + 1) * self.mb_rows)
+        return tensor[rows, lo:hi].to(self.device)
+
+    def _forward(self, a: Action) -> None:
+        key = (a.stage, a.mb, a.slice)
+        st = self.state.setdefault(key, {})
+        x = self._micro_batch(self.inputs, a) if a.stage == 0 else st["input"]
+        targets = self._micro_batch(self.targets, a) if a.stage == self.last_stage else None
+        block_fn = self.kv.block_fn(key) if self.kv is not None else None
+        split = self.split_backward and torch.is_grad_enabled()
+        capture = capture_weight_ops(self.stage) if split else contextlib.nullcontext()
+        with capture as ops, self.autocast():
+            out = self.stage(a.stage, x, targets, self.bounds[a.slice][0], block_fn)
+        if a.stage == self.last_stage:
+            self.loss_sum += out.detach()
+            out = out * self.loss_scale
+        st["output"] = out
+        if ops is not None:
+            st["ops"] = ops
+        if not torch.is_grad_enabled():  # evaluation: nothing will come back
+            st.pop("input", None)
+            if a.stage == self.last_stage:
+                self.state.pop(key)
+
+    def _tied_leaf(self, stage: int) -> list[torch.Tensor]:
+        """The borrowed head matrix, whose gradient goes back to its owner (never deferred)."""
+        return [self.stage.tied_head_weight] if (stage == self.last_stage and
+                                                 self.stage.borrows_embedding) else []
+
+    def _backward(self, a: Action) -> None:
+        key = (a.stage, a.mb, a.slice)
+        st = self.state.pop(key)
+        outs, grads = [st["output"]], [st.get("output_grad")]
+        if self.kv is not None:
+            extra_outs, extra_grads = self.kv.backward_extras(key)
+            outs, grads = outs + extra_outs, grads + extra_grads
+        torch.autograd.backward(outs, grads)
+        if self.kv is not None:
+            self.kv.after_backward(key)
+        if a.stage > 0:
+            self.state[key] = {"input_grad": st["input"].grad}
+
+    def _backward_input(self, a: Action) -> None:
+        key = (a.stage, a.mb, a.slice)
+        st = self.state[key]
+        ops = st.pop("ops")
+        first = [st["input"]] if a.stage > 0 else []
+        tied = self._tied_leaf(a.stage)
+        wanted = first + [y for y, _ in ops] + tied
+        got = torch.autograd.grad([st["output"]], wanted, [st.pop("output_grad", None)],
+                                  retain_graph=True, allow_unused=True)
+        if a.stage > 0:
+            st["input_grad"] = got[0]
+        for leaf, g in zip(tied, got[len(got) - len(tied):]):
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+        st["deferred"] = [(y, dy, params) for (y, params), dy in
+                          zip(ops, got[len(first):len(first) + len(ops)]) if dy is not None]
+
+    def _backward_weight(self, a: Action) -> None:
+        key = (a.stage, a.mb, a.slice)
+        for y, dy, params in self.state.pop(key)["deferred"]:
+            torch.autograd.backward([y], [dy], inputs=params, retain_graph=True)
+
+    # ------------------------------------------------------------------ communication
+
+    def _shape(self, a: Action) -> tuple[int, ...]:
+        lo, hi = self.bounds[a.slice]
+        return (self.mb_rows, hi - lo, self.stage.cfg.hidden)
+
+    def _peer(self, a: Action, schedule: Schedule) -> int:
+        return schedule.rank_of(peer_stage(a, schedule.stages))
+
+    def _send(self, a: Action, schedule: Schedule) -> None:
+        key = (a.stage, a.mb, a.slice)
+        if a.kind == SEND_ACT:
+            st = self.state[key]
+            tensor = st["output"].detach()
+            if not torch.is_grad_enabled():
+                self.state.pop(key)
+        elif a.kind == SEND_GRAD:
+            st = self.state[key]
+            tensor = st.pop("input_grad")
+            if not st:  # a full backward's unit is done; a split one waits for its W
+                self.state.pop(key)
+        elif a.kind == SEND_TIED_WEIGHT:
+            tensor = self.stage.tok_embeddings.weight.detach()
+        else:
+            tensor = self.stage.tied_head_weight.grad
+        self._post(message(a, schedule.stages), tensor, self._peer(a, schedule))
+
+    def _post(self, msg: tuple, tensor: torch.Tensor, peer: int) -> None:
+        """Send asynchronously (to this very rank: through the mailbox)."""
+        if peer == self.rank:
+            self.mailbox[msg] = tensor.clone()
+            return
+        tensor = tensor.contiguous()
+        work = C.send(tensor, self.axis, peer, PURPOSES[msg[0]], message_tag(msg, self.tag_space))
+        self.sends.append((work, tensor))
+
+    def _fetch(self, msg: tuple, buf: torch.Tensor, peer: int) -> torch.Tensor:
+        """Receive message `msg` into `buf`, waiting for it; returns the received tensor."""
+        if peer == self.rank:
+            return self.mailbox.pop(msg)
+        C.wait(C.recv(buf, self.axis, peer, PURPOSES[msg[0]], message_tag(msg, self.tag_space)))
+        return buf
+
+    def _recv(self, a: Action, schedule: Schedule) -> None:
+        msg = message(a, schedule.stages)
+        if a.kind in (RECV_ACT, RECV_GRAD):
+            buf = torch.empty(self._shape(a), dtype=self.act_dtype, device=self.device)
+        else:
+            cfg = self.stage.cfg
+            buf = torch.empty((cfg.vocab, cfg.hidden), dtype=self.act_dtype, device=self.device)
+        buf = self._fetch(msg, buf, self._peer(a, schedule))
+        key = (a.stage, a.mb, a.slice)
+        if a.kind == RECV_ACT:
+            self.state.setdefault(key, {})["input"] = buf.requires_grad_(torch.is_grad_enabled())
+        elif a.kind == RECV_GRAD:
+            self.state[key]["output_grad"] = buf
+        elif a.kind == RECV_TIED_WEIGHT:
+            with torch.no_grad():
+                self.stage.tied_head_weight.copy_(buf)
+            self.stage.tied_head_weight.grad = None
+            self.stage.tied_head_weight.requires_grad_(torch.is_grad_enabled())
+        else:
+            weight = self.stage.tok_embeddings.weight
+            if weight.grad is None:
+                weight.grad = buf
+            else:
+                weight.grad.add_(buf)

@@ -1,0 +1,80 @@
+"""Which transformer blocks each pipeline stage holds: balanced by cost, or given explicitly.
+
+The step time of a pipeline is set by its slowest stage, so the blocks are cut into
+`pp * vpp` contiguous runs (virtual stages, see fivefold.parallel.pipeline.schedules) that
+minimize the most expensive run, with the first stage also paying for the embedding and the
+last for the final norm, the output head and the loss. The head is not small: with the
+project's FLOP convention (fivefold.models.flops) it costs 6 V D per token, about 2.4 blocks
+of the default `tiny` model, which is why the last stage of a balanced split holds fewer
+blocks (Megatron-LM's uneven first/last stages and its "account for embedding/loss in the
+pipeline split" options address the same imbalance). The split is exact dynamic programming
+over (stages, blocks); every stage holds at least one block.
+
+Costs are training FLOPs per token: a block 3 (2 P_block + 4 T H E) (matrix multiplies and
+attention over the full T x T square, as in fivefold.models.flops), the head 3 * 2 V D, the
+embedding 2 D (its lookup and its gradient's scatter-add move D values per token; it has no
+matrix multiply). The planner may pass measured costs instead. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import ModelConfig
+from fivefold.models.flops import block_matmul_params
+
+
+def part_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
+    """(embedding, [block 0, ..., block L-1], head + loss) training FLOPs per token."""
+    attention = 4 * cfg.seq_len * cfg.heads * cfg.d_head
+    block = 3.0 * (2 * block_matmul_params(cfg) + attention)
+    return 2.0 * cfg.hidden, [block] * cfg.layers, 6.0 * cfg.vocab * cfg.hidden
+
+
+def balanced_counts(block_costs: list[float], stages: int, first_extra: float = 0.0,
+                    last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage, contiguous, at least one each, minimizing the costliest stage."""
+    n = len(block_costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages of at least one block")
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, lo: int, hi: int) -> float:  # blocks [lo, hi) on `stage`
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == stages - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    inf = float("inf")
+    # best[s][i]: the least possible maximum over stages 0..s holding blocks [0, i)
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for i in range(1, n + 1):
+        best[0][i] = cost(0, 0, i)
+    for s in range(1, stages):
+        for i in range(s + 1, n + 1):
+            for j in range(s, i):  # stage s holds [j, i)
+                value = max(best[s - 1][j], cost(s, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    counts, hi = [], n
+    for s in reversed(range(1, stages)):
+        lo = cut[s][hi]
+        counts.append(hi - lo)
+        hi = lo
+    counts.append(hi)
+    return counts[::-1]
+
+
+def stage_layer_ranges(cfg: ModelConfig, stages: int,
+                       counts: list[int] | None = None) -> list[range]:
+    """The block indices of each virtual stage: `counts` as given, else balanced by cost."""
+    if counts is None:
+        embed, blocks, head = part_costs(cfg)
+        counts = balanced_counts(blocks, stages, embed, head)
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != cfg.layers:
+        raise ValueError(f"stage layer counts {counts} must be {stages} numbers of at least one "
+                         f"block summing to {cfg.layers}")
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges

@@ -1,0 +1,140 @@
+"""Replay a schedule's action lists with modelled costs: deadlock check, timeline, bubble.
+
+Each rank runs its list in order. A compute action takes its cost; a send takes no time and
+never waits (the executor's sends are asynchronous); a receive waits until its message has
+been sent. Replaying every rank this way gives the earliest start of every action, which is
+what the runtime does when compute costs are as modelled, so the same function checks a
+schedule (every message sent once and received once, no rank waiting forever) and draws or
+scores it (fivefold.parallel.pipeline.timeline). The planner calls it with measured costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, I, RECVS, SENDS, UPDATE, W,
+                                                  Action, Schedule, message)
+
+
+class ScheduleError(ValueError):
+    """The action lists cannot run: a deadlock, a lost or duplicated message, a bad order."""
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def unit_cost(schedule: Schedule) -> Callable[[Action], float]:
+    """T_F = 1, T_B = 2 (T_I = T_W = 1) for one micro-batch through one whole stage: a chunk
+    costs 1/v of that and a token slice 1/n (the papers' analyses)."""
+    share = 1.0 / (schedule.vpp * schedule.slices)
+    costs = {F: share, B: 2 * share, I: share, W: share, UPDATE: 0.0}
+    return lambda a: costs.get(a.kind, 0.0)
+
+
+def replay(schedule: Schedule, cost: Callable[[Action], float] | None = None) -> list[Event]:
+    """Every action's (start, end) on its rank; raises ScheduleError if the lists cannot run."""
+    cost = cost or unit_cost(schedule)
+    n = len(schedule.ranks)
+    pos, clock = [0] * n, [0.0] * n
+    posted: dict[tuple, float] = {}
+    received: set[tuple] = set()
+    events: list[Event] = []
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            actions = schedule.ranks[r]
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                if a.kind in SENDS:
+                    key = message(a, schedule.stages)
+                    if key in posted:
+                        raise ScheduleError(f"rank {r}: {a} sends message {key} twice")
+                    posted[key] = clock[r]
+                    events.append(Event(r, a, clock[r], clock[r]))
+                elif a.kind in RECVS:
+                    key = message(a, schedule.stages)
+                    if key not in posted:
+                        break  # wait for the sender
+                    if key in received:
+                        raise ScheduleError(f"rank {r}: {a} receives message {key} twice")
+                    received.add(key)
+                    clock[r] = max(clock[r], posted[key])
+                    events.append(Event(r, a, clock[r], clock[r]))
+                else:
+                    start = clock[r]
+                    clock[r] += cost(a)
+                    events.append(Event(r, a, start, clock[r]))
+                pos[r] += 1
+                progress = True
+    stuck = [(r, str(schedule.ranks[r][pos[r]])) for r in range(n)
+             if pos[r] < len(schedule.ranks[r])]
+    if stuck:
+        raise ScheduleError(f"{schedule.name}: deadlock, ranks waiting at {stuck}")
+    unread = set(posted) - received
+    if unread:
+        raise ScheduleError(f"{schedule.name}: messages sent but never received: "
+                            f"{sorted(unread)[:4]}")
+    return events
+
+
+def check_compute(schedule: Schedule) -> None:
+    """Each (stage, micro-batch, slice) unit is computed on its stage's rank: exactly one F
+    and either one B or one I followed by one W, F before the backward. Raises otherwise."""
+    expected = {(s, j, k) for s in range(schedule.stages)
+                for j in range(schedule.micro_batches * schedule.steps)
+                for k in range(schedule.slices)}
+    seen: dict[str, list] = {F: [], B: [], I: [], W: []}
+    for r, actions in enumerate(schedule.ranks):
+        done: dict[tuple, list[str]] = {}
+        for a in actions:
+            if a.kind not in COMPUTE:
+                continue
+            unit = (a.stage, a.mb, a.slice)
+            if schedule.rank_of(a.stage) != r:
+                raise ScheduleError(f"rank {r} computes {a}, which belongs to another rank")
+            history = done.setdefault(unit, [])
+            need = {F: [], B: [F], I: [F], W: [F, I]}[a.kind]
+            if history != need:
+                raise ScheduleError(f"rank {r}: {a} after {history or 'nothing'}")
+            history.append(a.kind)
+            seen[a.kind].append(unit)
+    for kind in (F,):
+        if sorted(seen[kind]) != sorted(expected):
+            raise ScheduleError(f"{schedule.name}: forwards do not cover each unit exactly once")
+    backward = sorted(seen[B] + seen[I])
+    if backward != sorted(expected) or sorted(seen[W]) != sorted(seen[I]):
+        raise ScheduleError(f"{schedule.name}: backwards do not cover each unit exactly once")
+
+
+def peak_in_flight(schedule: Schedule) -> list[int]:
+    """Per rank, the most units held between their forward and their last backward action."""
+    peaks = []
+    for actions in schedule.ranks:
+        split = {(a.stage, a.mb, a.slice) for a in actions if a.kind == I}
+        live = peak = 0
+        for a in actions:
+            unit = (a.stage, a.mb, a.slice)
+            if a.kind == F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind == W or (a.kind == B and unit not in split):
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def bubble_fraction(events: list[Event]) -> float:
+    """Idle share of the ranks' time between the first start and the last end of any action:
+    1 - (busy time summed over ranks) / (ranks x makespan)."""
+    ranks = {e.rank for e in events}
+    t0 = min(e.start for e in events)
+    t1 = max(e.end for e in events)
+    busy = sum(e.end - e.start for e in events if e.action.kind in COMPUTE)
+    return 1.0 - busy / (len(ranks) * (t1 - t0))
