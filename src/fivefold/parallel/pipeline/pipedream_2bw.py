@@ -21,10 +21,10 @@ buffers other micro-batches compute with. With tied embeddings the first rank se
 version of the matrix to the last stage, which returns its gradient share of each step; the
 last stage sends each step's loss to the first rank. Nothing waits for all ranks during
 training, so gradient clipping is per stage (each stage's own norm, after the data-parallel
-all-reduce): a global norm would need the synchronization 2BW removes. Convergence, not
-parity, is the claim: tests/test_pipeline_parity.py checks the update rule above exactly
-against a single-process implementation, and (slow) that the default model's validation loss
-ends within 3% of synchronous training.
+all-reduce): a global norm would need the synchronization 2BW removes. The math differs from
+synchronous training on purpose: tests/test_pipeline_parity.py checks the update rule above
+exactly against a single-process implementation of it; how far the staleness moves the loss
+is measured there too (slow) and tabled in docs/pipeline.md.
 """
 
 from __future__ import annotations

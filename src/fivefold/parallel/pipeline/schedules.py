@@ -72,10 +72,6 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
 
-    def rank_stages(self, rank: int) -> list[int]:
-        """The virtual stages (model chunks) rank `rank` holds, first chunk first."""
-        return [rank + c * self.pp for c in range(self.vpp)]
-
 
 def message(action: Action, stages: int) -> tuple:
     """The identity of the message a send or receive action moves (the sender's view)."""
