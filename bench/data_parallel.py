@@ -55,8 +55,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
-import resource
 import selectors
 import socket
 import statistics
@@ -65,6 +63,8 @@ import sys
 import tempfile
 import time
 import warnings
+
+from harness import add_timing_args, machine_info, rss_mib, split_rounds, write_json
 
 FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
 TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
@@ -91,23 +91,6 @@ def bench_config(zero_stage: int, world: int, extra: tuple[str, ...] = ()):
                              "train.sample_tokens=0", *extra])
     validate_for_training(cfg, world)
     return cfg
-
-
-def rss_mib(field: str) -> float:
-    """This process's resident set from /proc (Linux): "VmRSS" now, "VmHWM" its peak.
-
-    Not `ru_maxrss`: Linux carries that across fork + exec, so a rank started by a driver that
-    has torch loaded would begin at the driver's RSS. Elsewhere `ru_maxrss` is the fallback.
-    """
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 2**10  # kB
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def lr_for_step(hp: dict, step: int, total_steps: int) -> float:
@@ -191,7 +174,6 @@ class PeerSide:
                                       lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
 
     def _wrap(self, model):
-        torch = self.torch
         if self.side == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel
             return DistributedDataParallel(model), self._adamw(list(model.parameters()))
@@ -370,17 +352,11 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------ the driver
 
-def machine_info() -> dict:
-    import torch
-    info = {"processor": platform.processor() or platform.machine(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "load_average": os.getloadavg(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if importlib.util.find_spec("deepspeed"):
-        from importlib.metadata import version
-        info["deepspeed"] = version("deepspeed")
-    return info
+def peer_versions() -> dict:
+    if importlib.util.find_spec("deepspeed") is None:
+        return {}
+    from importlib.metadata import version
+    return {"deepspeed": version("deepspeed")}
 
 
 def chosen_sides(names: str | None) -> tuple[list[str], dict[str, str]]:
@@ -404,8 +380,6 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
 
     from fivefold.train.data import prepare_data
 
-    if steps < rounds or rounds < 1:
-        raise SystemExit(f"--steps ({steps}) must be at least --rounds ({rounds}) >= 1")
     if GLOBAL_BATCH % nproc:
         raise SystemExit(f"--nproc ({nproc}) must divide the global batch of {GLOBAL_BATCH}")
     for name, reason in skipped.items():
@@ -413,7 +387,7 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
     load_before = os.getloadavg()
     cfg = bench_config(0, nproc)
     data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))  # build the cache once
-    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    per_round = split_rounds(steps, rounds)
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "moe"}
     spec = {"model": model, "total_steps": warmup + steps, "threads": threads,
             "train": dataclasses.asdict(cfg.train), "train_tokens": str(data.train.filename)}
@@ -470,7 +444,7 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
                          "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
                          "tokens_per_step": tokens_per_step, "timed_steps": steps,
                          "rounds": rounds, "steps_per_round": per_round, "warmup_steps": warmup},
-              "machine": dict(machine_info(), load_average_before=load_before),
+              "machine": dict(machine_info(**peer_versions()), load_average_before=load_before),
               "sides": {}, "skipped": skipped}
     for name in sides:
         if name not in finals:
@@ -564,7 +538,7 @@ def run_ledger() -> dict:
     layouts = run_on_ranks(_ledger_step, LEDGER_WORLD, LEDGER_LAYOUTS, timeout_s=900)[0]
     return {"config": {"preset": PRESET, "precision": "fp32", "world": LEDGER_WORLD,
                        "gpus_per_node": 2, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN},
-            "machine": machine_info(), "layouts": layouts}
+            "machine": machine_info(**peer_versions()), "layouts": layouts}
 
 
 def print_ledger(res: dict) -> None:
@@ -588,10 +562,7 @@ def print_ledger(res: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks per side (default 2)")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per side (default 30)")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="interleaved rounds the timed steps are split into (default 5)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default 3)")
+    add_timing_args(ap, steps=30, rounds=5, warmup=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: CPUs / nproc, at least 1)")
     ap.add_argument("--sides", metavar="A,B,...",
@@ -599,7 +570,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 steps, 1 round, 1 warm-up")
     ap.add_argument("--ledger", action="store_true",
                     help="print the ZeRO / ZeRO++ bytes per collective of one step on 4 ranks")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: one rank
     args = ap.parse_args(argv)
     if args.side:
@@ -615,10 +585,7 @@ def main(argv: list[str] | None = None) -> None:
         res = run_bench(sides, skipped, args.nproc, args.steps, args.rounds, args.warmup,
                         threads)
         print_table(res)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
-            fh.write("\n")
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ works.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -52,6 +50,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import machine_info, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # the source tree's fivefold, with or without PYTHONPATH
@@ -100,7 +100,6 @@ def _device_setup(spec: dict):
 def fivefold_side(spec: dict) -> dict:
     """Trainer.train_step on random tokens; returns losses and per-step times."""
     import numpy as np
-    import torch
 
     from fivefold.models.flops import param_count
     from fivefold.train.data import TokenData
@@ -240,24 +239,19 @@ def run_side(side: str, spec: dict, timeout_s: float) -> dict:
         return {"error": f"worker exited with code {proc.returncode} and no result; see above"}
 
 
-def machine_info(device: str) -> dict:
+def gpu_info(device: str) -> dict:
+    """The machine, plus the GPU and the transformers version of the peer side."""
     import torch
 
-    info = {"torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         import transformers
-        info["transformers"] = transformers.__version__
+        info = {"transformers": transformers.__version__}
     except ImportError:
-        info["transformers"] = None
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    else:
-        info["gpu"] = None
-        info["processor"] = platform.processor() or platform.machine()
-    return info
+        info = {"transformers": None}
+    cuda = device == "cuda" and torch.cuda.is_available()
+    info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
+    info["cuda"] = torch.version.cuda if cuda else None
+    return machine_info(**info)
 
 
 def peak_flops(spec: dict, override_tflops: float | None) -> float | None:
@@ -285,7 +279,7 @@ def run_bench(spec: dict, override_tflops: float | None = None,
                          "model": {k: v for k, v in vars(cfg.model).items() if k != "moe"},
                          "tokens_per_step": spec["micro_batch"] * spec["seq_len"],
                          "flops_per_token": fpt, "peak_flops": peak},
-              "machine": machine_info(spec["device"])}
+              "machine": gpu_info(spec["device"])}
     deadline = time.monotonic() + budget_s
     for side in SIDES:
         reserve = 0.45 * budget_s if side == "fivefold" else 0.0  # left for the baseline
@@ -362,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         spec["compile"] = args.compile
     res = run_bench(spec, args.peak_tflops, args.budget_s)
     print_report(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.json, res)
     return 0 if "tokens_per_s" in res["fivefold"] else 1
 
 

@@ -27,16 +27,13 @@ memory; the numbers say how much.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import add_timing_args, machine_info, rss_mib, split_rounds, write_json
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tp, sequence parallel)
 GLOBAL_BATCH = 8
@@ -96,11 +93,10 @@ def _rank(rt, tp, sp, warmup, per_round, data_dir):
             step += 1
         rates.append(n * GLOBAL_BATCH * SEQ_LEN / (time.perf_counter() - start))
     tp_records = [r for r in trainer.ledger.records if r.mesh_dim == "tp"]
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     return {"tokens_per_s_rounds": rates, "loss": loss,
             "tp_bytes_per_step": sum(r.bytes for r in tp_records),
             "tp_wire_bytes_per_step": sum(r.wire_bytes for r in tp_records),
-            "peak_rss_mib": rss_mib, "collective_ms": _collective_ms(trainer, cfg)}
+            "peak_rss_mib": rss_mib(), "collective_ms": _collective_ms(trainer, cfg)}
 
 
 def _collective_ms(trainer, cfg, reps: int = 10) -> dict[str, float]:
@@ -134,15 +130,11 @@ def _collective_ms(trainer, cfg, reps: int = 10) -> dict[str, float]:
 
 
 def run_bench(steps: int, rounds: int, warmup: int) -> dict:
-    import torch
-
     from fivefold.parallel.tensor import activation_bytes_per_layer
     from fivefold.testing import run_on_ranks
     from fivefold.train.data import prepare_data
 
-    if steps < rounds or rounds < 1:
-        raise SystemExit(f"--steps ({steps}) must be at least --rounds ({rounds}) >= 1")
-    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    per_round = split_rounds(steps, rounds)
     prepare_data(bench_config(1, False), log=lambda text: print(text, file=sys.stderr))
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:  # never written
@@ -167,11 +159,7 @@ def run_bench(steps: int, rounds: int, warmup: int) -> dict:
                        "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
                        "tokens_per_step": GLOBAL_BATCH * SEQ_LEN, "timed_steps": steps,
                        "rounds": rounds, "warmup_steps": warmup, "threads_per_rank": 1},
-            "machine": {"processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                        "python": platform.python_version(),
-                        "date": datetime.datetime.now(datetime.timezone.utc)
-                        .isoformat(timespec="seconds")},
+            "machine": machine_info(),
             "layouts": results}
 
 
@@ -301,19 +289,15 @@ def write_docs(res: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per layout (default 6)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds the timed steps are split into")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    add_timing_args(ap, steps=6, rounds=3, warmup=2, what="layout")
     ap.add_argument("--quick", action="store_true", help="2 steps, 1 round, 1 warm-up, no docs")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-docs", action="store_true", help=f"do not rewrite {DOCS.name}")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.warmup, args.no_docs = 2, 1, 1, True
     res = run_bench(args.steps, args.rounds, args.warmup)
     print(table(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.json, res)
     if not args.no_docs:
         write_docs(res)
         print(f"wrote {DOCS}")

@@ -16,7 +16,7 @@ tokenized corpus is cached after the first run, about 10 s the first time).
   overhead, not the model implementation.
 
 Each side runs in its own worker process (this script re-invoked with `--side`), so the peak
-resident set size (`ru_maxrss`) is per side; it includes the interpreter, torch, the model,
+resident set size (VmHWM, harness.rss_mib) is per side; it includes the interpreter, torch, the model,
 optimizer state, activations and the touched pages of the memory-mapped token array. The
 parent drives both workers one at a time: warm-up steps (not timed), then `--rounds` rounds
 of `--steps / --rounds` timed steps each, interleaved A B A B ..., so machine noise hits both
@@ -32,17 +32,16 @@ with its ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from harness import add_timing_args, machine_info, rss_mib, split_rounds, write_json
 
 SIDES = ("fivefold", "plain")
 GLOBAL_BATCH = 8
@@ -60,11 +59,6 @@ def bench_config():
                              'train.device="cpu"', "train.compile=false"])
     validate_for_training(cfg, 1)
     return cfg
-
-
-def peak_rss_mib() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 # ------------------------------------------------------------------ the two sides
@@ -173,8 +167,8 @@ def worker(side: str) -> None:
         start = time.perf_counter()
         loss = runner.run(cmd["steps"])
         reply({"seconds": time.perf_counter() - start, "loss": loss,
-               "peak_rss_mib": peak_rss_mib()})
-    reply({"peak_rss_mib": peak_rss_mib()})
+               "peak_rss_mib": rss_mib()})
+    reply({"peak_rss_mib": rss_mib()})
 
 
 class Worker:
@@ -204,26 +198,14 @@ class Worker:
 
 # ------------------------------------------------------------------ the driver
 
-def machine_info() -> dict:
-    import torch
-    return {"processor": platform.processor() or platform.machine(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cuda_available": torch.cuda.is_available(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def run_bench(steps: int, rounds: int, warmup: int) -> dict:
     import dataclasses
 
     from fivefold.train.data import prepare_data
 
-    if steps < rounds or rounds < 1:
-        raise SystemExit(f"--steps ({steps}) must be at least --rounds ({rounds}) >= 1")
     cfg = bench_config()
     data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))  # build the cache once
-    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    per_round = split_rounds(steps, rounds)
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "moe"}
     spec = {"model": model, "global_batch": GLOBAL_BATCH, "total_steps": warmup + steps,
             "train": dataclasses.asdict(cfg.train), "train_tokens": str(data.train.filename)}
@@ -254,7 +236,7 @@ def run_bench(steps: int, rounds: int, warmup: int) -> dict:
                          "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN,
                          "tokens_per_step": tokens_per_step, "timed_steps": steps,
                          "rounds": rounds, "steps_per_round": per_round, "warmup_steps": warmup},
-              "machine": machine_info()}
+              "machine": machine_info(torch_threads=workers["fivefold"].threads)}
     for side in SIDES:
         result[side] = {"tokens_per_s": statistics.median(rates[side]),
                         "tokens_per_s_best": max(rates[side]),
@@ -284,12 +266,8 @@ def print_table(res: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per side (default 30)")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="interleaved rounds the timed steps are split into (default 5)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default 3)")
+    add_timing_args(ap, steps=30, rounds=5, warmup=3)
     ap.add_argument("--quick", action="store_true", help="smoke test: 4 steps, 1 round, 1 warm-up")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: worker mode
     args = ap.parse_args(argv)
     if args.side:
@@ -298,10 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.rounds, args.warmup = 4, 1, 1
     res = run_bench(args.steps, args.rounds, args.warmup)
     print_table(res)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
-            fh.write("\n")
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

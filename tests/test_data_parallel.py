@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.models.flops import param_count
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import prepare_data
 from fivefold.train.dist import Runtime

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import load_config

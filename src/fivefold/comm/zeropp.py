@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.comm import collectives as C
-from fivefold.comm.quantize import BLOCK, dequantize_int8, quantize_int8
+from fivefold.comm.quantize import dequantize_int8, quantize_int8
 
 
 @dataclass(frozen=True)

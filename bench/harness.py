@@ -1,0 +1,70 @@
+"""What every bench script shares: the machine description, peak memory, timing rounds and
+the command-line options for them, and the JSON output.
+
+The scripts run as `python bench/NAME.py`, so this directory is first on `sys.path` and they
+import this module as `harness`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+
+
+def machine_info(**extra) -> dict:
+    """Where and when a result was measured; `extra` adds script-specific entries."""
+    import torch
+
+    return {"processor": platform.processor() or platform.machine(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **extra}
+
+
+def rss_mib(field: str = "VmHWM") -> float:
+    """This process's resident set from /proc (Linux): "VmRSS" now, "VmHWM" its peak.
+
+    Not `ru_maxrss`: Linux carries that across fork + exec, so a rank started by a driver that
+    has torch loaded would begin at the driver's RSS. Elsewhere `ru_maxrss` is the fallback.
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def split_rounds(steps: int, rounds: int) -> list[int]:
+    """`steps` timed steps cut into `rounds` near-equal rounds (the first ones one longer)."""
+    if steps < rounds or rounds < 1:
+        raise SystemExit(f"--steps ({steps}) must be at least --rounds ({rounds}) >= 1")
+    return [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+
+
+def add_timing_args(ap: argparse.ArgumentParser, steps: int, rounds: int, warmup: int,
+                    what: str = "side") -> None:
+    """--steps, --rounds, --warmup and --json with this script's defaults."""
+    ap.add_argument("--steps", type=int, default=steps,
+                    help=f"timed steps per {what} (default {steps})")
+    ap.add_argument("--rounds", type=int, default=rounds,
+                    help=f"interleaved rounds the timed steps are split into (default {rounds})")
+    ap.add_argument("--warmup", type=int, default=warmup,
+                    help=f"untimed warm-up steps (default {warmup})")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
