@@ -425,7 +425,8 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "parallel.sequence_parallel", "model.seq_len = 255 does not split evenly over tp = 2"),
     (["parallel.tp=2", "model.preset=mixtral-8x7B"], 2, "parallel.tp",
      "tensor parallelism splits dense MLPs only"),
-    (["parallel.pp=2"], 2, "parallel.pp", "not implemented in the runtime"),
+    (["parallel.pp=2", "parallel.zero_stage=3"], 2, "parallel.zero_stage",
+     "ZeRO-3 gathers a stage's root parameters"),
     (["parallel.cp=2"], 2, "parallel.cp", "not implemented in the runtime"),
     (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
@@ -433,6 +434,8 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
     (["train.optimizer=lomo"], 1, "train.optimizer", "'lomo' is not implemented"),
     (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
+    (["train.optimizer=sgd"], 2, "train.optimizer", "SGD runs on one rank without ZeRO"),
+    (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "SGD runs on one"),
     (["model.preset=mixtral-8x7B"], 1, "model.moe", "mixture-of-experts training is not"),
 ])
 def test_validate_for_training_rejects(overrides, world_size, key, fragment):
@@ -442,7 +445,7 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 
 
 def test_validate_for_training_accepts_runnable_configs():
-    validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 4)
+    validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("parallel.micro_batch=2", "parallel.global_batch=8"), 2)
     validate_for_training(load("parallel.tp=4", "parallel.sequence_parallel=true"), 8)
     # a vocabulary that tp does not divide is padded, not rejected

@@ -279,12 +279,42 @@ def validate_tensor_parallel(cfg: Config) -> None:
                                          "parallel.tp = 1 with a mixture-of-experts model")
 
 
+def validate_pipeline_runtime(cfg: Config) -> None:
+    """What the Trainer's pipeline path (parallel.pp > 1) does not compose with yet."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    if p.zero_stage == 3:
+        raise ConfigError("parallel.zero_stage", "ZeRO-3 gathers a stage's root parameters in "
+                                                 "the whole model's forward, which a pipeline "
+                                                 "stage does not run; use zero_stage 0, 1 or 2 "
+                                                 "with parallel.pp > 1")
+    if p.precision == "fp16":
+        raise ConfigError("parallel.precision", "fp16 loss scaling is not wired into the "
+                                                "pipeline schedules; use 'bf16' (GPU) or "
+                                                "'fp32' with parallel.pp > 1")
+    if p.schedule == "terapipe" and p.tp > 1:
+        raise ConfigError("parallel.schedule", "TeraPipe's sliced attention runs outside the "
+                                               "tensor-parallel regions; use parallel.tp = 1 "
+                                               "or another schedule")
+    if p.schedule == "zb" and p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "the zero-bubble weight pass would "
+                                                        "re-run sequence parallelism's shared "
+                                                        "re-gather; turn it off or use another "
+                                                        "schedule")
+    if p.schedule == "pipedream-2bw" and (p.tp > 1 or p.zero_stage > 0):
+        raise ConfigError("parallel.schedule", "PipeDream-2BW keeps its own weight versions "
+                                               "and optimizer: use it with parallel.tp = 1 and "
+                                               "parallel.zero_stage = 0")
+
+
 def validate_for_training(cfg: Config, world_size: int) -> None:
     """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
     validate(cfg, world_size)
     p = cfg.parallel
     validate_tensor_parallel(cfg)
-    for key in ("pp", "cp", "ep"):
+    validate_pipeline_runtime(cfg)
+    for key in ("cp", "ep"):
         if getattr(p, key) != 1:
             raise ConfigError(f"parallel.{key}", "this dimension is not implemented in the "
                                                  "runtime yet (see README, Features); set it to "
@@ -302,6 +332,11 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     if cfg.train.optimizer not in ("adamw", "sgd"):
         raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} is not implemented in "
                                              "the runtime yet; use 'adamw' or 'sgd'")
+    if cfg.train.optimizer == "sgd" and (world_size > 1 or p.zero_stage > 0):
+        raise ConfigError("train.optimizer", "SGD runs on one rank without ZeRO only: the "
+                                             "data-parallel and pipeline engines keep AdamW "
+                                             "states; use 'adamw', or one rank with "
+                                             "parallel.zero_stage = 0")
     if cfg.model.moe is not None:
         raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
                                        "use a dense preset")

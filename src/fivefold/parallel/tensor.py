@@ -248,7 +248,9 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
     """Split `model` over `tp_axis` in place (see the module docstring); returns it.
 
     The config must already be validated for this degree (fivefold.validate): heads, kv_heads
-    and ffn_hidden divisible by tp, and seq_len too with sequence parallelism.
+    and ffn_hidden divisible by tp, and seq_len too with sequence parallelism. `model` may
+    also be one pipeline stage (fivefold.parallel.pipeline.stage): the embedding, final norm
+    and head it does not hold are skipped.
     """
     cfg, t = model.cfg, tp_axis.size
     assert cfg.moe is None, "tensor parallelism splits dense MLPs only"
@@ -256,9 +258,10 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
         f"tp {t} must divide heads {cfg.heads}, kv_heads {cfg.n_kv_heads} and ffn_hidden "
         f"{cfg.ffn_hidden}")
     sp = sequence_parallel
-    model.tok_embeddings = VocabParallelEmbedding(
-        _shard_of("tok_embeddings.weight", model.tok_embeddings.weight, tp_axis), tp_axis, sp)
-    if model.output is not None:
+    if hasattr(model, "tok_embeddings"):
+        model.tok_embeddings = VocabParallelEmbedding(
+            _shard_of("tok_embeddings.weight", model.tok_embeddings.weight, tp_axis), tp_axis, sp)
+    if getattr(model, "output", None) is not None:
         model.output.weight = nn.Parameter(_shard_of("output.weight", model.output.weight,
                                                      tp_axis))
         model.output.out_features = model.output.weight.shape[0]
@@ -281,8 +284,10 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
             region_module.register_forward_hook(region.leave)
         block.attention.n_heads //= t
         block.attention.n_kv_heads //= t
-    model.norm.register_forward_hook(
-        lambda module, args, out: gather_from_sp(out, tp_axis) if sp else copy_to_tp(out, tp_axis))
+    if hasattr(model, "norm"):
+        model.norm.register_forward_hook(
+            lambda module, args, out: (gather_from_sp(out, tp_axis) if sp else
+                                       copy_to_tp(out, tp_axis)))
     if sp:  # replicated gains see T/t tokens per rank: their gradients are partial sums
         for name, param in model.named_parameters():
             if split_dim(name) is None:
@@ -303,13 +308,15 @@ def _counted_mask(unit, tp_rank: int) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(engine, max_norm: float, tp_axis: Axis) -> torch.Tensor:
+def clip_grad_norm_(engine, max_norm: float, tp_axis: Axis,
+                    pp_axis: Axis | None = None) -> torch.Tensor:
     """Clip the global gradient norm of a tensor-parallel model held by a DataParallelEngine.
 
     The engine's clipping with the tensor-parallel parts included: split parameters add the
     squares of their shard on every tp rank, replicated ones (norm gains, equal on every tp
     rank) on tp rank 0 only, so the sum over data-parallel shards and tp ranks counts each
-    element of the plain model exactly once. Returns the norm before clipping.
+    element of the plain model exactly once; with pipeline stages (`pp_axis`) the stages'
+    sums add up too. Returns the norm before clipping.
     """
     sq = torch.zeros((), dtype=torch.float32, device=engine.masters[0].device)
     for unit, master in zip(engine.units, engine.masters):
@@ -318,6 +325,8 @@ def clip_grad_norm_(engine, max_norm: float, tp_axis: Axis) -> torch.Tensor:
         sq += (sq_elems if mask is None else torch.where(mask, sq_elems, 0.0)).sum()
     C.all_reduce(sq, engine.shard_axis, "grad_norm")
     C.all_reduce(sq, tp_axis, "grad_norm")
+    if pp_axis is not None:
+        C.all_reduce(sq, pp_axis, "grad_norm")
     norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for master in engine.masters:

@@ -18,6 +18,12 @@ With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
 shards and is data-parallel over the dp axes only, the ranks of one tp group draw the same
 batch (the sampler takes the data-parallel rank), the loss is the vocabulary-parallel
 cross-entropy, and the clipped gradient norm sums the shards over tp as well.
+
+With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
+with the data-parallel engine over the stage; a step and a validation batch are one run of
+the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
+(every stage has a "root" unit); PipeDream-2BW, asynchronous, writes none. The closing text
+sample is skipped with pp > 1.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from fivefold.models.llama import Transformer, build_model
 from fivefold.models.pretrained import load_weights_into
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.mesh import Mesh, mesh_shape
+from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
 from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -53,6 +60,7 @@ from fivefold.train.dist import Runtime
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.optim import build_optimizer, lr_at
+from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
 from fivefold.validate import ranks_per_node
 
@@ -80,6 +88,7 @@ class Trainer:
         self.mesh = Mesh(mesh_shape(p, rt.world_size), rt.device.type, self.ledger)
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.tp_axis = self.mesh.axis("tp")
+        self.pp_axis = self.mesh.axis("pp")
         self.dp = self.dp_axis.size  # the ranks of one tp group share a batch
         self.per_rank = p.global_batch // self.dp
         self.micro_batch = p.micro_batch or self.per_rank
@@ -91,17 +100,14 @@ class Trainer:
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, p.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
-        self.model: Transformer = build_model(m, cfg.train.seed, rt.device)
-        if init_from is not None:  # pretrained weights, into the plain model before any wrapping
-            load_weights_into(self.model, m, init_from)
-        if self.tp_axis.size > 1:
-            apply_tensor_parallel(self.model, self.tp_axis, p.sequence_parallel)
+        self.model = self._build_model(init_from)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
         self.engine, self.optimizer = None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
-        if rt.distributed or p.zero_stage > 0:
+        asynchronous = p.pp > 1 and p.schedule == "pipedream-2bw"  # updates on its own
+        if (rt.distributed or p.zero_stage > 0) and not asynchronous:
             if self.scaler:
                 raise ConfigError("parallel.precision", "fp16 loss scaling runs on one rank only"
                                                         " for now; use bf16 or fp32 with data "
@@ -113,6 +119,12 @@ class Trainer:
                                              rt.device, DTYPES[self.precision], reduce, zero_pp)
         else:
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
+        self.pipeline = None
+        if p.pp > 1:
+            axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.dp_axis}
+            self.pipeline = PipelineStep(cfg, self.model, axes, self.engine, self.optimizer,
+                                         self.per_rank // self.micro_batch, self.train_sampler,
+                                         self.global_tokens, self.autocast)
         profile = detect_profile(rt.device, cfg.cluster.gpu)
         # MFU denominator, all ranks together: one device per rank on GPUs; on the CPU the
         # profile's rate is per core (one thread per rank), and the ranks share the cores
@@ -122,6 +134,19 @@ class Trainer:
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
                            else 0)
+
+    def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
+        """The plain model (pretrained weights in before any wrapping, then the tensor-parallel
+        split), or this rank's pipeline stage."""
+        m, p = self.cfg.model, self.cfg.parallel
+        if p.pp > 1:
+            return build_stage(self.cfg, self.pp_axis, self.tp_axis, self.rt.device, init_from)
+        model = build_model(m, self.cfg.train.seed, self.rt.device)
+        if init_from is not None:
+            load_weights_into(model, m, init_from)
+        if self.tp_axis.size > 1:
+            apply_tensor_parallel(model, self.tp_axis, p.sequence_parallel)
+        return model
 
     def say(self, text: str) -> None:
         if self.rt.is_main:
@@ -154,7 +179,24 @@ class Trainer:
         self.ledger.start_step()
         self.model.train()
         lr = lr_at(step, self.cfg.train)
-        inputs, targets = self.train_sampler.rank_batch(step)
+        clip = self.cfg.train.grad_clip or math.inf
+        if self.pipeline:  # every micro-batch through every stage, and the update
+            loss_sum, grad_norm = self.pipeline.step(step, lr)
+        else:
+            loss_sum = self._accumulate(*self.train_sampler.rank_batch(step))
+            if self.engine:
+                grad_norm = (tp_clip_grad_norm_(self.engine, clip, self.tp_axis)
+                             if self.tp_axis.size > 1 else self.engine.clip_grad_norm_(clip))
+                self.engine.step(lr)
+                self.engine.zero_grad()
+            else:
+                grad_norm = self._plain_update(lr, clip)
+        C.all_reduce(loss_sum, self.dp_axis, "loss")
+        loss = loss_sum.item() / self.global_tokens
+        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of each micro-batch in turn; the summed token cross-entropy."""
         n_micro = self.per_rank // self.micro_batch
         loss_sum = torch.zeros((), device=self.rt.device)
         for j in range(n_micro):
@@ -168,17 +210,7 @@ class Trainer:
             if self.engine:
                 self.engine.after_backward()
             loss_sum += ce_sum.detach()
-        clip = self.cfg.train.grad_clip or math.inf
-        if self.engine:
-            grad_norm = (tp_clip_grad_norm_(self.engine, clip, self.tp_axis)
-                         if self.tp_axis.size > 1 else self.engine.clip_grad_norm_(clip))
-            self.engine.step(lr)
-            self.engine.zero_grad()
-        else:
-            grad_norm = self._plain_update(lr, clip)
-        C.all_reduce(loss_sum, self.dp_axis, "loss")
-        loss = loss_sum.item() / self.global_tokens
-        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+        return loss_sum
 
     def _plain_update(self, lr: float, clip: float) -> torch.Tensor:
         """One rank, no engine: torch's clipping and optimizer (with the fp16 scaler)."""
@@ -202,6 +234,9 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device, dtype=torch.float64)
         for i in range(self.cfg.train.eval_batches):
             inputs, targets = self.val_sampler.rank_batch(i)
+            if self.pipeline:
+                total += self.pipeline.eval_sum(inputs, targets).double()
+                continue
             for j in range(0, self.per_rank, self.micro_batch):
                 x = inputs[j:j + self.micro_batch].to(self.rt.device)
                 y = targets[j:j + self.micro_batch].to(self.rt.device)
@@ -234,16 +269,19 @@ class Trainer:
         return meta["step"]
 
     def _checkpoint_state(self) -> dict:
-        """What DCP saves and loads in place: the engine's shards, or the plain state dicts."""
-        if self.engine and self.tp_axis.size > 1:  # tp ranks hold different shards
-            tag = f".tp{self.tp_axis.rank}of{self.tp_axis.size}"
-            return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
+        """What DCP saves and loads in place: the engine's shards, or the plain state dicts.
+        Keys carry the pp and tp ranks where those hold different tensors under one unit
+        name (every pipeline stage has a "root" unit; tp ranks hold different shards)."""
         if self.engine:
-            return self.engine.checkpoint_state()
+            tag = "".join(f".{axis.name}{axis.rank}of{axis.size}"
+                          for axis in (self.pp_axis, self.tp_axis) if axis.size > 1)
+            return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def _save(self, step: int) -> None:
+        if self.pipeline and self.pipeline.asynchronous:
+            return  # PipeDream-2BW: two weight versions and micro-batches in flight; not saved
         meta = {"data_position": step, "config": self.cfg.to_dict()}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
@@ -259,7 +297,8 @@ class Trainer:
                      "raise --steps or use a new --run-dir")
             return {"steps": start_step, "complete": True}
         self.say(f"model {m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
-                 f"{self.rt.world_size} rank(s) (tp {self.tp_axis.size}, dp {self.dp}) on "
+                 f"{self.rt.world_size} rank(s) (pp {self.pp_axis.size}, tp {self.tp_axis.size}, "
+                 f"dp {self.dp}) on "
                  f"{self.rt.device.type}, {self.precision}; "
                  f"global batch {self.cfg.parallel.global_batch} x {m.seq_len} tokens, "
                  f"micro-batch {self.micro_batch}")
@@ -290,7 +329,9 @@ class Trainer:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
-        if t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
+        if t.sample_tokens and self.pipeline:
+            self.say("no text sample: sampling runs the whole model, which pp > 1 splits")
+        elif t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
             model = (GatheredLogits(self.model, self.tp_axis, self.cfg.parallel.sequence_parallel)
                      if self.tp_axis.size > 1 else self.model)
             text = sample_text(model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,

@@ -262,8 +262,14 @@ class PipelineEngine:
     # ------------------------------------------------------------------ communication
 
     def _shape(self, a: Action) -> tuple[int, ...]:
+        """An activation message: (rows, tokens, width), tokens split over sequence shards."""
         lo, hi = self.bounds[a.slice]
-        return (self.mb_rows, hi - lo, self.stage.cfg.hidden)
+        return (self.mb_rows, (hi - lo) // self.stage.sequence_shards, self.stage.cfg.hidden)
+
+    def _tied_shape(self) -> tuple[int, ...]:
+        stage = self.stage
+        return tuple((stage.tied_head_weight if stage.borrows_embedding else
+                      stage.tok_embeddings.weight).shape)
 
     def _peer(self, a: Action, schedule: Schedule) -> int:
         return schedule.rank_of(peer_stage(a, schedule.stages))
@@ -306,9 +312,8 @@ class PipelineEngine:
         msg = message(a, schedule.stages)
         if a.kind in (RECV_ACT, RECV_GRAD):
             buf = torch.empty(self._shape(a), dtype=self.act_dtype, device=self.device)
-        else:
-            cfg = self.stage.cfg
-            buf = torch.empty((cfg.vocab, cfg.hidden), dtype=self.act_dtype, device=self.device)
+        else:  # this rank's (tensor-parallel: vocabulary shard of the) embedding matrix
+            buf = torch.empty(self._tied_shape(), dtype=self.act_dtype, device=self.device)
         buf = self._fetch(msg, buf, self._peer(a, schedule))
         key = (a.stage, a.mb, a.slice)
         if a.kind == RECV_ACT:

@@ -14,6 +14,11 @@ computes the head with `tied_head_weight`, a non-persistent buffer that receives
 current matrix at the start of each step and whose gradient is returned to the owner (the
 schedule's tied-embedding actions). It is not a parameter, so no optimizer, no data-parallel
 unit and no checkpoint sees it twice.
+
+Tensor parallelism inside a stage (fivefold.parallel.pipeline.tensor_stage) swaps two
+attributes: `token_loss_sum`, the last stage's loss (the vocabulary-parallel cross-entropy
+over a sharded head), and `sequence_shards`, the number of sequence shards of the hidden
+states a stage receives and sends (tp with sequence parallelism, else 1).
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from torch import nn
 from fivefold.config import ModelConfig
 from fivefold.models.init import init_model_, init_tensor
 from fivefold.models.llama import Block, RMSNorm, rotary_tables
+
+
+def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 over full-vocabulary logits."""
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                           reduction="sum")
 
 
 class StageLayers(nn.ModuleDict):
@@ -58,11 +69,22 @@ class PipelineStage(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.capture: list | None = None  # (output, params) of the head while capturing (ZB)
+        self.token_loss_sum = cross_entropy_sum
+        self.sequence_shards = 1
 
     @property
     def borrows_embedding(self) -> bool:
         """True on a last stage that computes the head with the first stage's matrix."""
         return hasattr(self, "tied_head_weight")
+
+    @torch.no_grad()
+    def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take this stage's parameters, by their plain names, from a whole model's state
+        (pretrained weights); the borrowed tied head takes the embedding."""
+        for name, param in self.named_parameters():
+            param.copy_(state[name])
+        if self.borrows_embedding:
+            self.tied_head_weight.copy_(state["tok_embeddings.weight"])
 
     def output_weight(self) -> torch.Tensor:
         if self.output is not None:
@@ -74,8 +96,9 @@ class PipelineStage(nn.Module):
         """Run virtual stage `stage` on tokens (B, T) (first stage) or hidden states (B, T, D)
         at positions [start, start + T). Returns hidden states (B, T, D); the last stage returns
         the summed token cross-entropy (fp32) against `targets_BT`, or the logits without them.
-        `block_fn(i, block, x, cos, sin)` replaces block i's plain call (TeraPipe's KV cache)."""
-        T = x.shape[1]
+        `block_fn(i, block, x, cos, sin)` replaces block i's plain call (TeraPipe's KV cache).
+        Hidden states received from another stage may be sequence shards (B, T/n, D)."""
+        T = x.shape[1] if stage == 0 else x.shape[1] * self.sequence_shards
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         if stage == 0:
             x = self.tok_embeddings(x)
@@ -90,8 +113,7 @@ class PipelineStage(nn.Module):
             self.capture.append((logits_BTV, [weight]))
         if targets_BT is None:
             return logits_BTV
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                               reduction="sum")
+        return self.token_loss_sum(logits_BTV, targets_BT)
 
 
 @torch.no_grad()
