@@ -33,6 +33,7 @@ CASES = [  # (ranks, overrides): the tiny preset unless stated
     (2, ["parallel.zero_stage=0"]),
     (2, ["parallel.zero_stage=3", "parallel.micro_batch=2"]),
     (2, ["parallel.zero_stage=1"] + WIDER),
+    (2, ["parallel.pp=2", "parallel.micro_batch=2"]),  # 1F1B, 4 micro-batches, 2 + 2 blocks
 ]
 
 

@@ -8,11 +8,14 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table spans what the runtime executes today: DDP, ZeRO-1/2/3, hierarchical sharding,
-micro-batch accumulation, bf16 with fp32 masters, reduce dtypes, ZeRO++ and tensor
-parallelism with and without sequence parallelism (with vocabulary padding). Each parallel
-dimension adds its rows to `CASES` as it lands: (world size, overrides, label). Ranks start
-once per world size and run all of that world's cases.
+The table (38 configurations) spans what the runtime executes today: DDP, ZeRO-1/2/3,
+hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
+ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
+and pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H1,
+TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1/ZeRO-2).
+Every rank's ledger is compared, since pipeline stages send, receive and hold different
+things. Each parallel dimension adds its rows to `CASES` as it lands: (world size,
+overrides, label). Ranks start once per world size and run all of that world's cases.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from fivefold.train.trainer import Trainer
 ODD = ["model.hidden=30", "model.heads=3", "model.kv_heads=1", "model.ffn_hidden=50",
        "model.vocab=510"]  # unit sizes not divisible by 4: flat buffers need padding
 VOCAB_509 = ["model.vocab=509"]  # not divisible by tp = 2: padded to 510 rows
+TIED = "model.tied_embeddings=true"  # the test model (every shape key set) is untied
 
 CASES = [  # (world size, overrides, label)
     (2, ["parallel.zero_stage=0"], "ddp"),
@@ -76,6 +80,30 @@ CASES = [  # (world size, overrides, label)
          "model.tied_embeddings=false"] + VOCAB_509, "tp2 padded vocabulary, untied, biases"),
     (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.precision='bf16'"],
      "tp2 sp bf16"),
+    # pipeline parallelism: every synchronous schedule, uneven stages, tied and untied
+    # embeddings (the embedding lent to the last stage and its gradient returned), pp x dp
+    (2, ["parallel.pp=2", "parallel.micro_batch=1", TIED], "pp2 1f1b tied, 8 micro-batches"),
+    (2, ["parallel.pp=2", "parallel.schedule='gpipe'", "parallel.micro_batch=2",
+         "model.layers=3", "model.tied_embeddings=false"], "pp2 gpipe untied, 2 + 1 blocks"),
+    (2, ["parallel.pp=2", "parallel.schedule='interleaved'", "parallel.vpp=2",
+         "parallel.micro_batch=2", "model.layers=4", TIED], "pp2 interleaved vpp2 tied"),
+    (2, ["parallel.pp=2", "parallel.schedule='zb'", "parallel.micro_batch=1",
+         "model.tied_embeddings=false"], "pp2 zero-bubble untied"),
+    (2, ["parallel.pp=2", "parallel.schedule='terapipe'", "parallel.token_slices=3",
+         "parallel.micro_batch=4", TIED], "pp2 terapipe tied, 3 uneven token slices"),
+    (2, ["parallel.pp=2", "parallel.micro_batch=2", "parallel.precision='bf16'"],
+     "pp2 1f1b bf16"),
+    (4, ["parallel.pp=4", "parallel.micro_batch=2", "model.layers=5", TIED],
+     "pp4 1f1b tied, 2 + 1 + 1 + 1 blocks"),
+    (4, ["parallel.pp=4", "parallel.schedule='interleaved'", "parallel.vpp=2",
+         "parallel.micro_batch=1", "model.layers=8", "model.tied_embeddings=false"],
+     "pp4 interleaved vpp2 untied"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=0", "parallel.micro_batch=1", TIED],
+     "pp2 x ddp2 tied"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=1", "parallel.schedule='zb'",
+         "parallel.micro_batch=2", "model.tied_embeddings=false"], "pp2 x zero1 zb"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=2", "parallel.micro_batch=1", "model.layers=3",
+         TIED] + ODD, "pp2 x zero2 tied, padded units"),
 ]
 
 
@@ -100,19 +128,28 @@ def _ledgers(rt, overrides, cases):
 
 @pytest.mark.parametrize("world", sorted({w for w, _, _ in CASES}))
 def test_ledger_prediction_equals_runtime(world, overrides):
+    """Every rank's ledger (pipeline stages differ: sends, receives, units)."""
     cases = [(sets, label) for w, sets, label in CASES if w == world]
     recorded = run_on_ranks(_ledgers, world, overrides, [s for s, _ in cases], timeout_s=600)
-    for (sets, label), rank0 in zip(cases, recorded[0]):
-        predicted = predict_ledger(load_config(None, overrides + sets), world)
-        assert rank0[0], label  # every case communicates
-        assert predicted.totals("bytes") == rank0[0], label
-        assert predicted.totals("wire_bytes") == rank0[1], label
-        assert predicted.model_state_bytes == rank0[2], label
+    for i, (sets, label) in enumerate(cases):
+        cfg = load_config(None, overrides + sets)
+        for rank in range(world):
+            got = recorded[rank][i]
+            predicted = predict_ledger(cfg, world, rank=rank)
+            where = f"{label}, rank {rank}"
+            assert got[0], where  # every case communicates
+            assert predicted.totals("bytes") == got[0], where
+            assert predicted.totals("wire_bytes") == got[1], where
+            assert predicted.model_state_bytes == got[2], where
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) >= 20
+    assert len(CASES) == 38
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
+    schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
+                            if s.startswith("parallel.schedule=")}
+    assert schedules == {"1f1b", "gpipe", "interleaved", "zb", "terapipe"}
+    assert any("parallel.pp=2" in sets and w == 4 for w, sets, _ in CASES)  # pp x dp
     padded = [label for w, sets, label in CASES
               if any(u.padded != u.numel for u in _units(overrides + sets, w))]
     assert "zero1 padded units" in padded and "zero3 padded units" in padded

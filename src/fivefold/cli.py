@@ -1,7 +1,7 @@
 """The `fivefold` command line: train (and, as they land, plan, simulate, calibrate, convert).
 
     fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
-                   [--init-from MODEL_FOLDER]
+                   [--init-from MODEL_FOLDER]      (`--set parallel=auto`: the planner's layout)
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
@@ -75,6 +75,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     under_launcher = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
     cfg = train_config(args)
+    if cfg.parallel.auto:  # once, before any rank trains; the ranks get the layout spelled out
+        from fivefold.planner.auto import resolve_for_training
+
+        cfg, layout = resolve_for_training(cfg, world_size, os.environ.get("RANK", "0") == "0")
+        argv = [*argv, *(arg for assignment in layout for arg in ("--set", assignment))]
     validate_for_training(cfg, world_size)
     if world_size > 1 and not under_launcher:
         from fivefold.train.data import prepare_data

@@ -76,6 +76,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    auto: bool = _doc('let the planner choose the layout for the launched ranks (also written '
+                      '`parallel = "auto"`); keys set alongside are held fixed (docs/planner.md)',
+                      False)
     dp: int | None = _doc("data-parallel degree; default = ranks / (tp*pp*cp)", None)
     tp: int = _doc("tensor-parallel degree", 1)
     pp: int = _doc("pipeline-parallel degree", 1)
@@ -290,14 +293,27 @@ def read_file(path: str | Path) -> dict:
     return raw
 
 
+AUTO_SHORTHAND = {"parallel=auto": "parallel.auto=true", 'parallel="auto"': "parallel.auto=true"}
+
+
+def _auto_shorthand(raw: dict) -> None:
+    """A file's `parallel = "auto"` is the table `[parallel] auto = true` (docs/planner.md)."""
+    if raw.get("parallel") == "auto":
+        raw["parallel"] = {"auto": True}
+    elif isinstance(raw.get("parallel"), str):
+        raise ConfigError("parallel", f"expected a table of keys or \"auto\", got "
+                                      f"{raw['parallel']!r}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a config file (optional) and `--set` overrides into a typed `Config`.
 
     Only structure and types are checked here; call `validate` for values.
     """
     raw: dict = read_file(path) if path else {}
+    _auto_shorthand(raw)
     for assignment in overrides:
-        apply_override(raw, assignment)
+        apply_override(raw, AUTO_SHORTHAND.get(assignment.replace(" ", ""), assignment))
     unknown = set(raw) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         key = sorted(unknown)[0]

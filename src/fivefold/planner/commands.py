@@ -2,6 +2,7 @@
 
     fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE]
     fivefold plan SPEC [--set k=v]... [--top K] [--json]
+    fivefold plan SPEC --train [--nproc N] [--steps N] [--run-dir DIR]   (plan, then train)
     fivefold plan validate [RUNS.json] [--json]      (also: fivefold validate-plan)
     fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
 
@@ -36,6 +37,12 @@ def add_parsers(sub) -> None:
                                               "calibration runs shipped with fivefold)")
     _common(plan)
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    plan.add_argument("--train", action="store_true",
+                      help="train the best layout the runtime executes on --nproc local ranks "
+                           "(= fivefold train SPEC --set parallel=auto)")
+    plan.add_argument("--nproc", type=int, default=1, help="with --train: local ranks")
+    plan.add_argument("--steps", type=int, help="with --train: total optimizer steps")
+    plan.add_argument("--run-dir", default="runs/default", help="with --train: run directory")
     val = sub.add_parser("validate-plan", help="predicted vs published step time, with MAPE")
     val.add_argument("runs", nargs="?", help="runs file (default: the shipped calibration runs)")
     val.add_argument("--json", action="store_true", help="print JSON")
@@ -61,11 +68,16 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "plan" and args.runs is not None:
         raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
                                   "takes one spec")
+    if args.command == "plan" and args.train:
+        return cmd_plan_train(args)
     from fivefold.planner.simulate import profile_of
     from fivefold.planner.spec import load_spec
 
     cfg = load_spec(args.spec, args.overrides)
     prof = profile_of(cfg)
+    if args.command == "simulate" and cfg.parallel.auto:
+        raise ConfigError("parallel.auto", "simulate scores the layout the spec writes out; "
+                                           "search with `fivefold plan SPEC` or drop auto")
     if args.command == "simulate":
         return cmd_simulate(cfg, prof, args)
     return cmd_plan(cfg, prof, args)
@@ -97,6 +109,20 @@ def cmd_plan(cfg, prof, args) -> int:
     else:
         print(plan_text(result, cfg, prof, args.spec))
     return 0 if result.best else 1
+
+
+def cmd_plan_train(args) -> int:
+    """`plan SPEC --train`: `fivefold train SPEC --set parallel=auto` on --nproc local ranks
+    (fivefold.planner.auto searches the layouts the runtime executes, on this device)."""
+    from fivefold.cli import main
+
+    if args.json:
+        raise ConfigError("--json", "--train prints the chosen layout and trains; drop --json")
+    argv = ["train", args.spec, *(a for o in args.overrides for a in ("--set", o)),
+            "--set", "parallel.auto=true", "--nproc", str(args.nproc), "--run-dir", args.run_dir]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    return main(argv)
 
 
 def cmd_validate(runs_path: str | None, as_json: bool) -> int:

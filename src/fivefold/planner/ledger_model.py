@@ -1,10 +1,12 @@
 """The ledger of one training step, predicted from the configuration alone.
 
-`predict_ledger(cfg, world_size)` returns a `Ledger` (fivefold.comm.ledger) filled with the
-collectives the runtime will issue in one `Trainer.train_step` and the model-state bytes it
-will hold, so `predicted.totals()` can be compared with `trainer.ledger.totals()` key by key.
-It follows the data-parallel engine (fivefold.parallel.data_parallel) step by step, per flat
-unit (root first, then one per block; fivefold.planner.memory pads them as the runtime does):
+`predict_ledger(cfg, world_size, rank=r)` returns a `Ledger` (fivefold.comm.ledger) filled
+with the collectives global rank r will issue in one `Trainer.train_step` and the
+model-state bytes it will hold, so `predicted.totals()` can be compared with
+`trainer.ledger.totals()` key by key. It follows the data-parallel engine
+(fivefold.parallel.data_parallel) step by step, per flat unit of the rank's pipeline stage
+(root first when the stage has one, then one per block; fivefold.planner.memory pads them as
+the runtime does):
 
   stage 0   last micro-batch: all-reduce each unit's gradient buffer over all dp ranks
   stage 1   last micro-batch: reduce-scatter each buffer over dp_shard; after the step,
@@ -19,6 +21,9 @@ unit (root first, then one per block; fivefold.planner.memory pads them as the r
   tp > 1    per micro-batch the collectives of tensor (and sequence) parallelism, see
             `_Step.tensor_parallel`; a 4-byte fp32 all-reduce of the gradient norm over tp;
             every unit holds this rank's shards (vocabulary padded to a multiple of tp)
+  pp > 1    the sends and receives of the rank's schedule (fivefold.planner.ledger_pipeline),
+            4-byte fp32 all-reduces of the loss and the gradient norm over pp; the units
+            are the stage's (a tied head borrowed by the last stage is a buffer, not a unit)
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
@@ -29,9 +34,12 @@ other.
 
 from __future__ import annotations
 
+import dataclasses
+
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.planner.layout import Layout, layout_from_config
+from fivefold.planner.ledger_pipeline import pipeline_messages, stage_layers_of_rank
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -46,28 +54,41 @@ def runtime_layout(cfg: Config, world_size: int, device_type: str = "cpu") -> La
     return lay.replace(reduce_dtype=cfg.parallel.reduce_dtype or lay.precision)
 
 
-def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu") -> Ledger:
-    """The ledger `Trainer.train_step` records on one rank, predicted (data parallelism)."""
+def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu",
+                   rank: int = 0) -> Ledger:
+    """The ledger `Trainer.train_step` records on global rank `rank`, predicted."""
     p = cfg.parallel
     lay = runtime_layout(cfg, world_size, device_type)
+    if lay.pp > 1 and lay.tp > 1:
+        raise ValueError("the ledger model does not cover tensor parallelism inside pipeline "
+                         "stages yet (docs/planner.md, Not done yet)")
     quantized = getattr(p, "qwz", False) or getattr(p, "qgz", False)
-    units = stage_units(cfg.model, lay, list(range(cfg.model.layers)), True, True,
-                        QUANT_BLOCK if quantized else 1)
+    pp_rank = rank // (world_size // lay.pp)  # pp is the outermost mesh axis
+    layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
+    units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1)
+    if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
+        units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     ledger = Ledger()
     if world_size == 1 and lay.zero_stage == 0:
         return ledger  # the plain single-process path: no engine, no collectives
-    _Step(ledger, lay, units, cfg).run()
+    _Step(ledger, lay, units, cfg, pp_rank).run()
     ledger.model_state_bytes = model_state_bytes(units, lay)
     return ledger
+
+
+def _table(cfg: Config, lay: Layout) -> int:
+    return -(-cfg.model.vocab // lay.tp) * cfg.model.hidden
 
 
 class _Step:
     """Replays the engine's collectives for one optimizer step into a ledger."""
 
-    def __init__(self, ledger: Ledger, lay: Layout, units: list[Unit], cfg: Config):
+    def __init__(self, ledger: Ledger, lay: Layout, units: list[Unit], cfg: Config,
+                 pp_rank: int = 0):
         from fivefold.validate import ranks_per_node
 
         self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
+        self.pp_rank = pp_rank
         p = cfg.parallel
         self.qwz, self.hpz, self.qgz = (getattr(p, k, False) for k in ("qwz", "hpz", "qgz"))
         self.param = DTYPE_NAMES[lay.precision]
@@ -129,10 +150,20 @@ class _Step:
                 self.record("all_reduce", "tp", t, self.param, act, "tp_activations")
         self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
 
+    def pipeline(self) -> None:
+        """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
+        pipeline's 4-byte fp32 all-reduce of the summed loss over the stages."""
+        for op, purpose, nbytes in pipeline_messages(self.cfg, self.lay, self.pp_rank, self.pb):
+            self.record(op, "pp", self.lay.pp, self.param, nbytes, purpose)
+        self.record("all_reduce", "pp", self.lay.pp, "float32", 4, "loss")
+
     def run(self) -> None:
         lay, units = self.lay, self.units
         stage, micro = lay.zero_stage, lay.micro_batches
-        root, blocks = units[0], units[1:]
+        if lay.pp > 1:
+            self.pipeline()
+        has_root = self.pp_rank in (0, lay.pp - 1) or lay.pp == 1
+        root, blocks = (units[0], units[1:]) if has_root else (None, units)
         for j in range(micro):
             last = j == micro - 1
             if lay.tp > 1:
@@ -143,7 +174,7 @@ class _Step:
             for u in reversed(blocks):
                 if stage == 3:
                     self.gather(u, backward=True)
-            for u in [*reversed(blocks), root]:
+            for u in [*reversed(blocks), *([root] if root else [])]:
                 if stage == 0 and last:
                     self.record("all_reduce", DP, lay.dp, self.param, u.padded * self.pb, "grads")
                 elif stage == 1 and last:
@@ -157,6 +188,7 @@ class _Step:
         if stage >= 1:
             self.record("all_reduce", "dp_shard", self.shard, "float32", 4, "grad_norm")
         self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
+        self.record("all_reduce", "pp", lay.pp, "float32", 4, "grad_norm")
         if stage in (1, 2):
             for u in units:
                 self.record("all_gather", "dp_shard", self.shard, self.param,

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config import Config
@@ -161,8 +162,11 @@ class FastScorer:
         return params + grads + optimizer + acts + other
 
 
-def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24) -> SearchResult:
-    """The `top_k` fastest layouts that fit, simulated exactly."""
+def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
+           accept: Callable[[Layout], bool] | None = None) -> SearchResult:
+    """The `top_k` fastest layouts that fit, simulated exactly. `accept` restricts the space
+    (fivefold.planner.auto: only layouts the runtime can execute); it sees every candidate
+    before scoring and every winner again with its stage split."""
     start = time.perf_counter()
     base = layout_from_config(cfg, default_precision(prof))
     base = base.replace(source=dataclasses.replace(base.source, stage_layers=None))
@@ -170,6 +174,8 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24) 
     usable = prof.memory_bytes
     scored, ranked = 0, []
     for lay in candidates(cfg, base):
+        if accept is not None and not accept(lay):
+            continue
         scored += 1
         step, peak = scorer.score(lay)
         if peak <= usable:
@@ -178,7 +184,7 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24) 
     best = []
     for _, lay in ranked[:exact]:
         est = exact_estimate(cfg, prof, lay, scorer.cache)
-        if est is not None and est.fits:
+        if est is not None and est.fits and (accept is None or accept(est.layout)):
             best.append(est)
     best.sort(key=lambda e: e.step_time_s)
     return SearchResult(best[:top_k], scored, len(ranked), time.perf_counter() - start)

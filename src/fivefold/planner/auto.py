@@ -1,0 +1,198 @@
+"""`parallel.auto`: the planner chooses the layout that `fivefold train` runs.
+
+`fivefold train` with `parallel.auto = true` (or `parallel = "auto"`, or `fivefold plan SPEC
+--train`) calls `resolve_auto` once, in the launching process, before any rank starts: it
+searches the layouts of the launched world (fivefold.planner.search) on this device's
+hardware profile and returns the winner as `--set parallel.*` overrides. The launcher hands
+those overrides to the ranks with `parallel.auto=false`, so the run is exactly the run of a
+config that spelled the layout out; the ranks never search.
+
+The space is that of `fivefold plan`, restricted to what the runtime executes: every
+candidate is turned into a config and kept only if `fivefold.validate.validate_for_training`
+accepts it on this world, so the restriction follows the runtime as it grows (pipeline,
+context or expert degrees become candidates the day validation admits them). Keys of the
+search (`SEARCHED`) that the config sets to a non-default value are held fixed; the others
+(global batch, precision, reduce dtype, ZeRO++ switches, the model, the optimizer) are always
+the config's own.
+
+Profile: the device's (`local_profile`): on a GPU `cluster.gpu` when set, else the detected
+GPU's; on the CPU a calibrated CPU profile file named by `cluster.gpu`, else the built-in
+`cpu` profile, whose rates the ranks share as `simulate` shares them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.config import Config, ConfigError, ParallelConfig
+from fivefold.planner.hardware import HardwareProfile, detect_profile, load_profile
+from fivefold.planner.layout import Layout
+from fivefold.planner.report import layout_line
+from fivefold.planner.search import SearchResult, search
+from fivefold.planner.simulate import Estimate, shared_machine
+from fivefold.validate import (validate_cluster, validate_data, validate_for_training,
+                               validate_model, validate_train)
+
+GiB = 2**30
+SEARCHED = ("dp", "tp", "pp", "cp", "ep", "vpp", "schedule", "stage_layers", "zero_stage",
+            "zero_group", "micro_batch", "recompute", "sequence_parallel")
+DEFAULTS = ParallelConfig()
+
+
+@dataclass
+class AutoLayout:
+    """The resolved run: its config, the overrides that spell it out, and its prediction."""
+
+    cfg: Config
+    overrides: list[str]
+    estimate: Estimate
+    result: SearchResult
+    profile: HardwareProfile
+    world_size: int
+
+    def summary(self) -> str:
+        est, mem = self.estimate, self.estimate.memory_per_gpu_bytes
+        return (f"parallel.auto: {layout_line(est.parallel)} on {self.world_size} rank(s) "
+                f"({self.profile.name}); predicted step {est.step_time_s:.4g} s, "
+                f"{est.tokens_per_s:,.0f} tokens/s, {mem['total'] / GiB:.3f} GiB per rank "
+                f"(best of {self.result.scored} runnable layouts)\n"
+                f"parallel.auto: the same as {' '.join(self.overrides)}")
+
+
+def fixed_keys(p: ParallelConfig) -> dict:
+    """Searched keys the config sets to a non-default value: the search holds them fixed."""
+    return {k: getattr(p, k) for k in SEARCHED if getattr(p, k) != getattr(DEFAULTS, k)}
+
+
+def layout_config(cfg: Config, lay: Layout) -> Config:
+    """`cfg` with `lay`'s degrees and switches written in, as a user would write them."""
+    stages = lay.pp * lay.vpp
+    p = dataclasses.replace(
+        cfg.parallel, auto=False, dp=None, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep,
+        vpp=lay.vpp, schedule=lay.schedule if lay.pp > 1 else cfg.parallel.schedule,
+        stage_layers=lay.source.stage_layers if stages > 1 else None,
+        zero_stage=lay.zero_stage,
+        zero_group=None if lay.zero_group == lay.dp else lay.zero_group,
+        micro_batch=lay.micro_batch, recompute=lay.recompute,
+        sequence_parallel=lay.sequence_parallel)
+    return dataclasses.replace(cfg, parallel=p)
+
+
+def layout_overrides(cfg: Config) -> list[str]:
+    """The `--set` arguments that turn an auto config into `cfg`'s layout."""
+    out = ["parallel.auto=false"]
+    for key in SEARCHED:
+        value = getattr(cfg.parallel, key)
+        if value == getattr(DEFAULTS, key):
+            continue
+        text = str(value).lower() if isinstance(value, bool) else (
+            f'"{value}"' if isinstance(value, str) else str(value).replace(" ", ""))
+        out.append(f"parallel.{key}={text}")
+    return out
+
+
+def local_profile(cfg: Config, device_type: str) -> HardwareProfile:
+    """The profile of the device the ranks will run on: on a GPU cluster.gpu or else the
+    detected GPU's; on the CPU cluster.gpu only when it is a CPU profile (a `fivefold
+    calibrate` file), else the built-in `cpu` one (a spec's GPU names another machine)."""
+    if cfg.cluster.gpu is not None:
+        named = load_profile(cfg.cluster.gpu)
+        if device_type != "cpu" or named.cores:
+            return named
+    import torch
+
+    prof = detect_profile(torch.device(device_type))
+    if prof is None:
+        raise ConfigError("cluster.gpu", "parallel.auto needs this device's hardware profile "
+                                         "and does not know this GPU; set cluster.gpu to a "
+                                         "profile name or run `fivefold calibrate --device "
+                                         "cuda` and pass its file")
+    return prof
+
+
+def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
+    """The fastest layout of `cfg` on `world_size` ranks of `device_type` that the runtime
+    executes and that fits; ConfigError naming the keys when there is none."""
+    p = cfg.parallel
+    if p.stage_layers is not None:
+        raise ConfigError("parallel.stage_layers", "parallel.auto cuts the blocks into stages "
+                                                   "itself; drop stage_layers or set the "
+                                                   "whole layout without auto")
+    for check in (validate_model, validate_cluster, validate_train, validate_data):
+        check(cfg)  # what no layout can fix is reported as itself
+    fixed = fixed_keys(p)
+    prof = shared_machine(local_profile(cfg, device_type), world_size)
+    precision = p.precision or ("bf16" if device_type == "cuda" else "fp32")
+    searched_defaults = {k: getattr(DEFAULTS, k) for k in SEARCHED}  # the search sets them
+    plan_cfg = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(p, precision=precision, **searched_defaults),
+        cluster=dataclasses.replace(cfg.cluster, gpus=world_size))
+    verdicts: dict[tuple, bool] = {}
+    rejections: list[str] = []  # why candidates that keep the fixed keys cannot run
+
+    def runnable(lay: Layout) -> bool:
+        run_cfg = layout_config(cfg, lay)
+        key = tuple(getattr(run_cfg.parallel, k) if k != "stage_layers" else
+                    tuple(run_cfg.parallel.stage_layers or ()) for k in SEARCHED)
+        if key not in verdicts:
+            verdicts[key] = _matches(run_cfg.parallel, lay, fixed) and _trainable(
+                run_cfg, world_size, rejections)
+        return verdicts[key]
+
+    result = search(plan_cfg, prof, top_k=1, accept=runnable)
+    if not result.best:
+        raise ConfigError("parallel.auto", _no_layout_message(world_size, prof, fixed, result,
+                                                              rejections))
+    best = result.best[0]
+    run_cfg = layout_config(cfg, best.layout)
+    return AutoLayout(run_cfg, layout_overrides(run_cfg), best, result, prof, world_size)
+
+
+def resolve_for_training(cfg: Config, world_size: int, announce: bool = True
+                         ) -> tuple[Config, list[str]]:
+    """`fivefold train`'s step: resolve an auto config on the device `train.device` picks,
+    print the choice (when `announce`), return the resolved config and its overrides."""
+    from fivefold.train.dist import pick_device
+
+    try:
+        device_type = pick_device(cfg.train.device, 0).type
+    except RuntimeError as err:
+        raise ConfigError("train.device", str(err)) from None
+    auto = resolve_auto(cfg, world_size, device_type)
+    if announce:
+        print(auto.summary(), flush=True)
+    return auto.cfg, auto.overrides
+
+
+def _matches(p: ParallelConfig, lay: Layout, fixed: dict) -> bool:
+    """The candidate keeps every fixed key (dp and zero_group compared as resolved)."""
+    resolved = {"dp": lay.dp, "zero_group": lay.zero_group}
+    return all(resolved.get(k, getattr(p, k)) == v for k, v in fixed.items())
+
+
+def _trainable(cfg: Config, world_size: int, rejections: list[str]) -> bool:
+    try:
+        validate_for_training(cfg, world_size)
+    except ConfigError as err:
+        rejections.append(str(err))
+        return False
+    return True
+
+
+def _no_layout_message(world_size: int, prof: HardwareProfile, fixed: dict,
+                       result: SearchResult, rejections: list[str]) -> str:
+    held = ", ".join(f"parallel.{k} = {v!r}" for k, v in fixed.items())
+    if result.scored:
+        why = (f"{result.scored} runnable layouts were scored and none fits in "
+               f"{prof.memory_bytes / GiB:.0f} GiB per device")
+    elif rejections:
+        why = f"no layout of the search space can run here (e.g. {rejections[-1]})"
+    elif held:
+        why = "no layout of the search space keeps the keys held fixed"
+    else:
+        why = "no layout of the search space splits this model and batch over them"
+    return (f"found no layout for {world_size} rank(s): {why}"
+            + (f"; held fixed: {held} (drop them to widen the search)" if held else "")
+            + "; change the ranks (--nproc), model.* or parallel.global_batch, or write the "
+              "layout out without auto")

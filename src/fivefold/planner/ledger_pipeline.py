@@ -1,0 +1,68 @@
+"""The pipeline's point-to-point messages of one step on one pp rank, predicted.
+
+The executor (fivefold.parallel.pipeline.executor) runs its rank's action list of
+fivefold.parallel.pipeline.schedules and records each send ("send", the buffer on the wire)
+and each receive ("recv", no wire bytes) on the "pp" axis. The lists are data, so this
+module walks the very same lists and sizes each message from the configuration:
+
+  act, grad      a micro-batch's hidden states (rows x tokens of its slice x hidden) in the
+                 compute dtype, one per (virtual stage boundary, micro-batch, slice);
+                 "pp_activations" forward, "pp_grads" backward
+  tied weight    the embedding matrix (vocab x hidden), first rank -> last stage, once per
+                 step ("pp_tied_weight"), and its head gradient back ("pp_tied_grads")
+
+A message whose peer is this very rank (pp = 1) goes through a mailbox and is not recorded.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.parallel.pipeline import schedules as S
+from fivefold.planner.layout import Layout
+
+PURPOSES = {S.SEND_ACT: "pp_activations", S.RECV_ACT: "pp_activations",
+            S.SEND_GRAD: "pp_grads", S.RECV_GRAD: "pp_grads",
+            S.SEND_TIED_WEIGHT: "pp_tied_weight", S.RECV_TIED_WEIGHT: "pp_tied_weight",
+            S.SEND_TIED_GRAD: "pp_tied_grads", S.RECV_TIED_GRAD: "pp_tied_grads"}
+
+
+def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
+                      ) -> list[tuple[str, str, int]]:
+    """(op, purpose, bytes) of every send and receive pp rank `pp_rank` makes in one step."""
+    if lay.pp == 1:
+        return []
+    from fivefold.parallel.pipeline.build import token_slices  # the runtime's own cut
+    from fivefold.parallel.pipeline.terapipe import slice_bounds
+
+    m = cfg.model
+    slices = token_slices(cfg)
+    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp, slices,
+                                m.tied_embeddings)
+    bounds = slice_bounds(m.seq_len, slices)
+    table = m.vocab * m.hidden * elem_bytes
+    out = []
+    for a in schedule.ranks[pp_rank]:
+        if a.kind not in PURPOSES:
+            continue
+        if schedule.rank_of(S.peer_stage(a, schedule.stages)) == pp_rank:
+            continue
+        op = "send" if a.kind in S.SENDS else "recv"
+        if a.kind in (S.SEND_TIED_WEIGHT, S.RECV_TIED_WEIGHT, S.SEND_TIED_GRAD,
+                      S.RECV_TIED_GRAD):
+            out.append((op, PURPOSES[a.kind], table))
+        else:
+            lo, hi = bounds[a.slice]
+            out.append((op, PURPOSES[a.kind], lay.micro_batch * (hi - lo) * m.hidden *
+                        elem_bytes))
+    return out
+
+
+def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
+    stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""
+    from fivefold.parallel.pipeline.partition import stage_layer_ranges
+
+    stages = lay.pp * lay.vpp
+    ranges = stage_layer_ranges(cfg.model, stages, cfg.parallel.stage_layers)
+    ids = [pp_rank + c * lay.pp for c in range(lay.vpp)]
+    return [i for s in ids for i in ranges[s]], 0 in ids, stages - 1 in ids
