@@ -24,6 +24,12 @@ the runtime does):
   pp > 1    the sends and receives of the rank's schedule (fivefold.planner.ledger_pipeline),
             4-byte fp32 all-reduces of the loss and the gradient norm over pp; the units
             are the stage's (a tied head borrowed by the last stage is a buffer, not a unit)
+  pp x tp   each stage split over tp (fivefold.parallel.pipeline.tensor_stage): the stage's
+            own blocks' tensor-parallel collectives, the embedding's on the first stage, the
+            final norm's and the vocabulary loss's on the last; messages of (B, T, D) per tp
+            rank, (B, T/t, D) with sequence parallelism; the lent tied head is the tp rank's
+            vocabulary rows; a zero-bubble W pass on the last stage repeats the final norm's
+            backward all-reduce
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
@@ -39,7 +45,8 @@ import dataclasses
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.planner.layout import Layout, layout_from_config
-from fivefold.planner.ledger_pipeline import pipeline_messages, stage_layers_of_rank
+from fivefold.planner.ledger_pipeline import (last_stage_weight_passes, pipeline_messages,
+                                              stage_layers_of_rank)
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -59,9 +66,6 @@ def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu",
     """The ledger `Trainer.train_step` records on global rank `rank`, predicted."""
     p = cfg.parallel
     lay = runtime_layout(cfg, world_size, device_type)
-    if lay.pp > 1 and lay.tp > 1:
-        raise ValueError("the ledger model does not cover tensor parallelism inside pipeline "
-                         "stages yet (docs/planner.md, Not done yet)")
     quantized = getattr(p, "qwz", False) or getattr(p, "qgz", False)
     pp_rank = rank // (world_size // lay.pp)  # pp is the outermost mesh axis
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
@@ -71,7 +75,7 @@ def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu",
     ledger = Ledger()
     if world_size == 1 and lay.zero_stage == 0:
         return ledger  # the plain single-process path: no engine, no collectives
-    _Step(ledger, lay, units, cfg, pp_rank).run()
+    _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last)).run()
     ledger.model_state_bytes = model_state_bytes(units, lay)
     return ledger
 
@@ -84,11 +88,12 @@ class _Step:
     """Replays the engine's collectives for one optimizer step into a ledger."""
 
     def __init__(self, ledger: Ledger, lay: Layout, units: list[Unit], cfg: Config,
-                 pp_rank: int = 0):
+                 pp_rank: int, stage: tuple[int, bool, bool]):
         from fivefold.validate import ranks_per_node
 
         self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
         self.pp_rank = pp_rank
+        self.blocks, self.first, self.last = stage  # blocks held; embedding; norm and head
         p = cfg.parallel
         self.qwz, self.hpz, self.qgz = (getattr(p, k, False) for k in ("qwz", "hpz", "qgz"))
         self.param = DTYPE_NAMES[lay.precision]
@@ -127,28 +132,42 @@ class _Step:
             self.record("all_to_all", dim, size, "float32", numel // QUANT_BLOCK * 4, "grads")
 
     def tensor_parallel(self) -> None:
-        """One micro-batch's tensor-parallel collectives (fivefold.parallel.tensor): Megatron's
-        f/g all-reduces at the embedding, around each attention and MLP and at the final norm;
-        with sequence parallelism their all-gather / reduce-scatter halves, one re-gather of
-        each region's input in backward and an all-reduce of every norm gain's gradient; and
-        the vocabulary-parallel loss's all-gather of three fp32 statistics per token."""
+        """One micro-batch's tensor-parallel collectives on this rank's stage
+        (fivefold.parallel.tensor; the whole model when pp = 1): Megatron's f/g all-reduces at
+        the embedding (first stage), around each attention and MLP of the stage's blocks and
+        at the final norm (last stage); with sequence parallelism their all-gather /
+        reduce-scatter halves, one re-gather of each region's input in backward and an
+        all-reduce of every norm gain's gradient; and, on the last stage, the
+        vocabulary-parallel loss's all-gather of three fp32 statistics per token."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len
         act = tokens * m.hidden * self.pb
+        regions, ends = 2 * self.blocks, int(self.first) + int(self.last)
         if lay.sequence_parallel:
-            regions = 2 * m.layers
-            for op, count, purpose in (("reduce_scatter", 1 + 2 * regions + 1, "sp_activations"),
-                                       ("all_gather", 1 + 2 * regions + 1, "sp_activations"),
+            for op, count, purpose in (("reduce_scatter", 2 * regions + ends, "sp_activations"),
+                                       ("all_gather", 2 * regions + ends, "sp_activations"),
                                        ("all_gather", regions, "sp_regather")):
                 for _ in range(count):
                     self.record(op, "tp", t, self.param, act, purpose)
-            for _ in range(2 * m.layers + 1):
+            for _ in range(regions + int(self.last)):
                 self.record("all_reduce", "tp", t, self.param, m.hidden * self.pb,
                             "sp_norm_grads")
         else:  # embedding and 2 regions forward; 2 regions and the final norm backward
-            for _ in range(2 + 4 * m.layers):
+            for _ in range(2 * regions + ends):
                 self.record("all_reduce", "tp", t, self.param, act, "tp_activations")
-        self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
+        if self.last:
+            self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
+
+    def weight_passes(self) -> None:
+        """Zero-bubble W passes of the last stage repeat the final norm's f backward
+        all-reduce (ledger_pipeline.last_stage_weight_passes; zb excludes sequence
+        parallelism, fivefold.validate)."""
+        lay, m = self.lay, self.cfg.model
+        if lay.tp == 1 or not self.last or lay.sequence_parallel:
+            return
+        act = lay.micro_batch * m.seq_len * m.hidden * self.pb
+        for _ in range(last_stage_weight_passes(self.cfg, lay, self.pp_rank)):
+            self.record("all_reduce", "tp", lay.tp, self.param, act, "tp_activations")
 
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
@@ -162,6 +181,7 @@ class _Step:
         stage, micro = lay.zero_stage, lay.micro_batches
         if lay.pp > 1:
             self.pipeline()
+            self.weight_passes()
         has_root = self.pp_rank in (0, lay.pp - 1) or lay.pp == 1
         root, blocks = (units[0], units[1:]) if has_root else (None, units)
         for j in range(micro):

@@ -7,9 +7,13 @@ module walks the very same lists and sizes each message from the configuration:
 
   act, grad      a micro-batch's hidden states (rows x tokens of its slice x hidden) in the
                  compute dtype, one per (virtual stage boundary, micro-batch, slice);
-                 "pp_activations" forward, "pp_grads" backward
-  tied weight    the embedding matrix (vocab x hidden), first rank -> last stage, once per
-                 step ("pp_tied_weight"), and its head gradient back ("pp_tied_grads")
+                 "pp_activations" forward, "pp_grads" backward. With tensor parallelism
+                 every tp rank sends to the rank of its own tp index: the full replica
+                 without sequence parallelism, its tokens / tp sequence shard with it
+                 (fivefold.parallel.pipeline.tensor_stage)
+  tied weight    the embedding matrix (vocab x hidden; with tp this rank's ceil(vocab/tp)
+                 rows), first rank -> last stage, once per step ("pp_tied_weight"), and its
+                 head gradient back ("pp_tied_grads")
 
 A message whose peer is this very rank (pp = 1) goes through a mailbox and is not recorded.
 """
@@ -39,7 +43,8 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
     schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp, slices,
                                 m.tied_embeddings)
     bounds = slice_bounds(m.seq_len, slices)
-    table = m.vocab * m.hidden * elem_bytes
+    table = -(-m.vocab // lay.tp) * m.hidden * elem_bytes  # this tp rank's vocabulary rows
+    shards = lay.tp if lay.sequence_parallel else 1
     out = []
     for a in schedule.ranks[pp_rank]:
         if a.kind not in PURPOSES:
@@ -52,9 +57,25 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
             out.append((op, PURPOSES[a.kind], table))
         else:
             lo, hi = bounds[a.slice]
-            out.append((op, PURPOSES[a.kind], lay.micro_batch * (hi - lo) * m.hidden *
-                        elem_bytes))
+            out.append((op, PURPOSES[a.kind], lay.micro_batch * (hi - lo) // shards *
+                        m.hidden * elem_bytes))
     return out
+
+
+def last_stage_weight_passes(cfg: Config, lay: Layout, pp_rank: int) -> int:
+    """W actions (zero-bubble weight passes) of the last virtual stage on pp rank `pp_rank`.
+
+    Each re-runs the backward from the final norm's output, as the executor captures it:
+    with tensor parallelism that output is Megatron's f (copy_to_tp), so the weight pass
+    repeats f's backward all-reduce that the I pass already did."""
+    if lay.pp == 1:
+        return 0
+    from fivefold.parallel.pipeline.build import token_slices
+
+    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp,
+                                token_slices(cfg), cfg.model.tied_embeddings)
+    return sum(a.kind == S.W and a.stage == schedule.stages - 1
+               for a in schedule.ranks[pp_rank])
 
 
 def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:

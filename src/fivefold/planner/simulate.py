@@ -17,6 +17,10 @@ Overlap rules (each technique's own):
   two backward (all-gather + reduce-scatter pairs with sequence parallelism, arXiv
   2205.05198), on the critical path; full recomputation repeats the forward ones. Under fp8
   the sequence-parallel all-gather moves fp8 activations (torchao's Float8 tensor parallel).
+  Sequence parallelism gathers each region's input again in backward for its weight
+  gradients, hidden behind those matmuls (2205.05198, Sec. 4.2.2). The end stages add the
+  embedding's, final norm's and vocabulary-parallel loss's collectives as the runtime
+  issues them (`_root_tp_comm`); these are the bytes fivefold.planner.ledger_model predicts.
 - context parallelism: ring attention (arXiv 2310.01889) sends K/V shards around the ring
   while attention computes, so only what exceeds the attention time shows; Ulysses
   (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path.
@@ -199,10 +203,15 @@ class StepModel:
         m, lay, sh = self.model, self.lay, self.shard
         t: OpTimes = block_times(m, sh, self.prof, moe)
         act = sh.tokens * m.hidden * self.a  # one full-width activation of the micro-batch
+        regather = 0.0
         if lay.sequence_parallel:  # fp8: the gathered activation travels as fp8 (torchao)
             gathered = act / self.a if lay.precision == "fp8" else act
-            tp_one = (self._coll("all_gather", gathered, self.tp_group)
-                      + self._coll("reduce_scatter", act, self.tp_group))
+            ag = self._coll("all_gather", gathered, self.tp_group)
+            tp_one = ag + self._coll("reduce_scatter", act, self.tp_group)
+            # each region's input gathered again for its weight gradients (2205.05198,
+            # Sec. 4.2.2), which the paper overlaps with those gradients' matmuls
+            hide = self.prof.eff.overlap_eff
+            regather = max(2 * ag - hide * t.wgrad, (1 - hide) * 2 * ag)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
         cp_f, cp_b = self._cp_exposed(moe)
@@ -211,7 +220,8 @@ class StepModel:
             routed = sh.tokens * m.moe.top_k * m.hidden * self.a
             ep = 2 * self._coll("all_to_all", routed, self.ep_group)
         f_comm = 2 * tp_one + cp_f + ep
-        b_comm = 2 * tp_one + cp_b + ep + (f_comm if lay.recompute == "full" else 0.0)
+        b_comm = (2 * tp_one + regather + cp_b + ep
+                  + (f_comm if lay.recompute == "full" else 0.0))
         self.cache[key] = (t, f_comm, b_comm)
         return self.cache[key]
 
@@ -276,11 +286,25 @@ class StepModel:
             self.cache[key] = embedding_times(self.model, self.shard, self.prof)
         return self.cache[key]
 
-    def _root_tp_comm(self) -> tuple[float, float]:
-        """Vocabulary-parallel embedding and loss: one full-width reduction each way."""
-        act = self.shard.tokens * self.model.hidden * self.a
-        op = "reduce_scatter" if self.lay.sequence_parallel else "all_reduce"
-        return self._coll(op, act, self.tp_group), self._coll(op, act, self.tp_group)
+    def _root_tp_comm(self, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) tensor-parallel seconds of a stage's root parts, as the runtime
+        issues them (fivefold.parallel.tensor). The vocabulary-parallel embedding (first
+        stage) leaves through g: an all-reduce forward; with sequence parallelism a
+        reduce-scatter forward and an all-gather backward. The final norm (last stage) enters
+        the head through f: an all-reduce backward; with sequence parallelism an all-gather
+        forward and a reduce-scatter backward. The vocabulary-parallel loss all-gathers
+        three fp32 statistics per token (fivefold.parallel.vocab_parallel_loss)."""
+        tokens, sp, group = self.shard.tokens, self.lay.sequence_parallel, self.tp_group
+        act = tokens * self.model.hidden * self.a
+        f = b = 0.0
+        if first:
+            f += self._coll("reduce_scatter" if sp else "all_reduce", act, group)
+            b += self._coll("all_gather", act, group) if sp else 0.0
+        if last:
+            f += self._coll("all_gather", act, group) if sp else 0.0
+            f += self._coll("all_gather", self.lay.tp * 3 * tokens * 4, group)
+            b += self._coll("reduce_scatter" if sp else "all_reduce", act, group)
+        return f, b
 
     # ------------------------------------------------------------ stages
 
@@ -327,15 +351,20 @@ class StepModel:
         bc = sum(c.b_comm for c in costs)
         w = sum(c.wgrad for c in costs)
         stages = len(self.stage_layers)
-        tp_f, tp_b = self._root_tp_comm()
+        tp_f, tp_b = self._root_tp_comm(g == 0, g == stages - 1)
+        f, b, fc, bc = f + tp_f, b + tp_b, fc + tp_f, bc + tp_b
         if g == 0:
-            f, b = f + self.embedding.fwd + tp_f, b + self.embedding.bwd
-            fc += tp_f
+            f, b = f + self.embedding.fwd, b + self.embedding.bwd
             w += self.embedding.wgrad
         if g == stages - 1:
-            f, b = f + self.head.fwd + tp_f, b + self.head.bwd + tp_b
-            fc, bc = fc + tp_f, bc + tp_b
+            f, b = f + self.head.fwd, b + self.head.bwd
             w += self.head.wgrad
+            if self.lay.schedule == "zb" and self.lay.pp > 1 and not self.lay.sequence_parallel:
+                # the runtime's W pass runs the final norm's backward from f's output and
+                # repeats f's all-reduce (fivefold.planner.ledger_pipeline)
+                again = self._coll("all_reduce", self.shard.tokens * self.model.hidden * self.a,
+                                   self.tp_group)
+                b, w, bc = b + again, w + again, bc + again
         return f, b, w, fc, bc
 
     @functools.cached_property
