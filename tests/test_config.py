@@ -118,7 +118,7 @@ global_batch = 8
 micro_batch = 2
 
 [train]
-lr = 1e-3
+lr = 5e-4
 steps = 30
 warmup_steps = 5
 compile = true
@@ -136,7 +136,7 @@ gpus = 2
     assert cfg.model.moe.capacity_factor == 2.0
     assert isinstance(cfg.model.moe.capacity_factor, float)
     assert cfg.parallel.global_batch == 8 and cfg.parallel.micro_batch == 2
-    assert cfg.train.lr == 1e-3 and cfg.train.compile is True
+    assert cfg.train.lr == 5e-4 and cfg.train.compile is True
     assert cfg.data.val_fraction == 0.1
     assert cfg.cluster.gpus == 2
     validate(cfg)
@@ -203,10 +203,10 @@ def test_parse_value(text, value):
 
 
 def test_set_values_parse_as_toml_literals():
-    cfg = load("train.compile=true", "train.lr=1e-3", 'data.text_field="body"',
+    cfg = load("train.compile=true", "train.lr=5e-4", 'data.text_field="body"',
                "data.format=jsonl", "train.device = cpu")
     assert cfg.train.compile is True
-    assert cfg.train.lr == 1e-3
+    assert cfg.train.lr == 5e-4
     assert cfg.data.text_field == "body"
     assert cfg.data.format == "jsonl"
     assert cfg.train.device == "cpu"

@@ -118,7 +118,7 @@ class TrainConfig:
                           "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
-    lr: float = _doc("peak learning rate", 3e-3)
+    lr: float = _doc("peak learning rate", 1e-3)
     min_lr_ratio: float = _doc("final learning rate as a fraction of lr (cosine floor)", 0.1)
     warmup_steps: int = _doc("linear warm-up steps", 20)
     weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", 0.1)
