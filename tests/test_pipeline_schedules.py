@@ -2,8 +2,11 @@
 every message sent and received exactly once), every micro-batch gets exactly one forward and
 one backward per chunk, and the replayed bubble and peak in-flight activations per rank equal
 the schedules' theory exactly (fivefold.parallel.pipeline.schedules: theory_bubble,
-theory_peak_in_flight). Also the stage partition, the torch-free import the planner needs, and
-the timeline picture and trace.
+theory_peak_in_flight). Under NCCL's point-to-point semantics (replay.check_nccl: in-order
+pairing per rank pair and direction, a send waits for its receive, batched groups start
+together) the executor's issue plan (p2p_plan) runs every schedule, while issuing the lists
+one operation at a time deadlocks or mispairs exactly where predicted. Also the stage
+partition, the torch-free import the planner needs, and the timeline picture and trace.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import sys
 import pytest
 
 from fivefold.config import load_config
+from fivefold.parallel.pipeline.p2p_plan import Exchange, Step, issue_plan
 from fivefold.parallel.pipeline.partition import (balanced_counts, part_costs,
                                                   stage_layer_ranges)
 from fivefold.parallel.pipeline.replay import (ScheduleError, bubble_fraction, check_compute,
-                                               peak_in_flight, replay)
-from fivefold.parallel.pipeline.schedules import (B, F, I, RECV_ACT, SEND_ACT, W, Action,
+                                               check_nccl, peak_in_flight, replay)
+from fivefold.parallel.pipeline.schedules import (B, F, I, RECV_ACT, RECV_GRAD, RECVS,
+                                                  SEND_ACT, SEND_GRAD, SENDS, W, Action,
                                                   Schedule, build_schedule,
                                                   pipedream_2bw_schedule, theory_bubble,
                                                   theory_peak_in_flight)
@@ -58,6 +63,124 @@ def test_every_schedule_runs_and_matches_theory(tied):
             theory_bubble(name, p, m, v, slices), abs=1e-12), label
         assert peak_in_flight(schedule) == [
             theory_peak_in_flight(name, p, m, r, v, slices) for r in range(p)], label
+
+
+def _unbatched_nccl_failure(name, p, m, tied, forward_only):
+    """What NCCL does to the lists issued one operation at a time (the executor before the
+    issue plan): 1F1B, ZB and interleaved training cross a send and a receive on both sides
+    of a boundary as soon as two micro-batches are in flight; interleaved evaluation does
+    once the micro-batches wrap from the last rank back to the first (m >= p); with a tied
+    embedding, interleaved sends the matrix ahead of the activations the last rank waits for
+    first (pp 2: NCCL pairs it with an activation; pp >= 3: deadlock)."""
+    if p < 2 or name in ("gpipe", "terapipe"):
+        return None
+    if name == "interleaved" and tied:
+        return "pairs" if p == 2 else "deadlock"
+    if forward_only:
+        return "deadlock" if name == "interleaved" and m >= p else None
+    return "deadlock" if m >= 2 else None
+
+
+def _check_plan_keeps_the_lists(schedule):
+    """The plan runs each rank's list: its Steps in list order, each with the receives listed
+    right before it; every send and receive issued once; a send right after the step that
+    precedes it in the list, a receive no later than the list has it."""
+    for actions, plan in zip(schedule.ranks, issue_plan(schedule)):
+        steps = [a for a in actions if a.kind not in SENDS and a.kind not in RECVS]
+        assert [i.action for i in plan if isinstance(i, Step)] == steps
+        listed_after = {}  # p2p action: steps before it in the list
+        done, needs = 0, []
+        for a in actions:
+            if a.kind in RECVS:
+                needs.append(a)
+            if a.kind in SENDS or a.kind in RECVS:
+                listed_after[a] = done
+            else:
+                assert _plan_step(plan, done).needs == tuple(needs)
+                done, needs = done + 1, []
+        issued_after, done = {}, 0
+        for item in plan:
+            if isinstance(item, Step):
+                done += 1
+                continue
+            for a in item.actions:
+                assert a not in issued_after, a
+                issued_after[a] = done
+        assert issued_after.keys() == listed_after.keys()
+        for a, n in issued_after.items():
+            assert n == listed_after[a] if a.kind in SENDS else n <= listed_after[a], a
+
+
+def _plan_step(plan, index):
+    return [i for i in plan if isinstance(i, Step)][index]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_schedule_runs_under_nccl(tied):
+    """pp 1-6, micro-batches 1..2p+1, vpp 2 and 3, training and evaluation: the issue plan
+    passes the NCCL check; the lists issued one operation at a time fail where predicted."""
+    failures = {"deadlock": 0, "pairs": 0}
+    for name, p, m, v, slices in CASES:
+        for forward_only in (False, True):
+            schedule = build_schedule(name, p, m, v, slices, tied, forward_only)
+            check_nccl(schedule)
+            _check_plan_keeps_the_lists(schedule)
+            expected = _unbatched_nccl_failure(name, p, m, tied, forward_only)
+            if expected is None:
+                check_nccl(schedule, batched=False)
+                continue
+            with pytest.raises(ScheduleError, match=f"NCCL {expected}"):
+                check_nccl(schedule, batched=False)
+            failures[expected] += 1
+    # training with m >= 2 on pp 2..6: 40 cases each for 1F1B, ZB and interleaved (vpp 2
+    # and 3); interleaved evaluation with m >= p: 20; tied interleaved: all 50 (6 on pp 2)
+    assert failures == ({"deadlock": 3 * 40 + 20, "pairs": 0} if not tied else
+                        {"deadlock": 2 * 40 + 2 * 44, "pairs": 2 * 6})
+
+
+def test_pipedream_2bw_runs_under_nccl():
+    """2BW's plan (loss and tied-matrix messages between the first and the last rank, across
+    step boundaries) passes the NCCL check; issued one operation at a time, every pp >= 2
+    layout deadlocks in 1F1B's steady state, or (tied, 3 steps) NCCL pairs the second matrix
+    version with an activation."""
+    for p, steps, tied in itertools.product(range(1, 6), (1, 2, 3), (False, True)):
+        for m in range(p, 2 * p + 1):
+            schedule = pipedream_2bw_schedule(p, m, steps, tied)
+            check_nccl(schedule)
+            _check_plan_keeps_the_lists(schedule)
+            if p == 1:
+                check_nccl(schedule, batched=False)
+                continue
+            expected = "pairs" if tied and steps == 3 and p == 2 else None
+            with pytest.raises(ScheduleError, match=f"NCCL {expected or 'deadlock'}"):
+                check_nccl(schedule, batched=False)
+
+
+def test_issue_plan_of_1f1b_pairs_the_steady_state():
+    """1F1B, 2 ranks x 3 micro-batches: rank 0 issues the activation of micro-batch 2 with
+    the receive of gradient 1 as one group, so neither rank's send waits on the other's."""
+    plan = issue_plan(build_schedule("1f1b", 2, 3))
+    groups = [[i.actions for i in rank if isinstance(i, Exchange)] for rank in plan]
+    assert (Action(SEND_ACT, 0, 2), Action(RECV_GRAD, 0, 1)) in groups[0]
+    assert (Action(RECV_ACT, 1, 2), Action(SEND_GRAD, 1, 1)) in groups[1]
+    assert [len(g) for g in groups[0]] == [1, 1, 1, 2, 1]
+
+
+def test_nccl_check_catches_crossed_and_misordered_lists():
+    """1F1B on 2 ranks x 2 micro-batches: both ranks send before they receive (rank 0 the
+    activation of micro-batch 1, rank 1 the gradient of 0), a deadlock one operation at a
+    time, fine as groups; two activations received in the other order than sent: NCCL would
+    pair them wrongly."""
+    crossed = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ScheduleError, match=r"NCCL deadlock.*send_act\[s0 mb1\].*"
+                                            r"send_grad\[s1 mb0\]"):
+        check_nccl(crossed, batched=False)
+    check_nccl(crossed)
+    swapped = Schedule("swapped", 2, 1, 2, 1, (
+        (Action(F, 0, 0), Action(SEND_ACT, 0, 0), Action(F, 0, 1), Action(SEND_ACT, 0, 1)),
+        (Action(RECV_ACT, 1, 1), Action(RECV_ACT, 1, 0), Action(F, 1, 0), Action(F, 1, 1))))
+    with pytest.raises(ScheduleError, match=r"pairs rank 0's send #0 .*'act', 0, 1, 0"):
+        check_nccl(swapped, batched=False)
 
 
 def test_named_theory_values():

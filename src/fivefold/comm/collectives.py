@@ -5,9 +5,9 @@ ledger (fivefold.comm.ledger) sees every byte. Reductions are sums (callers pre-
 has no PREMUL_SUM and AVG is not on every backend). On an axis of size 1 nothing is sent and
 nothing is recorded; the functions then only copy where an output buffer is expected.
 With `async_op=True` a work handle (or None on a size-1 axis) is returned; `wait(handle)`
-finishes it. `send` and `recv` are point-to-point (pipeline stages): always asynchronous,
-recorded as op "send" (the buffer on the wire) and "recv" (no wire bytes), between two
-distinct ranks of the axis.
+finishes it. `batch_send_recv` is point-to-point (pipeline stages): sends and receives
+between distinct ranks of the axis issued as one asynchronous group, recorded as op "send"
+(the buffer on the wire) and "recv" (no wire bytes).
 """
 
 from __future__ import annotations
@@ -91,18 +91,19 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str):
     return dist.broadcast(tensor, src=src, group=axis.group)
 
 
-def send(tensor: torch.Tensor, axis: Axis, dst_index: int, purpose: str, tag: int = 0):
-    """Start sending `tensor` to rank `dst_index` of the axis (point-to-point, asynchronous);
-    returns the work handle: `wait` it before the tensor is reused. Messages between two ranks
-    are told apart by `tag` (pipeline stages send activations and gradients both ways)."""
-    axis.record("send", tensor, purpose)
-    dst = dist.get_global_rank(axis.group, dst_index) if axis.group is not None else dst_index
-    return dist.isend(tensor, dst=dst, group=axis.group, tag=tag)
-
-
-def recv(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str, tag: int = 0):
-    """Start receiving into `tensor` from rank `src_index` of the axis; returns the work handle
-    (the data is there after `wait`). Recorded with the buffer's bytes and no wire bytes."""
-    axis.record("recv", tensor, purpose)
-    src = dist.get_global_rank(axis.group, src_index) if axis.group is not None else src_index
-    return dist.irecv(tensor, src=src, group=axis.group, tag=tag)
+def batch_send_recv(ops: list[tuple[bool, torch.Tensor, int, str, int]], axis: Axis) -> list:
+    """Issue point-to-point sends and receives on the axis together, as one batch_isend_irecv;
+    each op is (is a send, tensor, peer index, purpose, tag), recorded as "send" or "recv" with
+    the buffer's bytes (and no wire bytes). Messages between two ranks are told apart by the
+    tag (pipeline stages send activations and gradients both ways); `wait` every returned
+    handle before a tensor is reused or read.
+    NCCL runs the batch as one group (a pair of ranks that both send and receive cannot
+    block each other) and returns one handle for all of it; gloo returns one per op."""
+    batch = []
+    for is_send, tensor, peer_index, purpose, tag in ops:
+        axis.record("send" if is_send else "recv", tensor, purpose)
+        peer = (dist.get_global_rank(axis.group, peer_index) if axis.group is not None
+                else peer_index)
+        batch.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer,
+                                axis.group, tag))
+    return dist.batch_isend_irecv(batch) if batch else []

@@ -7,8 +7,11 @@ accumulated gradient is the global-batch mean exactly as in the single-process t
 runs its backward; I and W split that backward for zero-bubble schedules; the send and
 receive actions move activations ("pp_activations"), input gradients ("pp_grads") and the
 tied embedding ("pp_tied_weight", "pp_tied_grads") over the "pp" mesh axis through
-fivefold.comm.collectives, so the ledger sees every byte. Sends are asynchronous and waited
-at the end of the step; a receive blocks right where the list puts it. TeraPipe's slices
+fivefold.comm.collectives, so the ledger sees every byte. The sends and receives are issued
+in batched groups (batch_isend_irecv, on every backend) at the points of the rank's issue
+plan (fivefold.parallel.pipeline.p2p_plan), which NCCL's in-order pairing cannot deadlock; a
+receive may be issued early, and is waited for right before the action that reads it, where
+the list puts it. Sends are waited at the end of the step. TeraPipe's slices
 attend to the cached keys and values of earlier slices (fivefold.parallel.pipeline.terapipe).
 
 Zero-bubble split (ZB, arXiv 2401.10241, Sec. 2). During a forward that a W will follow, every
@@ -34,11 +37,13 @@ import torch
 
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
+from fivefold.parallel.pipeline.p2p_plan import Exchange, Step, issue_plan
 from fivefold.parallel.pipeline.replay import Event
 from fivefold.parallel.pipeline.schedules import (B, F, GRADIENT_KINDS, I, RECV_ACT, RECV_GRAD,
                                                   RECV_TIED_GRAD, RECV_TIED_WEIGHT, SEND_ACT,
                                                   SEND_GRAD, SEND_TIED_GRAD, SEND_TIED_WEIGHT,
-                                                  W, Action, Schedule, message, peer_stage)
+                                                  SENDS, W, Action, Schedule, message,
+                                                  peer_stage)
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
 
@@ -109,8 +114,10 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self.timeline: list[Event] = []
         self.tag_space = tag_space
-        self.sends: list = []
+        self.sends: list = []  # handles of issued sends, waited at the end of the step
+        self.pending: dict[tuple, tuple] = {}  # message: (buffer, handles) until taken
         self.mailbox: dict[tuple, torch.Tensor] = {}
+        self.plans: dict[int, tuple] = {}
         self.last_stage = schedule.stages - 1
         split = any(a.kind == I for a in schedule.ranks[self.rank])
         if split and stage.has_first and stage.has_last and stage.cfg.tied_embeddings:
@@ -154,27 +161,43 @@ class PipelineEngine:
         self.device = next(self.stage.parameters()).device
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.state: dict[tuple, dict] = {}
-        actions = schedule.ranks[self.rank]
-        self.split_backward = any(a.kind == I for a in actions)
-        last_grad = {}
-        for idx, a in enumerate(actions):
-            if a.kind in GRADIENT_KINDS:
-                last_grad[a.stage] = idx
+        plan = self._plan(schedule)
+        self.split_backward = any(a.kind == I for a in schedule.ranks[self.rank])
         self.timeline = []
-        for idx, a in enumerate(actions):
-            start = time.perf_counter()
-            if a.kind in GRADIENT_KINDS and self.grad_sync is not None:
-                self.grad_sync.prepare_backward(last=last_grad[a.stage] == idx)
-            self._do(a, schedule)
-            if self.record_timeline:  # the system-wide monotonic clock: ranks line up
-                self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
-        for work, _ in self.sends:
+        self._run_items(plan, schedule, last_gradient_steps(plan))
+        for work in self.sends:
             C.wait(work)
         self.sends.clear()
         if self.stage.borrows_embedding:
             self.stage.tied_head_weight.grad = None
         C.all_reduce(self.loss_sum, self.axis, "loss")
         return self.loss_sum
+
+    def _plan(self, schedule: Schedule) -> tuple[Step | Exchange, ...]:
+        """This rank's issue plan (fivefold.parallel.pipeline.p2p_plan), built once."""
+        if id(schedule) not in self.plans:
+            self.plans[id(schedule)] = (schedule, issue_plan(schedule)[self.rank])
+        return self.plans[id(schedule)][1]
+
+    def _run_items(self, items, schedule: Schedule, last_grad: set[Step]) -> None:
+        """Run plan items in order: an Exchange is issued, a Step first waits for the
+        messages it reads, then runs."""
+        for item in items:
+            start = time.perf_counter()
+            if isinstance(item, Exchange):
+                self._exchange(item.actions, schedule)
+                continue
+            for a in item.needs:
+                self._take(a, schedule)
+                if self.record_timeline:  # the wait, on the system-wide monotonic clock
+                    self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
+                    start = time.perf_counter()
+            a = item.action
+            if a.kind in GRADIENT_KINDS and self.grad_sync is not None:
+                self.grad_sync.prepare_backward(last=item in last_grad)
+            self._do(a, schedule)
+            if self.record_timeline:
+                self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
 
     def _do(self, a: Action, schedule: Schedule) -> None:
         if a.kind == F:
@@ -185,10 +208,6 @@ class PipelineEngine:
             self._backward_input(a)
         elif a.kind == W:
             self._backward_weight(a)
-        elif a.kind in (SEND_ACT, SEND_GRAD, SEND_TIED_WEIGHT, SEND_TIED_GRAD):
-            self._send(a, schedule)
-        elif a.kind in (RECV_ACT, RECV_GRAD, RECV_TIED_WEIGHT, RECV_TIED_GRAD):
-            self._recv(a, schedule)
         else:
             raise ValueError(f"the synchronous executor cannot run {a}")
 
@@ -274,52 +293,77 @@ class PipelineEngine:
     def _peer(self, a: Action, schedule: Schedule) -> int:
         return schedule.rank_of(peer_stage(a, schedule.stages))
 
-    def _send(self, a: Action, schedule: Schedule) -> None:
+    def _exchange(self, actions: tuple[Action, ...], schedule: Schedule) -> None:
+        """Issue a plan Exchange as one batch: sends with their data, receives into fresh
+        buffers that `_take` waits for and hands over right before the action that reads
+        them. A message to this very rank goes through the mailbox."""
+        ops, recvs = [], []
+        for a in actions:
+            msg, peer = message(a, schedule.stages), self._peer(a, schedule)
+            is_send = a.kind in SENDS
+            if peer == self.rank:
+                if is_send:
+                    self.mailbox[msg] = self._outgoing(a).clone()
+                else:
+                    self.pending[msg] = (None, [])
+                continue
+            tensor = self._outgoing(a).contiguous() if is_send else self._buffer(a)
+            ops.append((is_send, tensor, peer, PURPOSES[msg[0]],
+                        message_tag(msg, self.tag_space)))
+            if not is_send:
+                recvs.append((msg, tensor))
+        works = C.batch_send_recv(ops, self.axis)
+        if len(works) == len(ops):  # one handle per op: wait for exactly the receive
+            self.sends += [w for w, (is_send, *_) in zip(works, ops) if is_send]
+            recv_works = [[w] for w, (is_send, *_) in zip(works, ops) if not is_send]
+        else:  # one handle for the group (NCCL): its wait orders the stream after all of it
+            self.sends += works
+            recv_works = [list(works) for _ in recvs]
+        for (msg, buf), handles in zip(recvs, recv_works):
+            self.pending[msg] = (buf, handles)
+
+    def _take(self, a: Action, schedule: Schedule) -> None:
+        """Wait for a received message and hand it to the step that reads it."""
+        msg = message(a, schedule.stages)
+        buf, handles = self.pending.pop(msg)
+        for work in handles:
+            C.wait(work)
+        self._deliver(a, self.mailbox.pop(msg) if buf is None else buf)
+
+    def _outgoing(self, a: Action) -> torch.Tensor:
+        """What a send carries (the unit's state it no longer needs is dropped)."""
         key = (a.stage, a.mb, a.slice)
         if a.kind == SEND_ACT:
-            st = self.state[key]
-            tensor = st["output"].detach()
+            tensor = self.state[key]["output"].detach()
             if not torch.is_grad_enabled():
                 self.state.pop(key)
-        elif a.kind == SEND_GRAD:
+            return tensor
+        if a.kind == SEND_GRAD:
             st = self.state[key]
             tensor = st.pop("input_grad")
             if not st:  # a full backward's unit is done; a split one waits for its W
                 self.state.pop(key)
-        elif a.kind == SEND_TIED_WEIGHT:
-            tensor = self.stage.tok_embeddings.weight.detach()
-        else:
-            tensor = self.stage.tied_head_weight.grad
-        self._post(message(a, schedule.stages), tensor, self._peer(a, schedule))
+            return tensor
+        if a.kind == SEND_TIED_WEIGHT:
+            return self.stage.tok_embeddings.weight.detach()
+        if a.kind == SEND_TIED_GRAD:
+            return self.stage.tied_head_weight.grad
+        raise ValueError(f"the synchronous executor cannot send {a}")
 
-    def _post(self, msg: tuple, tensor: torch.Tensor, peer: int) -> None:
-        """Send asynchronously (to this very rank: through the mailbox)."""
-        if peer == self.rank:
-            self.mailbox[msg] = tensor.clone()
-            return
-        tensor = tensor.contiguous()
-        work = C.send(tensor, self.axis, peer, PURPOSES[msg[0]], message_tag(msg, self.tag_space))
-        self.sends.append((work, tensor))
-
-    def _fetch(self, msg: tuple, buf: torch.Tensor, peer: int) -> torch.Tensor:
-        """Receive message `msg` into `buf`, waiting for it; returns the received tensor."""
-        if peer == self.rank:
-            return self.mailbox.pop(msg)
-        C.wait(C.recv(buf, self.axis, peer, PURPOSES[msg[0]], message_tag(msg, self.tag_space)))
-        return buf
-
-    def _recv(self, a: Action, schedule: Schedule) -> None:
-        msg = message(a, schedule.stages)
+    def _buffer(self, a: Action) -> torch.Tensor:
+        """An empty buffer for what a receive brings."""
         if a.kind in (RECV_ACT, RECV_GRAD):
-            buf = torch.empty(self._shape(a), dtype=self.act_dtype, device=self.device)
-        else:  # this rank's (tensor-parallel: vocabulary shard of the) embedding matrix
-            buf = torch.empty(self._tied_shape(), dtype=self.act_dtype, device=self.device)
-        buf = self._fetch(msg, buf, self._peer(a, schedule))
+            return torch.empty(self._shape(a), dtype=self.act_dtype, device=self.device)
+        if a.kind in (RECV_TIED_WEIGHT, RECV_TIED_GRAD):  # (tp: the vocabulary shard of) it
+            return torch.empty(self._tied_shape(), dtype=self.act_dtype, device=self.device)
+        raise ValueError(f"the synchronous executor cannot receive {a}")
+
+    def _deliver(self, a: Action, buf: torch.Tensor) -> None:
         key = (a.stage, a.mb, a.slice)
         if a.kind == RECV_ACT:
             self.state.setdefault(key, {})["input"] = buf.requires_grad_(torch.is_grad_enabled())
         elif a.kind == RECV_GRAD:
-            self.state[key]["output_grad"] = buf
+            self.state.setdefault(key, {})["output_grad"] = buf
         elif a.kind == RECV_TIED_WEIGHT:
             with torch.no_grad():
                 self.stage.tied_head_weight.copy_(buf)
@@ -331,3 +375,12 @@ class PipelineEngine:
                 weight.grad = buf
             else:
                 weight.grad.add_(buf)
+
+
+def last_gradient_steps(plan) -> set[Step]:
+    """The plan Steps that are the last gradient action (B or W) of their virtual stage."""
+    last = {}
+    for item in plan:
+        if isinstance(item, Step) and item.action.kind in GRADIENT_KINDS:
+            last[item.action.stage] = item
+    return set(last.values())

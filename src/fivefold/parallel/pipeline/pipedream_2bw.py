@@ -30,7 +30,6 @@ is measured there too (slow) and tabled in docs/pipeline.md.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
@@ -39,12 +38,11 @@ from torch.func import functional_call
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.parallel.pipeline.executor import PipelineEngine, clip_grad_norm_
-from fivefold.parallel.pipeline.replay import Event
+from fivefold.parallel.pipeline.p2p_plan import Exchange, Step
 from fivefold.parallel.pipeline.schedules import (RECV_LOSS, RECV_TIED_GRAD,
                                                   RECV_TIED_WEIGHT, SEND_LOSS, SEND_TIED_GRAD,
                                                   SEND_TIED_WEIGHT, UPDATE, Action, Schedule,
-                                                  build_schedule, message,
-                                                  pipedream_2bw_schedule)
+                                                  build_schedule, pipedream_2bw_schedule)
 from fivefold.parallel.pipeline.stage import PipelineStage
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -64,7 +62,7 @@ class PipeDream2BWEngine(PipelineEngine):
         super().__init__(stage, schedule, pp_axis, None, None, autocast, record_timeline)
         self.evaluator = PipelineEngine(stage, evaluation, pp_axis, evaluation,
                                         autocast=autocast, tag_space=1)
-        self.segments = self._split_by_update(schedule.ranks[self.rank])
+        self.segments = self._split_by_update(self._plan(schedule))
         self.m, self.steps, self.optimizer = micro_batches, steps, optimizer
         self.batch_fn = batch_fn
         self.loss_scale, self.max_norm, self.dp_axis = loss_scale, max_norm, dp_axis
@@ -82,12 +80,13 @@ class PipeDream2BWEngine(PipelineEngine):
         self.act_dtype = next(stage.parameters()).dtype
 
     @staticmethod
-    def _split_by_update(actions: tuple[Action, ...]) -> list[list[Action]]:
-        """Step t's segment: the actions after UPDATE t-1 up to UPDATE t; the rest go last."""
+    def _split_by_update(plan: tuple[Step | Exchange, ...]) -> list[list[Step | Exchange]]:
+        """Step t's segment of the issue plan: the items after UPDATE t-1 up to UPDATE t;
+        the rest go last. A receive issued in one segment may be taken in the next."""
         segments, current = [], []
-        for a in actions:
-            current.append(a)
-            if a.kind == UPDATE:
+        for item in plan:
+            current.append(item)
+            if isinstance(item, Step) and item.action.kind == UPDATE:
                 segments.append(current)
                 current = []
         segments[-1] += current
@@ -103,14 +102,10 @@ class PipeDream2BWEngine(PipelineEngine):
         self.lr = lr
         inputs, _ = self._batch(step)
         self.mb_rows, self.bounds = inputs.shape[0] // self.m, [(0, inputs.shape[1])]
-        for a in self.segments[step]:
-            start = time.perf_counter()
-            self._do(a, self.schedule)
-            if self.record_timeline:  # the whole run's events, on the system-wide clock
-                self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        self._run_items(self.segments[step], self.schedule, set())  # timeline: whole run
+        self.sends = [work for work in self.sends if not work.is_completed()]
         if step == self.steps - 1:
-            for work, _ in self.sends:
+            for work in self.sends:
                 C.wait(work)
             self.sends.clear()
         if step in self.loss_sums:  # the last stage
@@ -126,10 +121,6 @@ class PipeDream2BWEngine(PipelineEngine):
     def _do(self, a: Action, schedule: Schedule) -> None:
         if a.kind == UPDATE:
             self._update(a.mb)
-        elif a.kind in (SEND_LOSS, SEND_TIED_WEIGHT, SEND_TIED_GRAD):
-            self._post(message(a, schedule.stages), self._outgoing(a), self._peer(a, schedule))
-        elif a.kind in (RECV_LOSS, RECV_TIED_WEIGHT, RECV_TIED_GRAD):
-            self._incoming(a, schedule)
         else:
             super()._do(a, schedule)
 
@@ -139,22 +130,28 @@ class PipeDream2BWEngine(PipelineEngine):
             return self.loss_sums[a.mb].reshape(1).clone()
         if a.kind == SEND_TIED_GRAD:
             return self.leaves[a.mb]["tied_head_weight"].grad
-        return self.versions[a.mb]["tok_embeddings.weight"].clone()
+        if a.kind == SEND_TIED_WEIGHT:
+            return self.versions[a.mb]["tok_embeddings.weight"].clone()
+        return super()._outgoing(a)
 
-    def _incoming(self, a: Action, schedule: Schedule) -> None:
+    def _buffer(self, a: Action) -> torch.Tensor:
         if a.kind == RECV_LOSS:
-            buf = torch.empty(1, dtype=torch.float32, device=self.device)
-        else:
+            return torch.empty(1, dtype=torch.float32, device=self.device)
+        if a.kind in (RECV_TIED_WEIGHT, RECV_TIED_GRAD):
             cfg = self.stage.cfg
-            buf = torch.empty((cfg.vocab, cfg.hidden), dtype=self.act_dtype, device=self.device)
-        got = self._fetch(message(a, schedule.stages), buf, self._peer(a, schedule))
+            return torch.empty((cfg.vocab, cfg.hidden), dtype=self.act_dtype, device=self.device)
+        return super()._buffer(a)
+
+    def _deliver(self, a: Action, buf: torch.Tensor) -> None:
         if a.kind == RECV_LOSS:
-            self.step_loss[a.mb] = got[0]
+            self.step_loss[a.mb] = buf[0]
         elif a.kind == RECV_TIED_GRAD:
-            self.head_grads[a.mb] = got
-        else:
-            self.tied_versions[a.mb] = got
+            self.head_grads[a.mb] = buf
+        elif a.kind == RECV_TIED_WEIGHT:
+            self.tied_versions[a.mb] = buf
             self.tied_versions.pop(a.mb - 2, None)
+        else:
+            super()._deliver(a, buf)
 
     def _batch(self, step: int) -> Batch:
         if step not in self.batches:

@@ -10,11 +10,13 @@ scores it (fivefold.parallel.pipeline.timeline). The planner calls it with measu
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+from fivefold.parallel.pipeline.p2p_plan import Exchange, issue_plan
 from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, I, RECVS, SENDS, UPDATE, W,
-                                                  Action, Schedule, message)
+                                                  Action, Schedule, message, peer_stage)
 
 
 class ScheduleError(ValueError):
@@ -82,6 +84,73 @@ def replay(schedule: Schedule, cost: Callable[[Action], float] | None = None) ->
         raise ScheduleError(f"{schedule.name}: messages sent but never received: "
                             f"{sorted(unread)[:4]}")
     return events
+
+
+def check_nccl(schedule: Schedule, batched: bool = True) -> None:
+    """Raise ScheduleError unless the schedule runs under NCCL's point-to-point semantics.
+
+    NCCL ignores tags: between two ranks, in each direction, the k-th send issued is paired
+    with the k-th receive issued, so both ends must issue the same messages in the same
+    order. A send completes only once its receive is posted (large messages rendezvous; the
+    eager path for small ones is not relied on), and a rank's operations run in issue order
+    on its communication stream, each group of them (one batch_isend_irecv) starting
+    together. So a rank passes a group only when every operation in it is paired with a
+    posted one. `batched=True` checks the executor's plan (p2p_plan.issue_plan: its
+    Exchanges); `batched=False` issues every send and receive alone where the list puts it,
+    as the executor did before the plan. Messages to the rank itself go through the
+    executor's mailbox and are not NCCL's concern.
+    """
+    stages = schedule.stages
+    if batched:
+        groups = [[g.actions for g in plan if isinstance(g, Exchange)]
+                  for plan in issue_plan(schedule)]
+    else:
+        groups = [[(a,) for a in actions if a.kind in SENDS or a.kind in RECVS]
+                  for actions in schedule.ranks]
+    sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst): messages in order
+    taken: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    plan: list[list[list[tuple]]] = []  # rank, group: (direction, index in it, is a send)
+    for r, rank_groups in enumerate(groups):
+        plan.append([])
+        for group in rank_groups:
+            ops = []
+            for a in group:
+                peer = schedule.rank_of(peer_stage(a, stages))
+                if peer == r:
+                    continue
+                is_send = a.kind in SENDS
+                pair = (r, peer) if is_send else (peer, r)
+                order = sent[pair] if is_send else taken[pair]
+                ops.append((pair, len(order), is_send))
+                order.append(message(a, stages))
+            plan[-1].append(ops)
+    for pair in sorted(set(sent) | set(taken)):
+        for k, (out, got) in enumerate(zip(sent[pair], taken[pair])):
+            if out != got:
+                raise ScheduleError(f"{schedule.name}: NCCL pairs rank {pair[0]}'s send #{k} "
+                                    f"to rank {pair[1]}, {out}, with its receive of {got}")
+        if len(sent[pair]) != len(taken[pair]):
+            raise ScheduleError(f"{schedule.name}: ranks {pair} send {len(sent[pair])} and "
+                                f"receive {len(taken[pair])} messages")
+    posted = {True: defaultdict(int), False: defaultdict(int)}  # is a send: pair -> count
+    pos, entered = [0] * len(plan), [False] * len(plan)
+    progress = True
+    while progress:
+        progress = False
+        for r, rank_plan in enumerate(plan):
+            while pos[r] < len(rank_plan):
+                ops = rank_plan[pos[r]]
+                if not entered[r]:
+                    for pair, _, is_send in ops:
+                        posted[is_send][pair] += 1
+                    entered[r] = progress = True
+                if not all(posted[not is_send][pair] > k for pair, k, is_send in ops):
+                    break
+                pos[r], entered[r], progress = pos[r] + 1, False, True
+    stuck = [(r, [str(a) for a in groups[r][pos[r]]])
+             for r in range(len(plan)) if pos[r] < len(plan[r])]
+    if stuck:
+        raise ScheduleError(f"{schedule.name}: NCCL deadlock, ranks waiting at {stuck}")
 
 
 def check_compute(schedule: Schedule) -> None:

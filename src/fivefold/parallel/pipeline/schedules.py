@@ -325,7 +325,7 @@ def pipedream_2bw_schedule(pp: int, micro_batches: int, steps: int,
     m, total = micro_batches, micro_batches * steps
     if m < pp:
         raise ValueError(f"PipeDream-2BW needs at least pp = {pp} micro-batches per step, got {m}")
-    stages, last_rank = pp, pp - 1
+    stages = pp
     ranks = []
     for r in range(pp):
         warm = min(pp - r - 1, total)
