@@ -1,6 +1,7 @@
 """The Trainer with pipeline parallelism (parallel.pp > 1) reproduces the single-process
 Trainer, alone and composed with data and tensor parallelism (3D: pp 2 x dp 2 x tp 2 on 8
-ranks), resumes from its checkpoints exactly, and runs from `fivefold train`.
+ranks), resumes from its checkpoints exactly, exports them (`fivefold convert`,
+`--init-from`), and runs from `fivefold train`.
 
 Each layout trains 5 optimizer steps of a tiny model (4 blocks, hidden 64, 32 tokens, global
 batch 8) through `Trainer.train_step`, then `Trainer.evaluate`; the reference is the
@@ -23,9 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fivefold.config import ConfigError, load_config
 from fivefold.models.llama import build_model
+from fivefold.models.pretrained import WEIGHTS_FILE, convert, load_weights_into
 from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.tensor import gather_full_state
 from fivefold.testing import run_on_ranks
@@ -62,7 +65,8 @@ def _sets(base, layout):
 
 
 def _train(rt, cfg, tmp):
-    """5 steps and validation: (losses, grad norms, val loss, full params, last step's ledger)."""
+    """5 steps and validation: (losses, grad norms, val loss, full params, last step's ledger).
+    The run ends with a checkpoint in `tmp`."""
     trainer = Trainer(cfg, rt, tmp)
     results = [trainer.train_step(s) for s in range(STEPS)]
     records = trainer.ledger.as_dicts()
@@ -72,6 +76,7 @@ def _train(rt, cfg, tmp):
                                    trainer.tp_axis)
     else:
         params = {n: q.detach().clone() for n, q in trainer.model.named_parameters()}
+    trainer._save(STEPS)
     return [r.loss for r in results], [r.grad_norm for r in results], val, params, records
 
 
@@ -128,9 +133,17 @@ def reference(base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(base, tmp_path_factory):
-    return {world: run_on_ranks(_on_ranks, world, base, layouts,
-                                str(tmp_path_factory.mktemp(f"w{world}")), timeout_s=900)
+def run_root(tmp_path_factory) -> Path:
+    """Layout i of world size w trains in run_root / f"w{w}" / str(i)."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def ranks(base, run_root):
+    for world in LAYOUTS:
+        (run_root / f"w{world}").mkdir()
+    return {world: run_on_ranks(_on_ranks, world, base, layouts, str(run_root / f"w{world}"),
+                                timeout_s=900)
             for world, layouts in LAYOUTS.items()}
 
 
@@ -177,6 +190,20 @@ def test_trainer_ledger_records_pipeline_messages(ranks):
     per_dp_rank = 4  # 8 sequences over dp 2, micro-batches of 1
     assert _pp_bytes(first_3d, "send", "pp_activations") == per_dp_rank * act // 2
     assert _pp_bytes(first_3d, "send", "pp_tied_weight") == table // 2
+
+
+def test_zero_bubble_weight_pass_repeats_no_collective(ranks):
+    """pp 2 x tp 2 ZB (4 micro-batches of 2 sequences): per micro-batch each stage's 2 blocks
+    enter and leave 2 tensor-parallel regions (one all-reduce forward, one backward each),
+    plus the first stage's embedding (forward) or the last stage's final norm (backward): 9,
+    so 36 per step on every rank, exactly as many as a full backward issues. The W passes add
+    none (before they recorded the final norm's output after Megatron's f and ran its
+    all-reduce again: 40 on the last stage)."""
+    for rank, (trained, _) in enumerate(ranks[4]):
+        records = trained[1][4]  # LAYOUTS[4][1]: zb, tp 2
+        tp_sums = sum(r["op"] == "all_reduce" and r["mesh_dim"] == "tp" and
+                      r["purpose"] == "tp_activations" for r in records)
+        assert tp_sums == 4 * 9, rank
 
 
 def test_checkpoint_resumes_exactly(ranks):
@@ -251,3 +278,28 @@ def test_cli_trains_with_pp2(tiny_overrides, tmp_path):
     assert comm["recv@pp"]["bytes"] == act
     meta = json.loads((tmp_path / "checkpoints" / "step_00000003" / "meta.json").read_text())
     assert meta["step"] == 3
+
+
+def test_pipeline_checkpoints_export(ranks, run_root, base, tmp_path):
+    """`fivefold convert` (and `--init-from`, the same reader) joins every layout's last
+    checkpoint: per-stage keys (pp 2, vpp 2 chunks), data-parallel shards (ZeRO-1) and
+    tensor-parallel shards with the padded vocabulary dropped (pp 2 x tp 2, and pp 2 x dp 2 x
+    tp 2). The weights equal, bit for bit, the full parameters gathered from the ranks."""
+    exported = {}
+    for world, layouts in LAYOUTS.items():
+        for i, layout in enumerate(layouts):
+            label = f"world {world} {layout}"
+            params = {}
+            for trained, _ in ranks[world]:
+                params.update(trained[i][3])
+            out = tmp_path / f"w{world}-{i}"
+            convert(run_root / f"w{world}" / str(i), out, to="fivefold")
+            state = exported[world, i] = load_file(out / WEIGHTS_FILE)
+            assert state.keys() == params.keys(), label
+            for name, value in params.items():
+                assert torch.equal(state[name], value), f"{label} {name}"
+    cfg = load_config(None, _sets(base, LAYOUTS[8][0]))
+    model = build_model(cfg.model, seed=123)
+    load_weights_into(model, cfg.model, run_root / "w8" / "0")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, exported[8, 0][name]), name

@@ -116,7 +116,7 @@ CASES = [  # (world size, overrides, label)
          "parallel.schedule='gpipe'", "parallel.micro_batch=2", "model.tied_embeddings=false"],
      "pp2 x tp2 gpipe sp untied"),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.schedule='zb'", "parallel.micro_batch=2",
-         TIED], "pp2 x tp2 zero-bubble tied (W repeats the final norm's all-reduce)"),
+         TIED], "pp2 x tp2 zero-bubble tied"),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
          "parallel.micro_batch=2", TIED] + VOCAB_509, "pp2 x tp2 sp tied, padded vocabulary"),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.schedule='interleaved'", "parallel.vpp=2",

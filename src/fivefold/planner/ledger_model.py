@@ -28,8 +28,8 @@ the runtime does):
             own blocks' tensor-parallel collectives, the embedding's on the first stage, the
             final norm's and the vocabulary loss's on the last; messages of (B, T, D) per tp
             rank, (B, T/t, D) with sequence parallelism; the lent tied head is the tp rank's
-            vocabulary rows; a zero-bubble W pass on the last stage repeats the final norm's
-            backward all-reduce
+            vocabulary rows; a zero-bubble W pass issues no collective (the executor records
+            the final norm's output before Megatron's f, so f's all-reduce runs once, in I)
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
@@ -45,8 +45,7 @@ import dataclasses
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.planner.layout import Layout, layout_from_config
-from fivefold.planner.ledger_pipeline import (last_stage_weight_passes, pipeline_messages,
-                                              stage_layers_of_rank)
+from fivefold.planner.ledger_pipeline import pipeline_messages, stage_layers_of_rank
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -158,17 +157,6 @@ class _Step:
         if self.last:
             self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
 
-    def weight_passes(self) -> None:
-        """Zero-bubble W passes of the last stage repeat the final norm's f backward
-        all-reduce (ledger_pipeline.last_stage_weight_passes; zb excludes sequence
-        parallelism, fivefold.validate)."""
-        lay, m = self.lay, self.cfg.model
-        if lay.tp == 1 or not self.last or lay.sequence_parallel:
-            return
-        act = lay.micro_batch * m.seq_len * m.hidden * self.pb
-        for _ in range(last_stage_weight_passes(self.cfg, lay, self.pp_rank)):
-            self.record("all_reduce", "tp", lay.tp, self.param, act, "tp_activations")
-
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
         pipeline's 4-byte fp32 all-reduce of the summed loss over the stages."""
@@ -181,7 +169,6 @@ class _Step:
         stage, micro = lay.zero_stage, lay.micro_batches
         if lay.pp > 1:
             self.pipeline()
-            self.weight_passes()
         has_root = self.pp_rank in (0, lay.pp - 1) or lay.pp == 1
         root, blocks = (units[0], units[1:]) if has_root else (None, units)
         for j in range(micro):

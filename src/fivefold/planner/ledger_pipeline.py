@@ -62,22 +62,6 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
     return out
 
 
-def last_stage_weight_passes(cfg: Config, lay: Layout, pp_rank: int) -> int:
-    """W actions (zero-bubble weight passes) of the last virtual stage on pp rank `pp_rank`.
-
-    Each re-runs the backward from the final norm's output, as the executor captures it:
-    with tensor parallelism that output is Megatron's f (copy_to_tp), so the weight pass
-    repeats f's backward all-reduce that the I pass already did."""
-    if lay.pp == 1:
-        return 0
-    from fivefold.parallel.pipeline.build import token_slices
-
-    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp,
-                                token_slices(cfg), cfg.model.tied_embeddings)
-    return sum(a.kind == S.W and a.stage == schedule.stages - 1
-               for a in schedule.ranks[pp_rank])
-
-
 def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
     stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""

@@ -359,12 +359,6 @@ class StepModel:
         if g == stages - 1:
             f, b = f + self.head.fwd, b + self.head.bwd
             w += self.head.wgrad
-            if self.lay.schedule == "zb" and self.lay.pp > 1 and not self.lay.sequence_parallel:
-                # the runtime's W pass runs the final norm's backward from f's output and
-                # repeats f's all-reduce (fivefold.planner.ledger_pipeline)
-                again = self._coll("all_reduce", self.shard.tokens * self.model.hidden * self.a,
-                                   self.tp_group)
-                b, w, bc = b + again, w + again, bc + again
         return f, b, w, fc, bc
 
     @functools.cached_property

@@ -23,10 +23,15 @@ def layer_ranges(cfg: Config) -> list[range]:
     return stage_layer_ranges(cfg.model, p.pp * p.vpp, p.stage_layers)
 
 
+def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int) -> list[int]:
+    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks)."""
+    return [pp_rank + c * pp for c in range(vpp)]
+
+
 def build_pipeline_stage(cfg: Config, pp_rank: int, device: torch.device) -> PipelineStage:
     p = cfg.parallel
-    stage_ids = [pp_rank + c * p.pp for c in range(p.vpp)]
-    return build_stage(cfg.model, cfg.train.seed, stage_ids, layer_ranges(cfg), device)
+    return build_stage(cfg.model, cfg.train.seed, stage_ids_of_rank(p.pp, p.vpp, pp_rank),
+                       layer_ranges(cfg), device)
 
 
 def token_slices(cfg: Config) -> int:

@@ -19,7 +19,11 @@ module that owns parameters (Linear, RMSNorm, Embedding, the head) has its outpu
 I asks autograd for the gradients of the stage input and of those outputs only, which walks
 the activation-gradient chain and skips every weight gradient; W then runs, per recorded
 output, the backward from that output to its own parameters: exactly the weight-gradient
-matrix multiplies that I skipped, accumulated into `.grad` as a full backward would.
+matrix multiplies that I skipped, accumulated into `.grad` as a full backward would. The
+output recorded is the module's own, taken before any other forward hook rewrites it: tensor
+parallelism's hook on the final norm wraps its output in Megatron's f (copy_to_tp), whose
+backward is an all-reduce; recorded after f, each W would run that all-reduce again. So W
+issues no collective: every one on the activation-gradient chain runs once, in I.
 
 Data parallelism composes through `grad_sync`, an object with `prepare_backward(last)` and
 `after_backward()` (fivefold.parallel.data_parallel.DataParallelEngine): `prepare_backward`
@@ -62,7 +66,10 @@ def message_tag(key: tuple, space: int = 0) -> int:
 
 @contextlib.contextmanager
 def capture_weight_ops(stage: PipelineStage):
-    """Record (output, own parameters) of every parameter-owning module run in the block."""
+    """Record (output, own parameters) of every parameter-owning module run in the block.
+
+    The hook is put first (`prepend`), so it sees the module's own output before a hook
+    installed earlier (tensor parallelism's on the final norm) replaces it."""
     ops: list[tuple[torch.Tensor, list[torch.nn.Parameter]]] = []
 
     def hook(module, args, output):
@@ -70,7 +77,7 @@ def capture_weight_ops(stage: PipelineStage):
         if params and isinstance(output, torch.Tensor) and output.requires_grad:
             ops.append((output, params))
 
-    handles = [m.register_forward_hook(hook) for m in stage.modules()
+    handles = [m.register_forward_hook(hook, prepend=True) for m in stage.modules()
                if next(m.parameters(recurse=False), None) is not None]
     stage.capture = ops
     try:
