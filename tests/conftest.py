@@ -1,4 +1,5 @@
-"""Shared fixtures: a small text corpus and a tiny model config that train in seconds."""
+"""Shared fixtures: a small text corpus, a tiny model config that trains in seconds, and that
+config as the parity tests run it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from fivefold.config import load_config
+from fivefold.train.data import prepare_data
 
 TINY_MODEL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
               "model.ffn_hidden=96", "model.vocab=512", "model.seq_len=32"]
@@ -32,3 +36,13 @@ def tiny_overrides(small_corpus, tmp_path_factory) -> list[str]:
                          "parallel.global_batch=4", "train.tensorboard=false",
                          "train.sample_tokens=8", "train.log_every=1000", "train.lr=1e-2",
                          "train.warmup_steps=2"]
+
+
+@pytest.fixture(scope="session")
+def parity_overrides(tiny_overrides) -> list[str]:
+    """`tiny_overrides` as the parity tests run them: global batch 8 (divisible by every
+    layout's dp x micro-batch), lr 1e-3 (the scale their tolerances are stated at) and no text
+    sample; the corpus is tokenized here, once, before any ranks start."""
+    sets = tiny_overrides + ["parallel.global_batch=8", "train.sample_tokens=0", "train.lr=1e-3"]
+    prepare_data(load_config(None, sets))
+    return sets

@@ -12,15 +12,12 @@ rounding difference of 1e-12 into a parameter difference of about 2e-6 (measured
 from __future__ import annotations
 
 import pytest
-import torch
+from parity import CPU, STEPS, assert_params_close, train_steps
 
 from fivefold.config import load_config
 from fivefold.testing import run_on_ranks
-from fivefold.train.data import prepare_data
-from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
 
-STEPS = 5
 LAYOUTS_2 = [  # (zero_stage, zero_group, micro_batch)
     (0, None, None), (0, None, 1), (1, None, None), (1, None, 1), (2, None, None),
     (2, None, 1), (3, None, None), (3, None, 1)]
@@ -38,52 +35,29 @@ def _config(overrides, stage, group, micro, extra=()):
     return load_config(None, sets)
 
 
-def _run(rt, cfg, tmp):
-    trainer = Trainer(cfg, rt, tmp)
-    losses = [trainer.train_step(s).loss for s in range(STEPS)]
-    if trainer.engine:
-        params = trainer.engine.full_state_dict()
-    else:
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return losses, params, trainer.ledger
-
-
 def _layouts(rt, overrides, layouts, tmp):
-    out = []
-    for layout in layouts:
-        losses, params, ledger = _run(rt, _config(overrides, *layout), tmp)
-        out.append((losses, params, ledger.model_state_bytes, ledger.as_dicts())
-                   if rt.rank == 0 else None)
-    return out
+    """Every layout in turn on these ranks; rank 0 returns the runs (parameters gathered)."""
+    runs = [train_steps(rt, _config(overrides, *layout), tmp) for layout in layouts]
+    return runs if rt.rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def overrides(tiny_overrides):
-    sets = tiny_overrides + ["parallel.global_batch=8", "train.sample_tokens=0", "train.lr=1e-3"]
-    prepare_data(load_config(None, sets))  # tokenize once, before the ranks start
-    return sets
-
-
-@pytest.fixture(scope="module")
-def reference(overrides, tmp_path_factory):
-    cpu = Runtime(0, 1, 0, torch.device("cpu"))
-    return {micro: _run(cpu, _config(overrides, 0, None, micro), tmp_path_factory.mktemp("r"))
+def reference(parity_overrides, tmp_path_factory):
+    """The single-process Trainer, with and without micro-batches of 1 sequence."""
+    return {micro: train_steps(CPU, _config(parity_overrides, 0, None, micro),
+                               tmp_path_factory.mktemp("r"))
             for micro in (None, 1)}
 
 
-def _assert_parity(result, reference, label):
-    losses, params = result[0], result[1]
-    ref_losses, ref_params = reference[0], reference[1]
-    assert losses == pytest.approx(ref_losses, rel=2e-5), label
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=1e-5, msg=f"{label} {name}")
-
-
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)])
-def test_parity_with_one_process(world, layouts, overrides, reference, tmp_path):
-    results = run_on_ranks(_layouts, world, overrides, layouts, str(tmp_path), timeout_s=600)[0]
-    for layout, result in zip(layouts, results):
-        _assert_parity(result, reference[layout[2]], f"world {world} layout {layout}")
+def test_parity_with_one_process(world, layouts, parity_overrides, reference, tmp_path):
+    """Losses rel 2e-5; parameters atol 1e-5 + rtol 1e-4 (module docstring)."""
+    results = run_on_ranks(_layouts, world, parity_overrides, layouts, str(tmp_path),
+                           timeout_s=600)[0]
+    for layout, run in zip(layouts, results):
+        ref, label = reference[layout[2]], f"world {world} layout {layout}"
+        assert run.losses == pytest.approx(ref.losses, rel=2e-5), label
+        assert_params_close(run.params, ref.params, label, atol=1e-5, rtol=1e-4)
 
 
 class _Crash(Exception):
@@ -122,11 +96,11 @@ def _interrupted_and_straight(rt, overrides, layouts, tmp):
     return out
 
 
-def test_sharded_checkpoint_resume_is_bit_identical(overrides, tmp_path):
+def test_sharded_checkpoint_resume_is_bit_identical(parity_overrides, tmp_path):
     """The engine's DCP checkpoint (master shards + Adam moments) restores a run exactly."""
     layouts = [(0, None, None), (1, None, None), (3, None, 1), (2, 1, None)]
-    results = run_on_ranks(_interrupted_and_straight, 2, overrides, layouts, str(tmp_path),
-                           timeout_s=600)[0]
+    results = run_on_ranks(_interrupted_and_straight, 2, parity_overrides, layouts,
+                           str(tmp_path), timeout_s=600)[0]
     for layout, (straight, resumed) in zip(layouts, results):
         assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)), layout
         for a, b in zip(straight, resumed):

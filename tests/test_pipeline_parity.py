@@ -31,6 +31,7 @@ import math
 
 import pytest
 import torch
+from parity import CPU, STEPS, assert_params_close, train_steps
 
 from fivefold.comm import collectives as C
 from fivefold.comm.ledger import Ledger
@@ -46,11 +47,9 @@ from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler, prepare_data
-from fivefold.train.dist import Runtime
 from fivefold.train.optim import build_optimizer, lr_at
 from fivefold.train.trainer import Trainer
 
-STEPS = 5
 TEST_MODEL = ["model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=96",
               "model.vocab=512", "model.seq_len=32"]
 # (schedule, vpp, micro_batch, layers, tied, zero_stage (None: no data-parallel engine), dp)
@@ -87,20 +86,28 @@ def _overrides(base, layout):
                    f"parallel.micro_batch={micro}", f"train.steps={STEPS}"]
 
 
+def pipeline_rank(rt, cfg, dp, ledger):
+    """This rank's place in a pp x dp grid (pp = world / dp): the mesh, its pipeline stage, and
+    the train and validation samplers of its dp rank."""
+    mesh = Mesh({"pp": rt.world_size // dp, "dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": 1},
+                "cpu", ledger)
+    stage = build_pipeline_stage(cfg, mesh.axis("pp").rank, rt.device)
+    data = prepare_data(cfg, log=lambda _: None)
+    train, val = (BatchSampler(tokens, cfg.model.seq_len, cfg.parallel.global_batch,
+                               cfg.train.seed, split, mesh.axis("dp_shard").rank, dp)
+                  for split, tokens in enumerate((data.train, data.val)))
+    return mesh, stage, train, val
+
+
 def pipeline_run(rt, base, layout, tmp):
     """5 optimizer steps of one layout on this rank, then validation: (losses, this rank's
     params, the last step's ledger records, validation loss)."""
     zero, dp = layout[5], layout[6]
-    pp = rt.world_size // dp
-    cfg = load_config(None, _overrides(base, layout) + [f"parallel.pp={pp}"])
+    cfg = load_config(None, _overrides(base, layout) + [f"parallel.pp={rt.world_size // dp}"])
     ledger = Ledger()
-    mesh = Mesh({"pp": pp, "dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": 1}, "cpu", ledger)
+    mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, dp, ledger)
     pp_axis, dp_axis = mesh.axis("pp"), mesh.axis("dp_shard")
-    stage = build_pipeline_stage(cfg, pp_axis.rank, rt.device)
-    data = prepare_data(cfg, log=lambda _: None)
     p, t = cfg.parallel, cfg.train
-    sampler = BatchSampler(data.train, cfg.model.seq_len, p.global_batch, t.seed, 0,
-                           dp_axis.rank, dp)
     per_rank = p.global_batch // dp
     engine = DataParallelEngine(stage, zero, mesh, t, rt.device) if zero is not None else None
     train, evaluation = pipeline_schedules(cfg, per_rank // p.micro_batch)
@@ -128,8 +135,6 @@ def pipeline_run(rt, base, layout, tmp):
         C.all_reduce(loss, dp_axis, "loss")
         losses.append(loss.item() / global_tokens)
     records = ledger.as_dicts()
-    val_sampler = BatchSampler(data.val, cfg.model.seq_len, p.global_batch, t.seed, 1,
-                               dp_axis.rank, dp)
     val = sum(pipe.eval_step(*val_sampler.rank_batch(i)) for i in range(t.eval_batches))
     C.all_reduce(val, dp_axis, "val_loss")
     params = (engine.full_state_dict() if engine else
@@ -142,44 +147,33 @@ def _group(rt, base, layouts, tmp):
 
 
 @pytest.fixture(scope="module")
-def base(tiny_overrides):
-    sets = tiny_overrides + ["parallel.global_batch=8", "train.sample_tokens=0", "train.lr=1e-3"]
-    prepare_data(load_config(None, sets))  # tokenize once, before the ranks start
-    return sets
-
-
-@pytest.fixture(scope="module")
-def reference(base, tmp_path_factory):
-    """Single-process Trainer losses and parameters per (layers, tied)."""
-    cpu = Runtime(0, 1, 0, torch.device("cpu"))
+def reference(parity_overrides, tmp_path_factory):
+    """Single-process Trainer losses, parameters and validation loss per (layers, tied)."""
     out = {}
     for layers, tied in ((7, True), (7, False), (8, True), (8, False)):
-        cfg = load_config(None, _overrides(base, ("1f1b", 1, 8, layers, tied, None, 1)))
-        trainer = Trainer(cfg, cpu, tmp_path_factory.mktemp("ref"))
-        losses = [trainer.train_step(s).loss for s in range(STEPS)]
-        out[(layers, tied)] = losses, {n: q.detach().clone()
-                                       for n, q in trainer.model.named_parameters()}, \
-            trainer.evaluate()
+        layout = ("1f1b", 1, 8, layers, tied, None, 1)
+        cfg = load_config(None, _overrides(parity_overrides, layout))
+        out[(layers, tied)] = train_steps(CPU, cfg, tmp_path_factory.mktemp("ref"),
+                                          evaluate=True)
     return out
 
 
 def _assert_parity(per_rank, ref, label, atol=1e-5):
-    ref_losses, ref_params, ref_val = ref
+    """Every rank's losses and validation loss rel 2e-5; the stages' parameters together
+    are the reference's, atol `atol` + rtol 1e-4."""
     for losses, _, _, val in per_rank:
-        assert losses == pytest.approx(ref_losses, rel=2e-5), label
-        assert val == pytest.approx(ref_val, rel=2e-5), label
+        assert losses == pytest.approx(ref.losses, rel=2e-5), label
+        assert val == pytest.approx(ref.val_loss, rel=2e-5), label
     params = {}
     for _, rank_params, _, _ in per_rank:
         params.update(rank_params)
-    assert set(params) == set(ref_params), label
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=atol,
-                                   msg=f"{label} {name}")
+    assert_params_close(params, ref.params, label, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_PP2), (4, LAYOUTS_4)])
-def test_parity_with_one_process(world, layouts, base, reference, tmp_path):
-    results = run_on_ranks(_group, world, base, layouts, str(tmp_path), timeout_s=600)
+def test_parity_with_one_process(world, layouts, parity_overrides, reference, tmp_path):
+    results = run_on_ranks(_group, world, parity_overrides, layouts, str(tmp_path),
+                           timeout_s=600)
     for i, layout in enumerate(layouts):
         per_rank = [results[r][i] for r in range(world)]
         atol = 3e-5 if layout[0] == "terapipe" else 1e-5
@@ -225,12 +219,12 @@ def _pp_bytes(records, op, purpose):
                if (r["op"], r["mesh_dim"], r["purpose"]) == (op, "pp", purpose))
 
 
-def test_ledger_records_every_pipeline_message(base, tmp_path):
+def test_ledger_records_every_pipeline_message(parity_overrides, tmp_path):
     """1F1B, pp 2, 8 micro-batches of one sequence, tied embeddings: each micro-batch sends
     one activation (1 x 32 tokens x 64 wide x 4 bytes) down and one gradient up, and the
     512 x 64 embedding matrix goes to the last stage and its gradient share comes back."""
     layout = ("1f1b", 1, 1, 7, True, None, 1)
-    results = run_on_ranks(pipeline_run, 2, base, layout, str(tmp_path))
+    results = run_on_ranks(pipeline_run, 2, parity_overrides, layout, str(tmp_path))
     act, table = 1 * 32 * 64 * 4, 512 * 64 * 4
     first, last = results[0][2], results[1][2]
     assert _pp_bytes(first, "send", "pp_activations") == 8 * act
@@ -300,14 +294,9 @@ def two_bw_run(rt, base, layouts):
     out = []
     for pp, dp, micro, layers, tied in layouts:
         cfg = _two_bw_config(base, micro, layers, tied, pp)
-        mesh = Mesh({"pp": pp, "dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": 1}, "cpu",
-                    Ledger())
+        mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, dp, Ledger())
         pp_axis, dp_axis = mesh.axis("pp"), mesh.axis("dp_shard")
-        stage = build_pipeline_stage(cfg, pp_axis.rank, rt.device)
-        data = prepare_data(cfg, log=lambda _: None)
         p, t = cfg.parallel, cfg.train
-        sampler = BatchSampler(data.train, cfg.model.seq_len, p.global_batch, t.seed, 0,
-                               dp_axis.rank, dp)
         tokens = p.global_batch * cfg.model.seq_len
         engine = PipeDream2BWEngine(stage, pp_axis, p.global_batch // dp // micro, STEPS,
                                     build_optimizer(stage, t, rt.device), sampler.rank_batch,
@@ -317,8 +306,6 @@ def two_bw_run(rt, base, layouts):
             loss = engine.train_step(step, lr_at(step, t))
             C.all_reduce(loss, dp_axis, "loss")
             losses.append(loss.item() / tokens)
-        val_sampler = BatchSampler(data.val, cfg.model.seq_len, p.global_batch, t.seed, 1,
-                                   dp_axis.rank, dp)
         val = engine.eval_step(*val_sampler.rank_batch(0))
         C.all_reduce(val, dp_axis, "val_loss")
         out.append((losses, {n: q.detach().clone() for n, q in stage.named_parameters()},
@@ -359,13 +346,14 @@ def stale_reference(cfg):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipedream_2bw_applies_stale_gradients(world, base):
-    """pp 2 and pp 4 (tied and untied), and pp 2 x dp 2 (gradients all-reduced at UPDATE)."""
+def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides):
+    """pp 2 and pp 4 (tied and untied), and pp 2 x dp 2 (gradients all-reduced at UPDATE);
+    losses and validation loss rel 2e-5, parameters atol 3e-5 + rtol 1e-4 (module docstring)."""
     layouts = [x for x in TWO_BW if x[0] * x[1] == world]
-    results = run_on_ranks(two_bw_run, world, base, layouts, timeout_s=600)
+    results = run_on_ranks(two_bw_run, world, parity_overrides, layouts, timeout_s=600)
     for i, (pp, dp, micro, layers, tied) in enumerate(layouts):
-        ref_losses, ref_params, ref_val = stale_reference(_two_bw_config(base, micro, layers,
-                                                                          tied))
+        ref_losses, ref_params, ref_val = stale_reference(_two_bw_config(
+            parity_overrides, micro, layers, tied))
         first, last = results[0][i], results[(pp - 1) * dp][i]  # first, last stage; dp rank 0
         assert first[0] == pytest.approx(ref_losses, rel=2e-5), (pp, dp, micro, tied)
         assert last[0] == pytest.approx(ref_losses, rel=2e-5), (pp, dp, micro, tied)
@@ -373,28 +361,20 @@ def test_pipedream_2bw_applies_stale_gradients(world, base):
         params = {}
         for r in range(world):
             params.update(results[r][i][1])
-        assert set(params) == set(ref_params)
-        for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=3e-5, msg=name)
+        assert_params_close(params, ref_params, f"{(pp, dp, micro, tied)}", atol=3e-5, rtol=1e-4)
 
 
 def two_bw_train(rt, overrides):
     """The default model trained by PipeDream-2BW on pp ranks; the final validation loss."""
     cfg = load_config(None, overrides)
-    mesh = Mesh({"pp": rt.world_size, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1},
-                "cpu", Ledger())
-    pp_axis = mesh.axis("pp")
-    stage = build_pipeline_stage(cfg, pp_axis.rank, rt.device)
-    data = prepare_data(cfg, log=lambda _: None)
+    mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, 1, Ledger())
     p, t = cfg.parallel, cfg.train
     tokens = p.global_batch * cfg.model.seq_len
-    sampler = BatchSampler(data.train, cfg.model.seq_len, p.global_batch, t.seed)
-    engine = PipeDream2BWEngine(stage, pp_axis, p.global_batch // p.micro_batch, t.steps,
+    engine = PipeDream2BWEngine(stage, mesh.axis("pp"), p.global_batch // p.micro_batch, t.steps,
                                 build_optimizer(stage, t, rt.device), sampler.rank_batch,
                                 1.0 / tokens, max_norm=t.grad_clip)
     for step in range(t.steps):
         engine.train_step(step, lr_at(step, t))
-    val_sampler = BatchSampler(data.val, cfg.model.seq_len, p.global_batch, t.seed, 1)
     total = sum(engine.eval_step(*val_sampler.rank_batch(i)).item()
                 for i in range(t.eval_batches))
     return total / (t.eval_batches * tokens)
@@ -411,7 +391,7 @@ def default_model_runs(tmp_path_factory):
             "parallel.micro_batch=2"]
     cfg = load_config(None, sets)
     prepare_data(cfg)
-    trainer = Trainer(cfg, Runtime(0, 1, 0, torch.device("cpu")), tmp_path_factory.mktemp("r"))
+    trainer = Trainer(cfg, CPU, tmp_path_factory.mktemp("r"))
     initial = trainer.evaluate()
     for step in range(cfg.train.steps):
         trainer.train_step(step)

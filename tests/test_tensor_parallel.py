@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import CPU, STEPS, assert_params_close, resumed_losses, train_steps
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
@@ -30,15 +31,13 @@ from fivefold.models.init import init_tensor
 from fivefold.models.llama import build_model
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.tensor import (GatheredLogits, activation_bytes_per_layer,
-                                      apply_tensor_parallel, gather_full_state, padded_vocab,
-                                      shard_tensor, split_dim, unshard_tensor)
+                                      apply_tensor_parallel, padded_vocab, shard_tensor,
+                                      split_dim, unshard_tensor)
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import prepare_data
-from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
 
-STEPS = 5
 MODELS = {
     "gqa-tied": ["model.heads=4", "model.kv_heads=2", "model.tied_embeddings=true"],
     "mha-untied": ["model.heads=4", "model.kv_heads=4", "model.tied_embeddings=false"],
@@ -64,18 +63,6 @@ def _sets(overrides, model, tp=1, sp=False, stage=0, micro=None):
                                         f"parallel.sequence_parallel={str(sp).lower()}",
                                         f"train.steps={STEPS}"]
     return sets + ([f"parallel.micro_batch={micro}"] if micro else [])
-
-
-def _train(rt, cfg, tmp):
-    trainer = Trainer(cfg, rt, tmp)
-    results = [trainer.train_step(s) for s in range(STEPS)]
-    records = trainer.ledger.as_dicts()  # the last step's collectives
-    if trainer.engine:
-        params = gather_full_state(trainer.engine.full_state_dict(), cfg.model.vocab,
-                                   trainer.tp_axis)
-    else:
-        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return [r.loss for r in results], [r.grad_norm for r in results], params, records
 
 
 # ---------------------------------------------------------------- activation bytes
@@ -162,19 +149,14 @@ def _resume(rt, overrides, tmp):
     it and 2 more steps (tp 2 x dp 2, ZeRO-3, sequence parallelism)."""
     cfg = load_config(None, _sets(overrides, "gelu-tied-pad", 2, True, 3))
     straight = Trainer(cfg, rt, f"{tmp}/straight")
-    first = Trainer(cfg, rt, f"{tmp}/resumed")
-    losses = [first.train_step(s).loss for s in range(2)]
-    first._save(2)
-    second = Trainer(cfg, rt, f"{tmp}/resumed")
-    start = second._resume()
-    losses += [second.train_step(s).loss for s in range(start, 4)]
-    return [straight.train_step(s).loss for s in range(4)], losses
+    resumed, _, _ = resumed_losses(rt, cfg, f"{tmp}/resumed", save_at=2, steps=4)
+    return [straight.train_step(s).loss for s in range(4)], resumed
 
 
 # ---------------------------------------------------------------- one spawn per world size
 
 def _on_ranks(rt, overrides, layouts, tmp):
-    trained = [_train(rt, load_config(None, _sets(overrides, *layout)), tmp)
+    trained = [train_steps(rt, load_config(None, _sets(overrides, *layout)), tmp)
                for layout in layouts]
     extra = {"activations": {m: _activations(rt, load_config(None, _sets(overrides, m)),
                                              rt.world_size) for m in ACTIVATION_MODELS},
@@ -187,18 +169,19 @@ def _on_ranks(rt, overrides, layouts, tmp):
 
 
 @pytest.fixture(scope="module")
-def overrides(tiny_overrides):
-    sets = tiny_overrides + ["parallel.global_batch=8", "train.sample_tokens=0", "train.lr=1e-3",
-                             "train.eps=1e-6"]
-    for model in ("mha-untied", "gelu-tied-pad"):  # tokenize each vocabulary once, up front
-        prepare_data(load_config(None, sets + MODELS[model]))
+def overrides(parity_overrides):
+    """The parity overrides (vocabulary 512 tokenized there) with Adam's eps 1e-6; the padded
+    vocabulary (509) is tokenized here, once, before the ranks start."""
+    sets = parity_overrides + ["train.eps=1e-6"]
+    prepare_data(load_config(None, sets + MODELS["gelu-tied-pad"]))
     return sets
 
 
 @pytest.fixture(scope="module")
 def reference(overrides, tmp_path_factory):
-    cpu = Runtime(0, 1, 0, torch.device("cpu"))
-    return {m: _train(cpu, load_config(None, _sets(overrides, m)), tmp_path_factory.mktemp("r"))
+    """The single-process Trainer, per model."""
+    return {m: train_steps(CPU, load_config(None, _sets(overrides, m)),
+                           tmp_path_factory.mktemp("r"))
             for m in MODELS}
 
 
@@ -211,15 +194,14 @@ def ranks(overrides, tmp_path_factory):
 
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)])
 def test_parity_with_one_process(world, layouts, ranks, reference):
-    for layout, (losses, norms, params, _) in zip(layouts, ranks[world][0][0]):
-        ref_losses, ref_norms, ref_params, _ = reference[layout[0]]
+    """Losses rel 2e-5, gradient norms rel 1e-4, parameters atol 1e-5 + rtol 1e-4 (module
+    docstring)."""
+    for layout, run in zip(layouts, ranks[world][0][0]):
+        ref = reference[layout[0]]
         label = "model {} tp {} sp {} zero {} micro {}".format(*layout)
-        assert losses == pytest.approx(ref_losses, rel=2e-5), label
-        assert norms == pytest.approx(ref_norms, rel=1e-4), label
-        assert params.keys() == ref_params.keys(), label
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=1e-5,
-                                       msg=f"{label} {name}")
+        assert run.losses == pytest.approx(ref.losses, rel=2e-5), label
+        assert run.grad_norms == pytest.approx(ref.grad_norms, rel=1e-4), label
+        assert_params_close(run.params, ref.params, label, atol=1e-5, rtol=1e-4)
 
 
 def analytic_tp_bytes(cfg, layout, world) -> dict[tuple[str, str], int]:
@@ -249,10 +231,10 @@ def analytic_tp_bytes(cfg, layout, world) -> dict[tuple[str, str], int]:
 
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)])
 def test_ledger_matches_analytic_volumes(world, layouts, ranks, overrides):
-    for layout, (_, _, _, records) in zip(layouts, ranks[world][0][0]):
+    for layout, run in zip(layouts, ranks[world][0][0]):
         cfg = load_config(None, _sets(overrides, *layout))
         recorded: dict[tuple[str, str], int] = {}
-        for r in records:
+        for r in run.records:
             if r["mesh_dim"] == "tp":
                 assert r["group_size"] == layout[1]
                 key = (r["op"], r["purpose"])

@@ -23,13 +23,6 @@ from fivefold.train.data import prepare_data
 from fivefold.train.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def overrides(tiny_overrides):
-    sets = tiny_overrides + ["parallel.global_batch=8", "train.sample_tokens=0", "train.lr=1e-3"]
-    prepare_data(load_config(None, sets))
-    return sets
-
-
 def unit_sizes(cfg) -> list[int]:
     return [sum(p.numel() for _, p in params) for _, params, _ in
             split_units(Transformer(cfg.model))]
@@ -64,8 +57,8 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def recorded(overrides):
-    return run_on_ranks(_two_steps, WORLD, overrides, [s for s, _, _ in LAYOUTS],
+def recorded(parity_overrides):
+    return run_on_ranks(_two_steps, WORLD, parity_overrides, [s for s, _, _ in LAYOUTS],
                         timeout_s=600)[0]
 
 
@@ -86,9 +79,9 @@ def expected_state(stage: int, psi: int, n: int, compute_bytes: int) -> dict:
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
-def test_model_state_bytes_match_the_zero_formula(index, overrides, recorded):
+def test_model_state_bytes_match_the_zero_formula(index, parity_overrides, recorded):
     sets, n, _ = LAYOUTS[index]
-    cfg = load_config(None, overrides + sets)
+    cfg = load_config(None, parity_overrides + sets)
     units = unit_sizes(cfg)
     assert all(u % 8 == 0 for u in units)
     compute = 2 if cfg.parallel.precision == "bf16" else 4
@@ -97,9 +90,9 @@ def test_model_state_bytes_match_the_zero_formula(index, overrides, recorded):
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
-def test_communication_bytes_match_the_analytic_volume(index, overrides, recorded):
+def test_communication_bytes_match_the_analytic_volume(index, parity_overrides, recorded):
     sets, n, m = LAYOUTS[index]
-    cfg = load_config(None, overrides + sets)
+    cfg = load_config(None, parity_overrides + sets)
     units = unit_sizes(cfg)
     psi, root, blocks = sum(units), units[0], sum(units[1:])
     b = 2 if cfg.parallel.precision == "bf16" else 4
@@ -126,9 +119,9 @@ def test_communication_bytes_match_the_analytic_volume(index, overrides, recorde
 
 
 def test_zero_volume_per_rank_is_2_psi_for_ddp_and_stages_1_2_and_3_psi_for_stage_3(
-        overrides, recorded):
+        parity_overrides, recorded):
     """The paper's headline volumes (Sec. 7): wire bytes per rank per step over Ψ elements."""
-    units = unit_sizes(load_config(None, overrides))
+    units = unit_sizes(load_config(None, parity_overrides))
     psi = sum(units)
     ratios = {}
     for index in (0, 1, 3):
@@ -150,12 +143,12 @@ ZPP = [ZPP_BASE, ZPP_BASE + ["parallel.qwz=true"], ZPP_BASE + ["parallel.hpz=tru
 
 
 @pytest.fixture(scope="module")
-def zpp_recorded(overrides):
-    return run_on_ranks(_two_steps, WORLD, overrides, ZPP, timeout_s=600)[0]
+def zpp_recorded(parity_overrides):
+    return run_on_ranks(_two_steps, WORLD, parity_overrides, ZPP, timeout_s=600)[0]
 
 
-def test_zeropp_bytes(overrides, zpp_recorded):
-    plain = unit_sizes(load_config(None, overrides))
+def test_zeropp_bytes(parity_overrides, zpp_recorded):
+    plain = unit_sizes(load_config(None, parity_overrides))
     units = [math.ceil(u / (WORLD * BLOCK)) * WORLD * BLOCK for u in plain]
     root, blocks = units[0], sum(units[1:])
     g, nodes = 2, WORLD // 2
@@ -189,10 +182,10 @@ def _loss_after_training(rt, overrides, layouts, steps):
     return out
 
 
-def test_zeropp_validation_loss_within_2_percent(overrides):
+def test_zeropp_validation_loss_within_2_percent(parity_overrides):
     """ZeRO++ changes the math on purpose (int8 weights and gradients in flight): after the
     same steps its validation loss stays within 2% of the unquantized ZeRO-3 run."""
-    sets = overrides + ["train.lr=1e-2", "train.steps=30"]
+    sets = parity_overrides + ["train.lr=1e-2", "train.steps=30"]
     base, quantized = run_on_ranks(_loss_after_training, WORLD, sets, [ZPP[0], ZPP[-1]], 30,
                                    timeout_s=600)[0]
     assert base < 5.5  # it learned something (the uniform-guess loss is ln 512 = 6.24)

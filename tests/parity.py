@@ -1,0 +1,77 @@
+"""What the parity tests share: a few Trainer steps with everything they compare collected,
+the resume-from-a-checkpoint run, and the parameter comparison.
+
+A parity test trains the same config through the single-process Trainer (the reference) and
+through a parallel layout, and compares per-step losses and the final parameters. The
+tolerances are arguments: each test file states its own, and why, in its docstring; the
+defaults are the fp32-on-CPU ones at lr 1e-3 that tests/test_data_parallel.py derives
+(parameters of scale 0.02 to atol 1e-5 + rtol 1e-4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from fivefold.config import Config
+from fivefold.parallel.tensor import gather_full_state
+from fivefold.train.dist import Runtime
+from fivefold.train.trainer import Trainer
+
+STEPS = 5
+CPU = Runtime(0, 1, 0, torch.device("cpu"))
+
+
+class TrainedRun(NamedTuple):
+    """A run of `steps` optimizer steps, as this rank sees it."""
+
+    losses: list[float]  # per step: mean token loss of the global batch
+    grad_norms: list[float]  # per step: global gradient norm before clipping
+    params: dict[str, torch.Tensor]  # this rank's parameters by name, whole (full_parameters)
+    records: list[dict]  # the last step's ledger records
+    val_loss: float | None  # Trainer.evaluate() after the steps, when asked for
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's parameters by name as full tensors: gathered over the data-parallel shards
+    (when an engine holds them) and the tensor-parallel ranks (vocabulary padding dropped).
+    A pipeline stage's are only that stage's."""
+    if trainer.engine:
+        return gather_full_state(trainer.engine.full_state_dict(), trainer.cfg.model.vocab,
+                                 trainer.tp_axis)
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def train_steps(rt: Runtime, cfg: Config, run_dir: str | Path, steps: int = STEPS,
+                evaluate: bool = False) -> TrainedRun:
+    """`steps` Trainer steps from step 0 (then a validation pass if `evaluate`); a collective
+    call when rt has several ranks, so every rank must make it."""
+    trainer = Trainer(cfg, rt, run_dir)
+    results = [trainer.train_step(s) for s in range(steps)]
+    records = trainer.ledger.as_dicts()  # before evaluate adds its own collectives
+    val_loss = trainer.evaluate() if evaluate else None
+    return TrainedRun([r.loss for r in results], [r.grad_norm for r in results],
+                      full_parameters(trainer), records, val_loss)
+
+
+def resumed_losses(rt: Runtime, cfg: Config, run_dir: str | Path, save_at: int,
+                   steps: int) -> tuple[list[float], int, Trainer]:
+    """Losses of `save_at` steps, a checkpoint, then a new Trainer that resumes from it in the
+    same run_dir and trains up to `steps`; also the step it resumed at and that Trainer."""
+    first = Trainer(cfg, rt, run_dir)
+    losses = [first.train_step(s).loss for s in range(save_at)]
+    first._save(save_at)
+    second = Trainer(cfg, rt, run_dir)
+    start = second._resume()
+    losses += [second.train_step(s).loss for s in range(start, steps)]
+    return losses, start, second
+
+
+def assert_params_close(params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor],
+                        label: str, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    """The same parameter names, and every value within atol + rtol * |reference|."""
+    assert params.keys() == ref_params.keys(), label
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=atol, msg=f"{label} {name}")
