@@ -164,15 +164,15 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                     8000, 900, 50, "NVIDIA GB200 NVL72 datasheet: per GPU 2.5 PFLOP/s bf16 "
                     "dense, 5 fp8, 186 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total in a 72-GPU "
                     "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72),
-    HardwareProfile("cpu", {"fp32": 0.0993, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 25.1,
-                    1.42, 1.42, "`fivefold calibrate --ranks 2` on the 2-core development "
-                    "machine (one thread per rank, both ranks measuring at once; bf16 matmul "
-                    "0.9 GFLOP/s from DESIGN.md); rerun it on your machine",
-                    Efficiency(gemm_eff=0.658, gemm_fp8_eff=0.658, gemm_mem_eff=1.0,
-                               attn_eff=0.367, mem_eff=1.0, eltwise_passes=3.0,
-                               kernel_overhead_s=1.9e-6, comm_intra_eff=1.0,
-                               comm_inter_eff=1.0, latency_intra_s=3.1e-4,
-                               latency_inter_s=3.1e-4, overlap_eff=0.0, reserved_bytes=0),
+    HardwareProfile("cpu", {"fp32": 0.1055, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 38.1,
+                    1.54, 1.54, "`fivefold calibrate` on the idle 2-core development machine "
+                    "(one thread, 2026-11-30; bf16 matmul 0.9 GFLOP/s from DESIGN.md); rerun "
+                    "it on your machine",
+                    Efficiency(gemm_eff=0.975, gemm_fp8_eff=0.975, gemm_mem_eff=1.0,
+                               attn_eff=1.0, attn_score_s=1.58e-9, mem_eff=1.0,
+                               eltwise_passes=3.0, kernel_overhead_s=9.16e-5,
+                               comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=7.1e-4,
+                               latency_inter_s=7.1e-4, overlap_eff=0.0, reserved_bytes=0),
                     2, 2),
 ]}
 
