@@ -64,7 +64,8 @@ import tempfile
 import time
 import warnings
 
-from harness import add_timing_args, machine_info, rss_mib, split_rounds, write_json
+from harness import (TrainerSide, add_timing_args, machine_info, rss_mib, split_rounds,
+                     write_json)
 
 FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
 TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
@@ -105,30 +106,12 @@ def lr_for_step(hp: dict, step: int, total_steps: int) -> float:
 
 # ------------------------------------------------------------------ the sides (one rank each)
 
-class FivefoldSide:
+class FivefoldSide(TrainerSide):
     """fivefold's Trainer with its data-parallel engine at ZeRO stage k."""
 
     def __init__(self, spec: dict, rank: int, world: int):
-        import torch
-
-        from fivefold.train.data import prepare_data
-        from fivefold.train.dist import Runtime
-        from fivefold.train.trainer import Trainer
-
-        cfg = bench_config(int(spec["side"].split("-")[1]), world)
-        cfg.train.steps = spec["total_steps"]  # the learning-rate schedule's length
-        data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))
-        self._tmp = tempfile.TemporaryDirectory(prefix="bench-dp-")  # never written
-        self.trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")),
-                               self._tmp.name, data)
-        self.step = 0
-
-    def run(self, n: int) -> float:
-        loss = math.nan
-        for _ in range(n):
-            loss = self.trainer.train_step(self.step).loss
-            self.step += 1
-        return loss
+        super().__init__(bench_config(int(spec["side"].split("-")[1]), world),
+                         spec["total_steps"], rank, world)
 
     def report(self) -> dict:
         """The last step's collectives (bytes by op, axis, purpose) and model-state bytes."""

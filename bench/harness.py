@@ -68,3 +68,32 @@ def add_timing_args(ap: argparse.ArgumentParser, steps: int, rounds: int, warmup
 def write_json(path: str | None, result: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
+class TrainerSide:
+    """fivefold's side of a comparison: `Trainer.train_step` on rank `rank` of `world` (CPU),
+    with the learning-rate schedule as long as the whole run (`total_steps`)."""
+
+    def __init__(self, cfg, total_steps: int, rank: int = 0, world: int = 1):
+        import tempfile
+
+        import torch
+
+        from fivefold.train.data import prepare_data
+        from fivefold.train.dist import Runtime
+        from fivefold.train.trainer import Trainer
+
+        cfg.train.steps = total_steps
+        data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-fivefold-")  # never written
+        self.trainer = Trainer(cfg, Runtime(rank, world, rank, torch.device("cpu")),
+                               self._tmp.name, data)
+        self.step = 0
+
+    def run(self, n: int) -> float:
+        """`n` more optimizer steps; the last one's loss."""
+        loss = float("nan")
+        for _ in range(n):
+            loss = self.trainer.train_step(self.step).loss
+            self.step += 1
+        return loss

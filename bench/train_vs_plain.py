@@ -38,10 +38,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-from harness import add_timing_args, machine_info, rss_mib, split_rounds, write_json
+from harness import (TrainerSide, add_timing_args, machine_info, rss_mib, split_rounds,
+                     write_json)
 
 SIDES = ("fivefold", "plain")
 GLOBAL_BATCH = 8
@@ -63,27 +63,9 @@ def bench_config():
 
 # ------------------------------------------------------------------ the two sides
 
-class FivefoldSide:
+class FivefoldSide(TrainerSide):
     def __init__(self, spec: dict):
-        import torch
-
-        from fivefold.train.data import prepare_data
-        from fivefold.train.dist import Runtime
-        from fivefold.train.trainer import Trainer
-
-        cfg = bench_config()
-        cfg.train.steps = spec["total_steps"]  # the learning-rate schedule's length
-        data = prepare_data(cfg, log=lambda text: print(text, file=sys.stderr))
-        self._tmp = tempfile.TemporaryDirectory(prefix="bench-fivefold-")  # never written
-        self.trainer = Trainer(cfg, Runtime(0, 1, 0, torch.device("cpu")), self._tmp.name, data)
-        self.step = 0
-
-    def run(self, n: int) -> float:
-        loss = math.nan
-        for _ in range(n):
-            loss = self.trainer.train_step(self.step).loss
-            self.step += 1
-        return loss
+        super().__init__(bench_config(), spec["total_steps"])
 
 
 class PlainSide:
