@@ -15,6 +15,8 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -30,8 +32,20 @@ class RankFailure(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this rank when the process that started it dies, even
+    by SIGKILL or an unhandled SIGTERM (which skip the cleanup that ends daemonic children):
+    an interrupted test run then leaves no ranks spinning on the cores."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _worker(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
             timeout_s: float, args: tuple, kwargs: dict) -> None:
+    _die_with_parent()
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
