@@ -224,6 +224,25 @@ def test_simulate_fields_and_their_arithmetic():
     assert out["fits"] == (mem["total"] <= H100.memory_bytes)
 
 
+def test_tied_head_gradient_return_is_timed():
+    """With tied embeddings and pipelining, the last stage returns the head's gradient
+    (ceil(V/t) x D values in the compute dtype) to the first rank, whose final backward reads
+    it: the step holds that transfer after the last stage's end. The first and last stage of
+    pp 2 x tp 2 x dp 16 sit on different nodes, so it crosses the network."""
+    par = {"tp": 2, "pp": 2, "micro_batch": 1, "zero_stage": 1}
+    tied = simulate(spec_config(spec(model={"tied_embeddings": True}, parallel=par)))
+    untied = simulate(spec_config(spec(model={"tied_embeddings": False}, parallel=par)))
+    sim, model = tied.step_model, tied.step_model.model
+    nbytes = -(-model.vocab // 2) * model.hidden * 2  # bf16
+    assert sim.tied_grad_s == pytest.approx(
+        sim._coll("send", nbytes, Group.strided(2, 2 * 16, 8)), rel=1e-9)
+    assert sim.tied_grad_s > 0 and untied.step_model.tied_grad_s == 0.0
+    finish = tied.replay.finish_s if tied.replay else sim.run_pipeline(False).finish_s
+    b0 = sim.stage_times(0)[1]
+    assert tied.step_time_s >= finish[-1] + sim.tied_grad_s + b0
+    assert sum(tied.breakdown_s.values()) == pytest.approx(tied.step_time_s, rel=1e-9)
+
+
 def test_recompute_trades_memory_for_time():
     runs = {r: simulate(spec_config(spec(parallel={"zero_stage": 3, "micro_batch": 2,
                                                    "recompute": r})))

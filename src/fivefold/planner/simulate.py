@@ -33,7 +33,10 @@ Overlap rules (each technique's own):
   backward ends, during the remaining backward of the step's last micro-batch; the root
   unit (embeddings, reduced last) is exposed.
 - pipeline send/receive: activations and gradients cross stages on their own stream; the
-  receiver waits for the transfer.
+  receiver waits for the transfer. With tied embeddings the first rank lends the matrix to
+  the last stage at the start of the step (hidden behind the pipeline's fill) and receives
+  its head gradient back after the last stage's final backward, before its own final
+  backward (where the runtime's action lists read it): that return can be exposed.
 A collective hidden behind compute still slows it by (1 - overlap_eff) of its time (shared
 SMs and HBM bandwidth).
 
@@ -370,6 +373,18 @@ class StepModel:
             act /= self.lay.tp
         return self._coll("send", act, self.pp_pair)
 
+    @functools.cached_property
+    def tied_grad_s(self) -> float:
+        """Seconds to return the tied head's gradient (this tp rank's ceil(V/t) rows) from
+        the last pipeline stage to the first; 0 without pipelining or tied embeddings."""
+        lay, m = self.lay, self.model
+        if lay.pp == 1 or not m.tied_embeddings:
+            return 0.0
+        first_last = Group.strided(2, lay.tp * lay.cp * lay.dp * (lay.pp - 1),
+                                   self.cfg.cluster.gpus_per_node)
+        rows = -(-m.vocab // lay.tp)
+        return self._coll("send", rows * m.hidden * self.a, first_last)
+
     # ------------------------------------------------------------ the step
 
     @property
@@ -529,12 +544,15 @@ class StepModel:
         ends, stages = [], len(self.stage_layers)
         times = [self.stage_times(g) for g in range(stages)]
         tails = []
+        finish = list(rp.finish_s)
+        if self.tied_grad_s:  # rank 0's final backward waits for the returned head gradient
+            finish[0] = max(finish[0], finish[-1] + self.tied_grad_s + times[0][1])
         for r in range(lay.pp):
             last_g = r  # the last backward of rank r is its first virtual stage's
             tail, regather = self.dp_sync(r, times[last_g][1])
             opt = self.optimizer_s(r)
             tails.append(tail)
-            ends.append((rp.finish_s[r] + tail + opt + regather, r, tail, opt, regather))
+            ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather))
         step, r, tail, opt, regather = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
@@ -542,7 +560,7 @@ class StepModel:
         busy = rp.busy_s[r]
         compute = busy - comm_in
         bubble = max(0.0, rp.finish_s[r] - busy)
-        exposed = comm_in + tail + regather
+        exposed = comm_in + tail + regather + (finish[r] - rp.finish_s[r])
         breakdown = {"compute": compute, "exposed_comm": exposed, "bubble": bubble,
                      "optimizer": opt}
         mems = [self.memory(k, rp.peak_weight[k]) for k in range(lay.pp)]
