@@ -12,7 +12,10 @@ tensor-parallel sums only change the order of float additions; as in the tensor-
 Adam's eps is 1e-6, which bounds how much Adam can amplify such a rounding difference on an
 element whose gradient is nearly zero (lr |dg| / eps per step).
 
-Ranks start once per world size (2, 4, 8) and run every layout of that size in turn.
+Ranks start once per world size (2, 4, 8) and run every layout of that size in turn. ZeRO-3
+(pp 2 x dp 2: 1F1B tied, GPipe, interleaved, ZB; and pp 2 x dp 2 x tp 2) gathers and frees
+each stage's blocks around every pass and reduce-scatters per micro-batch, as the
+non-pipeline engine does: same tolerances.
 """
 
 from __future__ import annotations
@@ -46,8 +49,13 @@ LAYOUTS = {
         ("zb", 1, 2, True, 1, False, 0)],
     4: [("1f1b", 1, 1, True, 1, False, 1),  # pp 2 x dp 2, ZeRO-1
         ("zb", 1, 2, True, 2, False, 0),  # pp 2 x tp 2: vocabulary-parallel tied head
-        ("gpipe", 1, 2, False, 2, True, 0)],  # pp 2 x tp 2, sequence parallel
-    8: [("1f1b", 1, 1, True, 2, True, 1)],  # pp 2 x dp 2 x tp 2, SP, ZeRO-1
+        ("gpipe", 1, 2, False, 2, True, 0),  # pp 2 x tp 2, sequence parallel
+        ("1f1b", 1, 1, True, 1, False, 3),  # pp 2 x dp 2, ZeRO-3, tied
+        ("gpipe", 1, 2, False, 1, False, 3),  # pp 2 x dp 2, ZeRO-3
+        ("interleaved", 2, 2, False, 1, False, 3),  # ZeRO-3, 2 chunks of 1 block
+        ("zb", 1, 1, True, 1, False, 3)],  # ZeRO-3: W passes on freed blocks
+    8: [("1f1b", 1, 1, True, 2, True, 1),  # pp 2 x dp 2 x tp 2, SP, ZeRO-1
+        ("1f1b", 1, 1, True, 2, True, 3)],  # pp 2 x dp 2 x tp 2, SP, ZeRO-3
 }
 
 
@@ -240,7 +248,8 @@ def test_stage_takes_pretrained_weights_by_name(base):
 
 
 @pytest.mark.parametrize("sets, key", [
-    (["parallel.zero_stage=3"], "parallel.zero_stage"),
+    (["parallel.zero_stage=3", "parallel.schedule='terapipe'"], "parallel.schedule"),
+    (["parallel.zero_stage=3", "parallel.hpz=true"], "parallel.hpz"),
     (["parallel.precision='fp16'"], "parallel.precision"),
     (["parallel.tp=2", "parallel.schedule='terapipe'"], "parallel.schedule"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule='zb'"],
@@ -282,7 +291,7 @@ def test_cli_trains_with_pp2(tiny_overrides, tmp_path):
 
 def test_pipeline_checkpoints_export(ranks, run_root, base, tmp_path):
     """`fivefold convert` (and `--init-from`, the same reader) joins every layout's last
-    checkpoint: per-stage keys (pp 2, vpp 2 chunks), data-parallel shards (ZeRO-1) and
+    checkpoint: per-stage keys (pp 2, vpp 2 chunks), data-parallel shards (ZeRO-1, ZeRO-3) and
     tensor-parallel shards with the padded vocabulary dropped (pp 2 x tp 2, and pp 2 x dp 2 x
     tp 2). The weights equal, bit for bit, the full parameters gathered from the ranks."""
     exported = {}

@@ -8,14 +8,14 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table (45 configurations) spans what the runtime executes today: DDP, ZeRO-1/2/3,
+The table (49 configurations) spans what the runtime executes today: DDP, ZeRO-1/2/3,
 hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
 ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
 pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H1,
-TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1/ZeRO-2),
+TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1/2/3),
 and tensor parallelism inside pipeline stages (pp2 x tp2 on 4 ranks with and without
 sequence parallelism, tied and untied, four schedules, padded vocabulary; pp2 x dp2 x tp2 on
-8 ranks with ZeRO-1 and ZeRO-2).
+8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3).
 Every rank's ledger is compared, since pipeline stages send, receive and hold different
 things. Each parallel dimension adds its rows to `CASES` as it lands: (world size,
 overrides, label). Ranks start once per world size and run all of that world's cases.
@@ -107,6 +107,15 @@ CASES = [  # (world size, overrides, label)
          "parallel.micro_batch=2", "model.tied_embeddings=false"], "pp2 x zero1 zb"),
     (4, ["parallel.pp=2", "parallel.zero_stage=2", "parallel.micro_batch=1", "model.layers=3",
          TIED] + ODD, "pp2 x zero2 tied, padded units"),
+    # pp x ZeRO-3: the root gathered once per step, blocks as the schedule's passes find them
+    (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.micro_batch=1", TIED],
+     "pp2 x zero3 1f1b tied"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.schedule='interleaved'",
+         "parallel.vpp=2", "parallel.micro_batch=2", "model.layers=4",
+         "model.tied_embeddings=false"], "pp2 x zero3 interleaved vpp2 untied"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.schedule='zb'",
+         "parallel.micro_batch=1", "model.layers=3", TIED] + ODD,
+     "pp2 x zero3 zb tied, padded units"),
     # tensor parallelism inside pipeline stages (3D): vocabulary-parallel embedding and head
     # on the end stages, the tied head's vocabulary rows lent per tp rank, full (B,T,D)
     # messages per tp rank without sequence parallelism and (B,T/t,D) shards with it
@@ -127,6 +136,8 @@ CASES = [  # (world size, overrides, label)
     (8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.schedule='zb'",
          "parallel.micro_batch=1", TIED] + VOCAB_509,
      "pp2 x dp2 x tp2 zero2 zb tied, padded vocabulary"),
+    (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "parallel.zero_stage=3", "parallel.micro_batch=2", TIED], "pp2 x dp2 x tp2 sp zero3"),
 ]
 
 
@@ -167,7 +178,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 45
+    assert len(CASES) == 49
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}

@@ -284,11 +284,17 @@ def validate_pipeline_runtime(cfg: Config) -> None:
     p = cfg.parallel
     if p.pp == 1:
         return
-    if p.zero_stage == 3:
-        raise ConfigError("parallel.zero_stage", "ZeRO-3 gathers a stage's root parameters in "
-                                                 "the whole model's forward, which a pipeline "
-                                                 "stage does not run; use zero_stage 0, 1 or 2 "
-                                                 "with parallel.pp > 1")
+    if p.zero_stage == 3 and p.schedule == "terapipe":
+        raise ConfigError("parallel.schedule", "TeraPipe's token slices reach back into earlier "
+                                               "slices' keys and values, so a block's backward "
+                                               "is not one pass that ZeRO-3 can gather and free "
+                                               "around; use 'gpipe', '1f1b', 'interleaved' or "
+                                               "'zb', or zero_stage 0, 1 or 2")
+    if p.zero_stage == 3 and p.hpz:
+        raise ConfigError("parallel.hpz", "hpZ keeps a block's node-local shard from its "
+                                          "forward to its backward, which a pipeline schedule "
+                                          "interleaves across micro-batches; turn hpZ off with "
+                                          "parallel.pp > 1")
     if p.precision == "fp16":
         raise ConfigError("parallel.precision", "fp16 loss scaling is not wired into the "
                                                 "pipeline schedules; use 'bf16' (GPU) or "

@@ -25,7 +25,21 @@ micro-batch gradients locally and communicate once per optimizer step; stages 2 
 reduce-scatter every micro-batch so that no full gradient outlives its unit's backward.
 Stage 3 gathers a block's parameters just before its forward and again before its backward
 (prefetching the next block's), and frees them after (FSDP's resharding). The root unit
-(embeddings, final norm, output head) stays gathered for the whole step, as FSDP's root does.
+(embeddings, final norm, output head) stays gathered through a micro-batch's forward and
+backward, as FSDP's root does.
+
+Under a pipeline (fivefold.parallel.pipeline.executor) the engine sits on a PipelineStage:
+the executor calls `hold_root()` before the step's first action, because the first stage's
+tied-weight send reads the embedding before any forward, and the root then stays gathered
+through every micro-batch's forward and backward until `after_backward()` at the end of the
+step (evaluation: until `release_root()`). Blocks keep gather-before / free-after per use:
+each forward or backward action runs all of one virtual stage's blocks in order, and the
+one-block prefetch takes the rank's next (previous) block, under interleaving possibly the
+next chunk's first, which stays gathered until its use. A zero-bubble I pass gathers blocks
+and leaves them gathered; its W pass frees them once their gradients are complete, and may
+run on blocks that an F in between freed: the weight gradients need saved inputs and output
+gradients only (fivefold.parallel.pipeline.executor). Each unit's gradient is
+reduce-scattered once per micro-batch, as without a pipeline.
 
 Hierarchical sharding (MiCS, arXiv 2205.00119; FSDP's hybrid sharding): with
 `parallel.zero_group = k` the shard axis has k ranks and dp/k groups replicate it; gradients
@@ -135,6 +149,7 @@ class DataParallelEngine:
         self._ready = [0] * len(self.units)
         self._last = True
         self._prefetch: dict[int, object] = {}
+        self._root_held = False  # stage 3 under a pipeline: the root outlives each forward
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
@@ -188,8 +203,8 @@ class DataParallelEngine:
     def _gather(self, i: int, prefetch: bool = False, backward: bool = False) -> None:
         """All-gather unit i's weights: plain, qwZ-quantized, or (hpZ, backward) in the node."""
         unit = self.units[i]
-        if i in self._prefetch or unit.is_gathered():
-            return
+        if i in self._prefetch or unit.is_gathered() or unit.numel == 0:
+            return  # a middle pipeline stage's root holds nothing
         unit.allocate_full()
         if backward and i in self.secondary:
             work = C.all_gather(unit.full, self.secondary[i], self.nodes.intra, "params",
@@ -215,7 +230,7 @@ class DataParallelEngine:
             self._ensure_gathered(0)
 
         def after_model(module, args, output):
-            if not output.requires_grad:  # evaluation: nothing will come back for the root
+            if not output.requires_grad and not self._root_held:  # evaluation
                 self.units[0].free_full()
 
         def before_block(i):
@@ -245,6 +260,20 @@ class DataParallelEngine:
         self._ensure_gathered(i, backward=True)
         if i > 1:
             self._gather(i - 1, prefetch=True, backward=True)
+
+    def hold_root(self) -> None:
+        """Stage 3 under a pipeline: gather the root unit now and keep it gathered until
+        `after_backward` or `release_root` (the first stage's tied-weight send reads it
+        before any forward, and each micro-batch uses it again). No-op at stages 0-2."""
+        if self.stage == 3:
+            self._ensure_gathered(0)
+            self._root_held = True
+
+    def release_root(self) -> None:
+        """Free the root unit held by `hold_root` (stage 3)."""
+        if self.stage == 3:
+            self._root_held = False
+            self.units[0].free_full()
 
     # ------------------------------------------------------------------ gradients
 
@@ -300,7 +329,7 @@ class DataParallelEngine:
         while self._pending:
             self._finish_pending(0)
         if self.stage == 3:
-            self.units[0].free_full()
+            self.release_root()
         if not self._last:
             return
         for master, grad in zip(self.masters, self.grad_shards):

@@ -13,7 +13,9 @@ the runtime does):
             all-gather each unit's parameters
   stage 2   every micro-batch: reduce-scatter each unit's gradient; all-gather after the step
   stage 3   every micro-batch: all-gather the root once and each block twice (forward and
-            backward), reduce-scatter each unit's gradient
+            backward), reduce-scatter each unit's gradient; with pp > 1 the root is gathered
+            once per step and the blocks as the schedule's passes find them freed
+            (fivefold.planner.ledger_pipeline.zero3_block_gathers)
   stage>=1  hierarchical sharding (zero_group < dp): all-reduce each gradient shard over
             dp_replicate after the last micro-batch; a 4-byte fp32 all-reduce of the squared
             gradient norm over dp_shard
@@ -45,7 +47,8 @@ import dataclasses
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.planner.layout import Layout, layout_from_config
-from fivefold.planner.ledger_pipeline import pipeline_messages, stage_layers_of_rank
+from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
+                                               zero3_block_gathers)
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -171,15 +174,20 @@ class _Step:
             self.pipeline()
         has_root = self.pp_rank in (0, lay.pp - 1) or lay.pp == 1
         root, blocks = (units[0], units[1:]) if has_root else (None, units)
+        if stage == 3 and lay.pp > 1:
+            if root:  # held from the step's first action to its end
+                self.gather(root, backward=False)
+            for j, backward in zero3_block_gathers(self.cfg, lay, self.pp_rank):
+                self.gather(blocks[j], backward)
         for j in range(micro):
             last = j == micro - 1
             if lay.tp > 1:
                 self.tensor_parallel()
-            if stage == 3:
+            if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)
                     self.gather(u, backward=False)
             for u in reversed(blocks):
-                if stage == 3:
+                if stage == 3 and lay.pp == 1:
                     self.gather(u, backward=True)
             for u in [*reversed(blocks), *([root] if root else [])]:
                 if stage == 0 and last:

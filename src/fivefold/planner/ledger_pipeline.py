@@ -16,6 +16,13 @@ module walks the very same lists and sizes each message from the configuration:
                  head gradient back ("pp_tied_grads")
 
 A message whose peer is this very rank (pp = 1) goes through a mailbox and is not recorded.
+
+ZeRO-3 under a pipeline (`zero3_block_gathers`): the engine gathers a block when a pass uses
+it and finds it freed, so how many all-gathers a step issues depends on the action list. The
+same list is walked with the engine's rules: an F gathers each of the virtual stage's blocks
+(and prefetches the rank's next one) and frees it after; a B or I gathers each block in
+reverse (and prefetches the rank's previous one); a B or W frees a block once its gradients
+are complete; an I leaves its blocks gathered for the W.
 """
 
 from __future__ import annotations
@@ -71,3 +78,42 @@ def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[i
     ranges = stage_layer_ranges(cfg.model, stages, cfg.parallel.stage_layers)
     ids = [pp_rank + c * lay.pp for c in range(lay.vpp)]
     return [i for s in ids for i in ranges[s]], 0 in ids, stages - 1 in ids
+
+
+def zero3_block_gathers(cfg: Config, lay: Layout, pp_rank: int) -> list[tuple[int, bool]]:
+    """(position among the rank's blocks, backward) of each all-gather of block weights that
+    ZeRO-3 issues on pp rank `pp_rank` in one step (fivefold.parallel.data_parallel)."""
+    from fivefold.parallel.pipeline.build import token_slices
+    from fivefold.parallel.pipeline.partition import stage_layer_ranges
+
+    m = cfg.model
+    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp,
+                                token_slices(cfg), m.tied_embeddings)
+    ranges = stage_layer_ranges(m, lay.pp * lay.vpp, cfg.parallel.stage_layers)
+    layers, _, _ = stage_layers_of_rank(cfg, lay, pp_rank)
+    where = {layer: j for j, layer in enumerate(layers)}
+    gathered, out = [False] * len(layers), []
+
+    def gather(j: int, backward: bool) -> None:
+        if 0 <= j < len(layers) and not gathered[j]:
+            gathered[j] = True
+            out.append((j, backward))
+
+    for a in schedule.ranks[pp_rank]:
+        if a.kind not in (S.F, S.B, S.I, S.W):
+            continue
+        blocks = [where[i] for i in ranges[a.stage]]
+        if a.kind == S.F:
+            for j in blocks:
+                gather(j, False)
+                gather(j + 1, False)  # the prefetch
+                gathered[j] = False
+        elif a.kind in (S.B, S.I):
+            for j in reversed(blocks):
+                gather(j, True)
+                gather(j - 1, True)  # the prefetch
+                gathered[j] = gathered[j] and a.kind == S.I
+        else:
+            for j in blocks:
+                gathered[j] = False
+    return out

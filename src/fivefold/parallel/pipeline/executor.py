@@ -29,7 +29,11 @@ Data parallelism composes through `grad_sync`, an object with `prepare_backward(
 `after_backward()` (fivefold.parallel.data_parallel.DataParallelEngine): `prepare_backward`
 runs before every action that accumulates weight gradients (B or W), with `last` on the last
 such action of each virtual stage, and `after_backward` once at the end of the step, so the
-engine's per-unit hooks reduce each block's gradient once, when it is complete.
+engine's per-unit hooks reduce each block's gradient once, when it is complete. It also has
+`hold_root()`, called before a step's (or an evaluation's) first action, and `release_root()`,
+after an evaluation: under ZeRO-3 the stage's root unit (embedding, final norm, head) is
+gathered once and kept through the step, since the tied-weight send reads it before any
+forward (the engine's `after_backward` frees it after training).
 """
 
 from __future__ import annotations
@@ -140,6 +144,8 @@ class PipelineEngine:
         accumulate in the stage's `.grad` (or the data-parallel engine's buffers). Returns the
         step's summed token cross-entropy, the same on every pp rank."""
         self.stage.train()
+        if self.grad_sync is not None:
+            self.grad_sync.hold_root()
         loss = self._run(self.schedule, inputs_BT, targets_BT, loss_scale)
         if self.grad_sync is not None:
             self.grad_sync.after_backward()
@@ -151,7 +157,13 @@ class PipelineEngine:
         if self.eval_schedule is None:
             raise ValueError("this engine was built without an evaluation schedule")
         self.stage.eval()
-        return self._run(self.eval_schedule, inputs_BT, targets_BT, 1.0)
+        if self.grad_sync is None:
+            return self._run(self.eval_schedule, inputs_BT, targets_BT, 1.0)
+        self.grad_sync.hold_root()
+        try:
+            return self._run(self.eval_schedule, inputs_BT, targets_BT, 1.0)
+        finally:
+            self.grad_sync.release_root()
 
     # ------------------------------------------------------------------ the loop
 
