@@ -53,7 +53,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
 import os
 import selectors
 import socket
@@ -64,8 +63,8 @@ import tempfile
 import time
 import warnings
 
-from harness import (TrainerSide, add_timing_args, machine_info, rss_mib, split_rounds,
-                     write_json)
+from harness import (TrainerSide, add_timing_args, machine_info, plain_adamw, plain_lr,
+                     random_batch, rss_mib, split_rounds, write_json)
 
 FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
 TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
@@ -92,16 +91,6 @@ def bench_config(zero_stage: int, world: int, extra: tuple[str, ...] = ()):
                              "train.sample_tokens=0", *extra])
     validate_for_training(cfg, world)
     return cfg
-
-
-def lr_for_step(hp: dict, step: int, total_steps: int) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
-    if hp["warmup_steps"] and step < hp["warmup_steps"]:
-        return hp["lr"] * (step + 1) / hp["warmup_steps"]
-    progress = min(1.0, (step - hp["warmup_steps"]) /
-                   max(1, total_steps - hp["warmup_steps"] - 1))
-    floor = hp["lr"] * hp["min_lr_ratio"]
-    return floor + (hp["lr"] - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ------------------------------------------------------------------ the sides (one rank each)
@@ -133,7 +122,7 @@ class PeerSide:
         from fivefold.config import ModelConfig  # only to build the model definition
         from fivefold.models.llama import Transformer
 
-        self.torch, self.np, self.F = torch, np, torch.nn.functional
+        self.torch, self.F = torch, torch.nn.functional
         self.side, self.world = spec["side"], world
         self.hp, self.total_steps = spec["train"], spec["total_steps"]
         self.rows, self.seq_len = GLOBAL_BATCH // world, spec["model"]["seq_len"]
@@ -148,18 +137,10 @@ class PeerSide:
         self.model, self.opt = self._wrap(model)
         self.step = 0
 
-    def _adamw(self, params):
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        hp = self.hp
-        return self.torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
-
     def _wrap(self, model):
         if self.side == "torch-ddp":
             from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(model), self._adamw(list(model.parameters()))
+            return DistributedDataParallel(model), plain_adamw(list(model.parameters()), self.hp)
         if self.side == "torch-fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -167,9 +148,9 @@ class PeerSide:
             for block in model.layers:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            return model, self._adamw(list(model.parameters()))
+            return model, plain_adamw(list(model.parameters()), self.hp)
         import deepspeed
-        client = self._adamw(list(model.parameters()))
+        client = plain_adamw(list(model.parameters()), self.hp)
         config = {"train_batch_size": GLOBAL_BATCH,
                   "train_micro_batch_size_per_gpu": self.rows,
                   "gradient_accumulation_steps": 1,
@@ -184,18 +165,14 @@ class PeerSide:
         return engine, client  # ZeRO keeps the client's param_groups: the learning rate goes there
 
     def run(self, n: int) -> float:
-        torch, np, F = self.torch, self.np, self.F
+        torch, F = self.torch, self.F
         deepspeed = self.side.startswith("deepspeed")
         loss = torch.zeros(())
         for _ in range(n):
             self.model.train()
             for group in self.opt.param_groups:
-                group["lr"] = lr_for_step(self.hp, self.step, self.total_steps)
-            offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.rows)
-            rows = torch.from_numpy(np.stack(
-                [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                 for o in offsets]))
-            x_BT, y_BT = rows[:, :-1], rows[:, 1:]
+                group["lr"] = plain_lr(self.hp, self.step, self.total_steps)
+            x_BT, y_BT = random_batch(self.tokens, self.rng, self.rows, self.seq_len)
             # one expression, so the (B, T, V) logits are not kept alive into the next step
             loss = F.cross_entropy(self.model(x_BT).flatten(0, 1), y_BT.flatten())
             if deepspeed:  # the engine clips (config) and steps its ZeRO optimizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import resource
@@ -97,3 +98,39 @@ class TrainerSide:
             loss = self.trainer.train_step(self.step).loss
             self.step += 1
         return loss
+
+
+# ------------------------------------------------------------------ the plain PyTorch peers
+# Written without fivefold's trainer, sampler or optimizer code, so that a peer shares
+# nothing with the side it is measured against but the model and the hyper-parameters.
+
+def plain_adamw(params: list, hp: dict):
+    """torch.optim.AdamW with fivefold's split: matrices decay, vectors do not."""
+    import torch
+
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
+
+
+def plain_lr(hp: dict, step: int, total_steps: int) -> float:
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
+    if hp["warmup_steps"] and step < hp["warmup_steps"]:
+        return hp["lr"] * (step + 1) / hp["warmup_steps"]
+    progress = min(1.0, (step - hp["warmup_steps"]) /
+                   max(1, total_steps - hp["warmup_steps"] - 1))
+    floor = hp["lr"] * hp["min_lr_ratio"]
+    return floor + (hp["lr"] - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def random_batch(tokens, rng, rows: int, seq_len: int):
+    """(inputs, targets) of `rows` sequences cut at numpy random offsets from `tokens`."""
+    import numpy as np
+    import torch
+
+    offsets = rng.integers(0, len(tokens) - seq_len - 1, size=rows)
+    batch = torch.from_numpy(np.stack([np.asarray(tokens[o:o + seq_len + 1], dtype=np.int64)
+                                       for o in offsets]))
+    return batch[:, :-1], batch[:, 1:]

@@ -16,13 +16,13 @@ tokenized corpus is cached after the first run, about 10 s the first time).
   overhead, not the model implementation.
 
 Each side runs in its own worker process (this script re-invoked with `--side`), so the peak
-resident set size (VmHWM, harness.rss_mib) is per side; it includes the interpreter, torch, the model,
-optimizer state, activations and the touched pages of the memory-mapped token array. The
-parent drives both workers one at a time: warm-up steps (not timed), then `--rounds` rounds
-of `--steps / --rounds` timed steps each, interleaved A B A B ..., so machine noise hits both
-sides alike. Reported: median tokens/s over the rounds per side, the ratio fivefold / plain
-(the JSON also holds every round and the best round of each side), and peak RSS per side
-with its ratio.
+resident set size (VmHWM, harness.rss_mib) is per side; it includes the interpreter, torch,
+the model, optimizer state, activations and the touched pages of the memory-mapped token
+array. The parent drives both workers one at a time: warm-up steps (not timed), then
+`--rounds` rounds of `--steps / --rounds` timed steps each, interleaved A B A B ..., so
+machine noise hits both sides alike. Reported: median tokens/s over the rounds per side,
+the ratio fivefold / plain (the JSON also holds every round and the best round of each
+side), and peak RSS per side with its ratio.
 
     python bench/train_vs_plain.py                 # 30 timed steps per side, 5 rounds of 6
     python bench/train_vs_plain.py --quick         # smoke test: 4 steps, 1 round
@@ -40,8 +40,8 @@ import subprocess
 import sys
 import time
 
-from harness import (TrainerSide, add_timing_args, machine_info, rss_mib, split_rounds,
-                     write_json)
+from harness import (TrainerSide, add_timing_args, machine_info, plain_adamw, plain_lr,
+                     random_batch, rss_mib, split_rounds, write_json)
 
 SIDES = ("fivefold", "plain")
 GLOBAL_BATCH = 8
@@ -76,7 +76,7 @@ class PlainSide:
         from fivefold.config import ModelConfig  # only to build the model definition
         from fivefold.models.llama import Transformer
 
-        self.torch, self.np = torch, np
+        self.torch = torch
         self.F = torch.nn.functional
         self.hp = spec["train"]
         self.batch, self.seq_len = spec["global_batch"], spec["model"]["seq_len"]
@@ -89,35 +89,17 @@ class PlainSide:
             for param in self.model.parameters():
                 if param.dim() >= 2:
                     param.normal_(0.0, 0.02)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hp["weight_decay"]},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hp["lr"], betas=(self.hp["beta1"], self.hp["beta2"]), eps=self.hp["eps"])
+        self.opt = plain_adamw(list(self.model.parameters()), self.hp)
         self.step = 0
 
-    def lr(self, step: int) -> float:
-        hp = self.hp
-        if step < hp["warmup_steps"]:
-            return hp["lr"] * (step + 1) / hp["warmup_steps"]
-        progress = min(1.0, (step - hp["warmup_steps"]) /
-                       max(1, self.total_steps - hp["warmup_steps"] - 1))
-        floor = hp["lr"] * hp["min_lr_ratio"]
-        return floor + (hp["lr"] - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
     def run(self, n: int) -> float:
-        torch, np, F = self.torch, self.np, self.F
+        torch, F = self.torch, self.F
         loss = math.nan
         for _ in range(n):
             self.model.train()
             for group in self.opt.param_groups:
-                group["lr"] = self.lr(self.step)
-            offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch)
-            rows = torch.from_numpy(np.stack(
-                [np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                 for o in offsets]))
-            x, y = rows[:, :-1], rows[:, 1:]
+                group["lr"] = plain_lr(self.hp, self.step, self.total_steps)
+            x, y = random_batch(self.tokens, self.rng, self.batch, self.seq_len)
             # one expression, so the (B, T, V) logits are not kept alive into the next step
             out = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
             out.backward()
