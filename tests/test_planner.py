@@ -17,6 +17,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config
 from fivefold.models.flops import flops_per_token, param_count
+from fivefold.parallel.pipeline.partition import balanced_counts
 from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
@@ -24,7 +25,6 @@ from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
 from fivefold.planner.layout import layout_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
-from fivefold.planner.partition import partition
 from fivefold.planner.replay import replay
 from fivefold.planner.schedules import actions_for, bubble_fraction
 from fivefold.planner.search import candidates, search
@@ -192,12 +192,12 @@ def test_partition_is_optimal_and_respects_memory():
     best = min(max(sum(costs[a:b]) + (2.0 if b == len(costs) else 0.0)
                    for a, b in zip((0,) + cuts, cuts + (len(costs),)))
                for cuts in itertools.combinations(range(1, len(costs)), 2))
-    sizes = partition(costs, 3, 0.0, 2.0)
+    sizes = balanced_counts(costs, 3, 0.0, 2.0)
     bounds = list(itertools.accumulate(sizes))
     got = max(sum(costs[a:b]) + (2.0 if b == len(costs) else 0.0)
               for a, b in zip([0] + bounds[:-1], bounds))
     assert got == best and sum(sizes) == len(costs)
-    capped = partition([1.0] * 8, 2, fits=lambda s, a, b: s == 1 or b - a <= 2)
+    capped = balanced_counts([1.0] * 8, 2, fits=lambda s, a, b: s == 1 or b - a <= 2)
     assert capped == [2, 6]
 
 

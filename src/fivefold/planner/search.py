@@ -2,8 +2,8 @@
 
 The space: tensor (powers of two within a node, dividing the heads), context (powers of two
 dividing the sequence), pipeline (any degree up to the layers, blocks cut unevenly by
-fivefold.planner.partition), data (the rest; it must divide the global batch) and expert
-(MoE: divisors of dp*cp that divide the experts) degrees; virtual stages and schedule
+fivefold.parallel.pipeline.partition), data (the rest; it must divide the global batch)
+and expert (MoE: divisors of dp*cp that divide the experts) degrees; virtual stages and schedule
 (1f1b, gpipe, zb; interleaved with 2 or 4 virtual stages); ZeRO stage 0-3; micro-batch;
 recomputation (none, selective, full); sequence parallelism with tp. Precision and the
 global batch stay as the spec says.

@@ -4,7 +4,8 @@ The step is assembled from the models of this package:
 
 1. Per block and per micro-batch on one rank: compute (fivefold.planner.compute) and the
    communication each technique puts on the critical path (fivefold.planner.comm), under the
-   overlap rules below. Blocks are cut into pipeline stages by fivefold.planner.partition.
+   overlap rules below. Blocks are cut into pipeline stages by the runtime's partitioner
+   (fivefold.parallel.pipeline.partition).
 2. The pipeline schedule's action lists (fivefold.planner.schedules) replayed event by event
    with those stage durations (fivefold.planner.replay): each rank's finish time, busy time
    and peak in-flight activations.
@@ -51,6 +52,7 @@ import functools
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
@@ -60,7 +62,6 @@ from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_l
                                      layout_from_config)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_params, root_params
-from fivefold.planner.partition import partition
 from fivefold.planner.replay import Replay, replay
 from fivefold.planner.schedules import Action, actions_for
 
@@ -275,19 +276,20 @@ class StepModel:
                   for width in (q, kv, kv, q))
         return a2a, a2a
 
-    @functools.cached_property
-    def head(self) -> OpTimes:
-        key = ("head",) + self._shape_key()
+    def _root_op(self, times) -> OpTimes:
+        """`times(model, shard, profile)`, shared through `cache` by equal shard shapes."""
+        key = (times.__name__,) + self._shape_key()
         if key not in self.cache:
-            self.cache[key] = head_times(self.model, self.shard, self.prof)
+            self.cache[key] = times(self.model, self.shard, self.prof)
         return self.cache[key]
 
     @functools.cached_property
+    def head(self) -> OpTimes:
+        return self._root_op(head_times)
+
+    @functools.cached_property
     def embedding(self) -> OpTimes:
-        key = ("embedding",) + self._shape_key()
-        if key not in self.cache:
-            self.cache[key] = embedding_times(self.model, self.shard, self.prof)
-        return self.cache[key]
+        return self._root_op(embedding_times)
 
     def _root_tp_comm(self, first: bool, last: bool) -> tuple[float, float]:
         """(forward, backward) tensor-parallel seconds of a stage's root parts, as the runtime
@@ -314,7 +316,7 @@ class StepModel:
     @functools.cached_property
     def stage_layers(self) -> list[int]:
         """Blocks per virtual stage (pp * vpp stages): the layout's `stage_layers` when set
-        (the planner's search sets it by fivefold.planner.partition), else the runtime's own
+        (the planner's search sets it by `balanced_stage_layers`), else the runtime's own
         default split (fivefold.parallel.pipeline.partition), so that `simulate` predicts
         what `train` runs."""
         stages = self.lay.pp * self.lay.vpp
@@ -323,19 +325,17 @@ class StepModel:
             return list(given)
         if stages == 1:
             return [self.model.layers]
-        from fivefold.parallel.pipeline.partition import stage_layer_ranges
-
         return [len(r) for r in stage_layer_ranges(self.model, stages)]
 
     def balanced_stage_layers(self, fits=lambda stage, first, end: True) -> list[int]:
         """The planner's split: blocks cut by modelled time, each stage within `fits`
-        (fivefold.planner.partition, Alpa's inter-operator pass)."""
+        (fivefold.parallel.pipeline.partition, Alpa's inter-operator pass)."""
         stages = self.lay.pp * self.lay.vpp
         if stages == 1:
             return [self.model.layers]
         costs = [self.layer_cost(i).f + self.layer_cost(i).b for i in range(self.model.layers)]
         emb, head = self.embedding, self.head
-        return partition(costs, stages, emb.fwd + emb.bwd, head.fwd + head.bwd, fits)
+        return balanced_counts(costs, stages, emb.fwd + emb.bwd, head.fwd + head.bwd, fits)
 
     @functools.cached_property
     def stage_ranges(self) -> list[range]:

@@ -8,7 +8,8 @@ project's FLOP convention (fivefold.models.flops) it costs 6 V D per token, abou
 of the default `tiny` model, which is why the last stage of a balanced split holds fewer
 blocks (Megatron-LM's uneven first/last stages and its "account for embedding/loss in the
 pipeline split" options address the same imbalance). The split is exact dynamic programming
-over (stages, blocks); every stage holds at least one block.
+over (stages, blocks); every stage holds at least one block. The planner uses the same
+function with modelled times and a memory bound (fivefold.planner.simulate).
 
 Costs are training FLOPs per token: a block 3 (2 P_block + 4 T H E) (matrix multiplies and
 attention over the full T x T square, as in fivefold.models.flops), the head 3 * 2 V D, the
@@ -17,6 +18,10 @@ matrix multiply). The planner may pass measured costs instead. Pure Python: no t
 """
 
 from __future__ import annotations
+
+import math
+from itertools import accumulate
+from typing import Callable
 
 from fivefold.config import ModelConfig
 from fivefold.models.flops import block_matmul_params
@@ -30,37 +35,54 @@ def part_costs(cfg: ModelConfig) -> tuple[float, list[float], float]:
 
 
 def balanced_counts(block_costs: list[float], stages: int, first_extra: float = 0.0,
-                    last_extra: float = 0.0) -> list[int]:
-    """Blocks per stage, contiguous, at least one each, minimizing the costliest stage."""
+                    last_extra: float = 0.0,
+                    fits: Callable[[int, int, int], bool] = lambda s, a, b: True) -> list[int]:
+    """Blocks per stage, contiguous, at least one each, minimizing the costliest stage;
+    stage s may hold blocks [a, b) only if `fits(s, a, b)` (the planner's memory bound).
+
+    Exact dynamic programming (Alpa's inter-operator pass, arXiv 2201.12023 Sec. 5.2):
+    best[s][i] = min over k < i of max(best[s-1][k], cost(s, blocks k..i-1)). best[s-1][k]
+    grows with k and cost(s, k..i-1) shrinks with k, so the optimal k is where they cross,
+    found by bisection: O(S L log L) for S stages and L blocks (the planner's search calls
+    this for every layout)."""
     n = len(block_costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} blocks into {stages} stages of at least one block")
-    prefix = [0.0]
-    for c in block_costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(block_costs)]
 
-    def cost(stage: int, lo: int, hi: int) -> float:  # blocks [lo, hi) on `stage`
-        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == stages - 1 else 0.0)
+    def cost(s: int, lo: int, hi: int) -> float:  # blocks [lo, hi) on stage s
+        if hi <= lo or not fits(s, lo, hi):
+            return math.inf
+        extra = (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
         return prefix[hi] - prefix[lo] + extra
 
-    inf = float("inf")
-    # best[s][i]: the least possible maximum over stages 0..s holding blocks [0, i)
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    cut = [[0] * (n + 1) for _ in range(stages)]
-    for i in range(1, n + 1):
-        best[0][i] = cost(0, 0, i)
+    best = [cost(0, 0, i) for i in range(n + 1)]  # stages 0..s holding blocks [0, i)
+    cuts: list[list[int]] = [[0] * (n + 1)]
     for s in range(1, stages):
+        new, arg = [math.inf] * (n + 1), [0] * (n + 1)
         for i in range(s + 1, n + 1):
-            for j in range(s, i):  # stage s holds [j, i)
-                value = max(best[s - 1][j], cost(s, j, i))
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    counts, hi = [], n
-    for s in reversed(range(1, stages)):
-        lo = cut[s][hi]
-        counts.append(hi - lo)
-        hi = lo
-    counts.append(hi)
+            lo, hi = s, i - 1  # the first k where best[k] >= cost(s, k, i)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if best[mid] >= cost(s, mid, i):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            for k in (lo - 1, lo):
+                if s <= k < i:
+                    value = max(best[k], cost(s, k, i))
+                    if value < new[i]:
+                        new[i], arg[i] = value, k
+        best = new
+        cuts.append(arg)
+    if math.isinf(best[n]):
+        raise ValueError(f"no split of {n} blocks into {stages} stages fits in memory")
+    counts, i = [], n
+    for s in range(stages - 1, 0, -1):
+        k = cuts[s][i]
+        counts.append(i - k)
+        i = k
+    counts.append(i)
     return counts[::-1]
 
 
