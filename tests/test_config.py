@@ -339,6 +339,10 @@ def test_uint16_tokens_fit_exact_vocab_and_uint32_is_fine():
      "3 per step (6 sequences per dp rank / micro_batch 2) must be a multiple of 2"),
     (["parallel.pp=2", "parallel.schedule=pipedream-2bw"], 4, "parallel.micro_batch",
      "PipeDream-2BW needs at least pp = 2 micro-batches per step, got 1"),
+    (["parallel.pp=2", "parallel.weight_prediction=true"], 2, "parallel.weight_prediction",
+     "offsets PipeDream-2BW's stale gradients"),
+    (["parallel.schedule=pipedream-2bw", "parallel.weight_prediction=true"], 2,
+     "parallel.weight_prediction", "use it with parallel.pp > 1"),
 ])
 def test_rejected_with_world_size(overrides, world_size, key, fragment):
     rejects(key, fragment, *overrides, world_size=world_size)
@@ -356,6 +360,8 @@ def test_accepted_parallel_layouts():
                   "parallel.micro_batch=2"), 2)  # 4 micro-batches, a multiple of pp
     validate(load("parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),
              4)
+    validate(load("parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2",
+                  "parallel.weight_prediction=true"), 4)
     validate(load("parallel.micro_batch=4"), 2)
     validate(load("cluster.gpus=8", "parallel.tp=8"))
 

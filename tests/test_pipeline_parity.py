@@ -21,8 +21,9 @@ W(t+1) = W(t) - lr * grad f(W(t-1)), is checked against a single-process impleme
 that rule (gradient clipping off: 2BW clips per stage), losses rel 2e-5, parameters atol 3e-5:
 without clipping, elements whose gradient is near Adam's eps (1e-8) turn a gradient rounding
 difference of 5e-10 (5e-7 relative, measured) into a first-step difference of 5e-6, and up to
-2e-5 after 5 steps (measured, pp 2 x 8 micro-batches). Slow: the default model's validation
-loss under 2BW against synchronous training (the issue's 3% target is an expected failure).
+2e-5 after 5 steps (measured, pp 2 x 8 micro-batches). The same with weight prediction.
+Slow: the default model's validation loss under 2BW, without and with weight prediction,
+against synchronous training (the issue's 3% target is an expected failure).
 """
 
 from __future__ import annotations
@@ -279,8 +280,11 @@ def test_sliced_attention_reproduces_the_plain_block():
 
 # ---------------------------------------------------------------- PipeDream-2BW
 
-# (pp, dp, micro_batch, layers, tied); micro-batches per step = 8 / dp / micro_batch
-TWO_BW = [(2, 1, 2, 7, True), (2, 1, 1, 7, False), (4, 1, 2, 7, True), (2, 2, 1, 7, True)]
+# (pp, dp, micro_batch, layers, tied, weight prediction); micro-batches per step =
+# 8 / dp / micro_batch
+TWO_BW = [(2, 1, 2, 7, True, False), (2, 1, 1, 7, False, False), (4, 1, 2, 7, True, False),
+          (2, 2, 1, 7, True, False), (2, 1, 2, 7, True, True), (4, 1, 2, 7, False, True),
+          (2, 2, 1, 7, True, True)]
 
 
 def _two_bw_config(base, micro, layers, tied, pp=1):
@@ -292,15 +296,16 @@ def _two_bw_config(base, micro, layers, tied, pp=1):
 
 def two_bw_run(rt, base, layouts):
     out = []
-    for pp, dp, micro, layers, tied in layouts:
+    for pp, dp, micro, layers, tied, predict in layouts:
         cfg = _two_bw_config(base, micro, layers, tied, pp)
         mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, dp, Ledger())
         pp_axis, dp_axis = mesh.axis("pp"), mesh.axis("dp_shard")
         p, t = cfg.parallel, cfg.train
         tokens = p.global_batch * cfg.model.seq_len
         engine = PipeDream2BWEngine(stage, pp_axis, p.global_batch // dp // micro, STEPS,
-                                    build_optimizer(stage, t, rt.device), sampler.rank_batch,
-                                    1.0 / tokens, dp_axis=dp_axis)
+                                    build_optimizer(stage, t, rt.device),
+                                    sampler.rank_batch, 1.0 / tokens, dp_axis=dp_axis,
+                                    predict=predict)
         losses = []
         for step in range(STEPS):
             loss = engine.train_step(step, lr_at(step, t))
@@ -313,8 +318,9 @@ def two_bw_run(rt, base, layouts):
     return out
 
 
-def stale_reference(cfg):
-    """One process, the 2BW rule: step t's gradient is taken at W(t-1), applied to W(t)."""
+def stale_reference(cfg, predict):
+    """One process, the 2BW rule: step t's gradient is taken at W(t-1), applied to W(t); with
+    weight prediction (`predict`) taken at W(t-1) + (W(t-1) - W(t-2)) instead."""
     t, p = cfg.train, cfg.parallel
     data = prepare_data(cfg, log=lambda _: None)
     sampler = BatchSampler(data.train, cfg.model.seq_len, p.global_batch, t.seed)
@@ -323,7 +329,8 @@ def stale_reference(cfg):
     versions, losses = [model.state_dict()], []
     versions[0] = {k: v.clone() for k, v in versions[0].items()}
     for step in range(STEPS):
-        stale.load_state_dict(versions[max(step - 1, 0)])
+        older, old = versions[max(step - 2, 0)], versions[max(step - 1, 0)]
+        stale.load_state_dict({k: 2 * old[k] - older[k] for k in old} if predict else old)
         inputs, targets = sampler.rank_batch(step)
         ce = torch.nn.functional.cross_entropy(stale(inputs).flatten(0, 1), targets.flatten(),
                                                reduction="sum")
@@ -351,17 +358,18 @@ def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides):
     losses and validation loss rel 2e-5, parameters atol 3e-5 + rtol 1e-4 (module docstring)."""
     layouts = [x for x in TWO_BW if x[0] * x[1] == world]
     results = run_on_ranks(two_bw_run, world, parity_overrides, layouts, timeout_s=600)
-    for i, (pp, dp, micro, layers, tied) in enumerate(layouts):
-        ref_losses, ref_params, ref_val = stale_reference(_two_bw_config(
-            parity_overrides, micro, layers, tied))
+    for i, (pp, dp, micro, layers, tied, predict) in enumerate(layouts):
+        ref_losses, ref_params, ref_val = stale_reference(
+            _two_bw_config(parity_overrides, micro, layers, tied), predict)
+        layout = (pp, dp, micro, tied, predict)
         first, last = results[0][i], results[(pp - 1) * dp][i]  # first, last stage; dp rank 0
-        assert first[0] == pytest.approx(ref_losses, rel=2e-5), (pp, dp, micro, tied)
-        assert last[0] == pytest.approx(ref_losses, rel=2e-5), (pp, dp, micro, tied)
-        assert first[2] == pytest.approx(ref_val, rel=2e-5), (pp, dp, micro, tied)
+        assert first[0] == pytest.approx(ref_losses, rel=2e-5), layout
+        assert last[0] == pytest.approx(ref_losses, rel=2e-5), layout
+        assert first[2] == pytest.approx(ref_val, rel=2e-5), layout
         params = {}
         for r in range(world):
             params.update(results[r][i][1])
-        assert_params_close(params, ref_params, f"{(pp, dp, micro, tied)}", atol=3e-5, rtol=1e-4)
+        assert_params_close(params, ref_params, f"{layout}", atol=3e-5, rtol=1e-4)
 
 
 def two_bw_train(rt, overrides):
@@ -372,7 +380,7 @@ def two_bw_train(rt, overrides):
     tokens = p.global_batch * cfg.model.seq_len
     engine = PipeDream2BWEngine(stage, mesh.axis("pp"), p.global_batch // p.micro_batch, t.steps,
                                 build_optimizer(stage, t, rt.device), sampler.rank_batch,
-                                1.0 / tokens, max_norm=t.grad_clip)
+                                1.0 / tokens, max_norm=t.grad_clip, predict=p.weight_prediction)
     for step in range(t.steps):
         engine.train_step(step, lr_at(step, t))
     total = sum(engine.eval_step(*val_sampler.rank_batch(i)).item()
@@ -384,8 +392,9 @@ def two_bw_train(rt, overrides):
 def default_model_runs(tmp_path_factory):
     """Validation losses of the default model (tiny preset, built-in corpus, default optimizer
     and 200-step schedule; 2 micro-batches of 4 sequences) before training, after synchronous
-    training (the single-process trainer, which every synchronous schedule matches) and after
-    PipeDream-2BW on 2 stages. About 8 minutes on 2 idle cores."""
+    training (the single-process trainer, which every synchronous schedule matches), and after
+    PipeDream-2BW on 2 stages without and with weight prediction. About 6 minutes on 2 idle
+    cores."""
     cache = tmp_path_factory.mktemp("cache")
     sets = [f"data.cache_dir='{cache}'", "train.tensorboard=false", "train.sample_tokens=0",
             "parallel.micro_batch=2"]
@@ -396,29 +405,37 @@ def default_model_runs(tmp_path_factory):
     for step in range(cfg.train.steps):
         trainer.train_step(step)
     sync_val = trainer.evaluate()
-    two_bw_val = run_on_ranks(two_bw_train, 2, sets + ["parallel.pp=2",
-                                                        "parallel.schedule=pipedream-2bw"],
-                              timeout_s=3000)[0]
+    two_bw = sets + ["parallel.pp=2", "parallel.schedule=pipedream-2bw"]
+    plain, predicted = (run_on_ranks(two_bw_train, 2, two_bw + [f"parallel.weight_prediction={on}"],
+                                     timeout_s=3000)[0] for on in ("false", "true"))
     print(f"validation loss: initial {initial:.4f}; after {cfg.train.steps} steps synchronous "
-          f"{sync_val:.4f}, PipeDream-2BW {two_bw_val:.4f} "
-          f"({100 * (two_bw_val / sync_val - 1):+.2f}%)")
-    return initial, sync_val, two_bw_val
+          f"{sync_val:.4f}, PipeDream-2BW {plain:.4f} ({100 * (plain / sync_val - 1):+.2f}%), "
+          f"with weight prediction {predicted:.4f} ({100 * (predicted / sync_val - 1):+.2f}%)")
+    return initial, sync_val, plain, predicted
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_pipedream_2bw_trains_the_default_model(default_model_runs):
     """2BW learns: its validation loss ends at least 25% below the initial ln(8192) = 9.0."""
-    initial, _, two_bw_val = default_model_runs
-    assert two_bw_val < 0.75 * initial
+    initial, _, plain, _ = default_model_runs
+    assert plain < 0.75 * initial
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_weight_prediction_narrows_the_gap(default_model_runs):
+    """By at least a quarter; measured +11.7% without, +6.5% with prediction (docs/pipeline.md)."""
+    _, sync_val, plain, predicted = default_model_runs
+    assert predicted - sync_val < 0.75 * (plain - sync_val)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the issue's target, not met: one step of gradient staleness slows this short run; "
-    "measured +11.7% after the default 200 steps, and +13.9% for the single-process "
-    "stale-update reference: the algorithm, not the pipeline (docs/pipeline.md)"))
+    "the issue's target, not met: one step of gradient staleness costs this short AdamW run "
+    "+11.7% after the default 200 steps, +6.5% with weight prediction; the single-process "
+    "references of the rules cost as much: the algorithm, not the pipeline (docs/pipeline.md)"))
 def test_pipedream_2bw_within_3_percent_of_synchronous(default_model_runs):
-    _, sync_val, two_bw_val = default_model_runs
-    assert abs(two_bw_val / sync_val - 1) < 0.03
+    _, sync_val, _, predicted = default_model_runs
+    assert abs(predicted / sync_val - 1) < 0.03

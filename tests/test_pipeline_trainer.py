@@ -106,13 +106,16 @@ def _resume(rt, base, tmp):
 
 def _two_bw(rt, base, tmp):
     """PipeDream-2BW through the Trainer: 3 steps' losses (the first computed with the initial
-    weights), and whether a checkpoint was written."""
-    cfg = load_config(None, base + ["parallel.pp=2", "parallel.schedule=pipedream-2bw",
-                                    "parallel.micro_batch=2", "train.steps=3"])
-    trainer = Trainer(cfg, rt, f"{tmp}/2bw")
+    weights), whether a checkpoint was written, and the 3 losses with weight prediction."""
+    sets = base + ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2",
+                   "train.steps=3"]
+    trainer = Trainer(load_config(None, sets), rt, f"{tmp}/2bw")
     losses = [trainer.train_step(s).loss for s in range(3)]
     trainer._save(3)
-    return losses, (trainer.run_dir / "checkpoints").exists()
+    predicting = Trainer(load_config(None, sets + ["parallel.weight_prediction=true"]), rt,
+                         f"{tmp}/2bw-predict")
+    predicted = [predicting.train_step(s).loss for s in range(3)]
+    return losses, (trainer.run_dir / "checkpoints").exists(), predicted
 
 
 def _on_ranks(rt, base, layouts, tmp):
@@ -226,11 +229,15 @@ def test_checkpoint_resumes_exactly(ranks):
 def test_pipedream_2bw_runs_in_the_trainer(ranks, reference):
     """PipeDream-2BW's first step computes with the initial weights, so its loss is the
     synchronous one (rel 2e-5); later steps use one-step-stale weights (their update rule is
-    checked exactly in tests/test_pipeline_parity.py). It writes no checkpoint."""
-    losses, wrote = ranks[2][0][1]["2bw"]
+    checked exactly in tests/test_pipeline_parity.py). It writes no checkpoint. With
+    `parallel.weight_prediction` steps 0 and 1 still compute with W(0) (nothing to extrapolate
+    yet: the same losses, rel 1e-6), step 2 with W(1) + (W(1) - W(0)) instead of W(1)."""
+    losses, wrote, predicted = ranks[2][0][1]["2bw"]
     assert losses[0] == pytest.approx(reference[False][0][0], rel=2e-5)
     assert all(x == x for x in losses) and losses[2] < losses[0]  # finite, and it learns
     assert not wrote
+    assert predicted[:2] == pytest.approx(losses[:2], rel=1e-6)
+    assert predicted[2] != pytest.approx(losses[2], rel=1e-4) and predicted[2] < predicted[0]
 
 
 def test_stage_takes_pretrained_weights_by_name(base):

@@ -22,7 +22,7 @@ from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
 from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
-from fivefold.planner.layout import layout_from_config
+from fivefold.planner.layout import PRECISION_BYTES, layout_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
 from fivefold.planner.replay import replay
@@ -31,6 +31,7 @@ from fivefold.planner.search import candidates, search
 from fivefold.planner.simulate import model_flops_per_token, simulate
 from fivefold.planner.spec import load_spec, spec_config
 from fivefold.planner.validation import mape, read_runs, validate_runs
+from fivefold.validate import validate
 
 # run_spec.md, "Output of --json": exactly these fields, and these sub-tables
 OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
@@ -94,6 +95,24 @@ def test_pipeline_stage_units_hold_their_blocks_and_root():
     last = sum(u.numel for u in stage_units(m, lay, list(range(24, 32)), False, True))
     table = m.vocab * m.hidden
     assert first - table == last - table - m.hidden  # same blocks; embedding vs norm + head
+
+
+def test_pipedream_2bw_holds_two_weight_versions_three_with_prediction():
+    """One step's gradients, two weight versions; weight prediction keeps the optimizer's
+    masters apart from its two predicted versions (fivefold.parallel.pipeline.pipedream_2bw)."""
+    base = ["cluster.gpus=4", "parallel.pp=2", "parallel.micro_batch=1"]
+    units = [Unit(1000, 1), Unit(3000, 1)]
+    got = {}
+    for name, extra in [("1f1b", []), ("2bw", ["parallel.schedule='pipedream-2bw'"]),
+                        ("2bw+wp", ["parallel.schedule='pipedream-2bw'",
+                                    "parallel.weight_prediction=true"])]:
+        cfg = load_config(None, base + extra)
+        validate(cfg)
+        got[name] = model_state_bytes(units, layout_from_config(cfg))
+    one = got["1f1b"]["params"]
+    assert one == 4000 * PRECISION_BYTES[layout_from_config(cfg).precision]
+    assert [got[k]["params"] for k in ("2bw", "2bw+wp")] == [2 * one, 3 * one]
+    assert got["2bw+wp"]["grads"] == got["1f1b"]["grads"]
 
 
 # ------------------------------------------------------------------ communication

@@ -93,14 +93,17 @@ class ParallelConfig:
                                           "first stage; default balanced by cost", None)
     token_slices: int | None = _doc("TeraPipe: slices each sequence is cut into; default pp",
                                     None)
+    weight_prediction: bool = _doc("PipeDream-2BW: compute with weights extrapolated one "
+                                   "update ahead, offsetting part of the one-step staleness "
+                                   "(one more copy of the weights)", False)
     zero_stage: int = _doc("0 plain data parallel, 1 shard optimizer, 2 +grads, 3 +params", 0)
     micro_batch: int | None = _doc("sequences per micro-batch per dp rank; default no accumulation",
                                    None)
     global_batch: int = _doc("sequences per optimizer step, all ranks together", 8)
     recompute: str = _doc('"none" | "selective" | "full" activation recomputation', "none")
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
-    precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, fp32 on CPU',
-                                 None)
+    precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, '
+                                 'fp32 on CPU', None)
     reduce_dtype: str | None = _doc('gradient reduce-scatter dtype for zero_stage 2-3 "fp32" | '
                                     '"bf16" | "fp16"; default: the compute dtype (stages 0-1 '
                                     "reduce the gradient buffer itself, in the compute dtype)",

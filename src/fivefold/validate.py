@@ -175,6 +175,11 @@ def validate_pipeline(cfg: Config, dp: int) -> None:
             raise ConfigError("parallel.token_slices", f"{p.token_slices} slices of a "
                                                        f"{cfg.model.seq_len}-token sequence leave"
                                                        " some empty; use at most model.seq_len")
+    if p.weight_prediction and not (p.pp > 1 and p.schedule == "pipedream-2bw"):
+        raise ConfigError("parallel.weight_prediction", "it offsets PipeDream-2BW's stale "
+                                                        "gradients; use it with parallel.pp > 1 "
+                                                        "and parallel.schedule = "
+                                                        "'pipedream-2bw', or set it to false")
     if p.pp == 1:
         return
     per_rank = p.global_batch // dp

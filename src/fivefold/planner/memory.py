@@ -15,8 +15,13 @@ p bytes of the compute dtype, g of the gradient-reduction dtype, K the optimizer
 per parameter: AdamW 8 (two fp32 moments), SGD with momentum 4, LOMO 0 (it fuses the update
 into backward, LOMO arXiv 2306.09782, and keeps no full gradient either), GaLore the moments
 of rank-r projections (arXiv 2403.03507, Sec. 4, r = a quarter of the smaller side: 2 bytes
-per parameter; the projection matrices are not counted). Expert parameters of MoE layers are split over ep ranks and sharded over
-the remaining data-parallel ranks.
+per parameter; the projection matrices are not counted). Expert parameters of MoE layers are
+split over ep ranks and sharded over the remaining data-parallel ranks.
+
+PipeDream-2BW (fivefold.parallel.pipeline.pipedream_2bw) holds two weight versions, and three
+copies with weight prediction (two predicted versions and the optimizer's masters); one
+step's gradients at a time, since a stage's first backward of step t+1 follows its update of
+step t.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
     p = PRECISION_BYTES[lay.precision]
     stage = lay.zero_stage
     g = lay.grad_bytes if stage >= 2 else p
-    params = sum((u.shard_numel if stage == 3 else u.padded) * p for u in units)
+    params = weight_copies(lay) * sum((u.shard_numel if stage == 3 else u.padded) * p
+                                      for u in units)
     grads = sum((u.shard_numel if stage >= 2 else u.padded) * g for u in units)
     if lay.optimizer == "lomo":
         grads = max((u.padded for u in units), default=0) * g  # one unit's gradient at a time
@@ -87,3 +93,10 @@ def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
         optimizer = sum(local) * OPTIMIZER_STATE_BYTES[lay.optimizer]
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer}
+
+
+def weight_copies(lay: Layout) -> int:
+    """Copies of its weights a rank holds: PipeDream-2BW's versions (module docstring)."""
+    if lay.schedule != "pipedream-2bw" or lay.pp == 1:
+        return 1
+    return 3 if lay.source.weight_prediction else 2

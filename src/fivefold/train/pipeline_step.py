@@ -66,7 +66,8 @@ class PipelineStep:
         if cfg.parallel.schedule == "pipedream-2bw":
             self.pipe = PipeDream2BWEngine(stage, self.pp_axis, micro_batches, cfg.train.steps,
                                            optimizer, sampler.rank_batch, self.loss_scale,
-                                           self.max_norm, axes["dp"], autocast)
+                                           self.max_norm, axes["dp"], autocast,
+                                           predict=cfg.parallel.weight_prediction)
         else:
             train, evaluation = pipeline_schedules(cfg, micro_batches)
             self.pipe = PipelineEngine(stage, train, self.pp_axis, evaluation,

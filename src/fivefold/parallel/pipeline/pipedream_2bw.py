@@ -15,6 +15,17 @@ step t computes with (t-1) and the newest (t), which step t+1 will use; at UPDAT
 is dead, and its buffer receives W(t+1) = the optimizer's step applied to a copy of W(t). The
 optimizer's parameters point at the newest buffer, so its state (Adam moments) carries on.
 
+Weight prediction (`parallel.weight_prediction`, off by default). The plain rule costs the
+default 200-step run of the default model about 12% in validation loss (docs/pipeline.md);
+with AdamW, one step of staleness is known to hurt (Zmushko et al., arXiv 2606.30634).
+Linear weight prediction (Kosson et al., arXiv 2003.11666; SpecTrain, arXiv 1809.02839, predicts
+the same way from the momentum) offsets part of it without touching the schedule or adding
+messages: version t is extrapolated one update ahead, V(t) = W(t) + (W(t) - W(t-1)) ~ W(t+1),
+so step t+1's gradient is taken near W(t+1), the weights it is applied to. The parameters
+then hold the optimizer's master weights and both versions are separate buffers: one more
+copy of the stage's weights. Tests check the predicted rule exactly against a
+single-process implementation of it.
+
 Each micro-batch runs the stage through `torch.func.functional_call` on leaf copies of its
 version's tensors, so gradients of step t accumulate on step t's leaves and never touch the
 buffers other micro-batches compute with. With tied embeddings the first rank sends each new
@@ -54,7 +65,7 @@ class PipeDream2BWEngine(PipelineEngine):
     def __init__(self, stage: PipelineStage, pp_axis: Axis, micro_batches: int, steps: int,
                  optimizer: torch.optim.Optimizer, batch_fn: Callable[[int], Batch],
                  loss_scale: float, max_norm: float = math.inf, dp_axis: Axis | None = None,
-                 autocast=None, record_timeline: bool = False):
+                 autocast=None, record_timeline: bool = False, predict: bool = False):
         tied = stage.cfg.tied_embeddings
         schedule = pipedream_2bw_schedule(pp_axis.size, micro_batches, steps, tied)
         evaluation = build_schedule("gpipe", pp_axis.size, micro_batches, tied_embeddings=tied,
@@ -67,7 +78,9 @@ class PipeDream2BWEngine(PipelineEngine):
         self.batch_fn = batch_fn
         self.loss_scale, self.max_norm, self.dp_axis = loss_scale, max_norm, dp_axis
         self.params = dict(stage.named_parameters())
-        self.versions = {0: {n: q.data for n, q in self.params.items()}}
+        self.predict = predict  # the versions are predictions, the parameters the masters
+        self.versions = {0: {n: q.data.clone() if predict else q.data
+                             for n, q in self.params.items()}}
         self.tied_versions = ({0: stage.tied_head_weight.detach().clone()}
                               if stage.borrows_embedding else {})
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}
@@ -186,7 +199,9 @@ class PipeDream2BWEngine(PipelineEngine):
 
     @torch.no_grad()
     def _update(self, step: int) -> None:
-        """UPDATE step: W(step+1) = W(step) - lr * (step's gradient, taken at W(step-1))."""
+        """UPDATE step: W(step+1) = W(step) - lr * (step's gradient, taken at version step-1),
+        and version step+1, which step+2 computes with, in the dead version step-1's buffer:
+        W(step+1) itself, or with `predict` W(step+1) + (W(step+1) - W(step))."""
         leaves = self.leaves.pop(step)
         grads = {n: leaves[n].grad for n in self.params}
         if step in self.head_grads:  # the last stage's share of the tied matrix
@@ -201,12 +216,18 @@ class PipeDream2BWEngine(PipelineEngine):
         spare = (self.versions.pop(step - 1) if step >= 1 else
                  {n: torch.empty_like(t) for n, t in newest.items()})
         for name, param in self.params.items():
-            spare[name].copy_(newest[name])
-            param.data = spare[name]
+            if self.predict:
+                spare[name].copy_(param.data)  # W(step), kept for the prediction below
+            else:  # the optimizer's parameters move to the new version's buffer
+                spare[name].copy_(newest[name])
+                param.data = spare[name]
             param.grad = grads[name]
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.predict:
+            for name, param in self.params.items():
+                spare[name].neg_().add_(param.data, alpha=2)
         self.versions[step + 1] = spare
         self.batches.pop(step, None)
