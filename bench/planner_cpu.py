@@ -57,10 +57,10 @@ def main() -> None:
                                                 f"cluster.gpus={ranks}",
                                                 f"cluster.gpus_per_node={ranks}"]))
         predicted = simulate(cfg).step_time_s
-        errors.append(abs(predicted / measured - 1))
+        error = predicted / measured - 1
+        errors.append(abs(error))
         print(f"{ranks} rank(s) {' '.join(s for s in sets if s not in BASE):60} measured "
-              f"{measured:7.3f} s  predicted {predicted:7.3f} s  {100 * (predicted / measured - 1):+6.1f}%",
-              flush=True)
+              f"{measured:7.3f} s  predicted {predicted:7.3f} s  {100 * error:+6.1f}%", flush=True)
     print(f"mean absolute error {100 * statistics.mean(errors):.1f}% over {len(errors)} cases")
 
 
