@@ -72,11 +72,12 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
 def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
     stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""
+    from fivefold.parallel.pipeline.build import stage_ids_of_rank
     from fivefold.parallel.pipeline.partition import stage_layer_ranges
 
     stages = lay.pp * lay.vpp
     ranges = stage_layer_ranges(cfg.model, stages, cfg.parallel.stage_layers)
-    ids = [pp_rank + c * lay.pp for c in range(lay.vpp)]
+    ids = stage_ids_of_rank(lay.pp, lay.vpp, pp_rank)
     return [i for s in ids for i in ranges[s]], 0 in ids, stages - 1 in ids
 
 

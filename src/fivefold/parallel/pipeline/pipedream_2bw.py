@@ -150,10 +150,7 @@ class PipeDream2BWEngine(PipelineEngine):
     def _buffer(self, a: Action) -> torch.Tensor:
         if a.kind == RECV_LOSS:
             return torch.empty(1, dtype=torch.float32, device=self.device)
-        if a.kind in (RECV_TIED_WEIGHT, RECV_TIED_GRAD):
-            cfg = self.stage.cfg
-            return torch.empty((cfg.vocab, cfg.hidden), dtype=self.act_dtype, device=self.device)
-        return super()._buffer(a)
+        return super()._buffer(a)  # activations, gradients and the tied matrix
 
     def _deliver(self, a: Action, buf: torch.Tensor) -> None:
         if a.kind == RECV_LOSS:
