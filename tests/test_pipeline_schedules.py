@@ -144,6 +144,10 @@ def test_pipedream_2bw_runs_under_nccl():
     layout deadlocks in 1F1B's steady state, or (tied, 3 steps) NCCL pairs the second matrix
     version with an activation."""
     for p, steps, tied in itertools.product(range(1, 6), (1, 2, 3), (False, True)):
+        for m, first in itertools.product(range(p, 2 * p + 1), range(1, steps)):
+            resumed = pipedream_2bw_schedule(p, m, steps, tied, first)  # from a checkpoint
+            check_nccl(resumed)
+            _check_plan_keeps_the_lists(resumed)
         for m in range(p, 2 * p + 1):
             schedule = pipedream_2bw_schedule(p, m, steps, tied)
             check_nccl(schedule)
@@ -208,8 +212,18 @@ def test_pipedream_2bw_never_flushes():
             assert peak_in_flight(schedule) == [p - r for r in range(p)]
             updates = [[a.mb for a in rank if a.kind == "update"] for rank in schedule.ranks]
             assert updates == [list(range(steps))] * p
+            for first in range(1, steps):  # resumed from the checkpoint after UPDATE first-1
+                resumed = pipedream_2bw_schedule(p, m, steps, tied, first)
+                check_compute(resumed)
+                assert [[a.mb for a in rank if a.kind == "update"]
+                        for rank in resumed.ranks] == [list(range(first, steps))] * p
+                if tied and p > 1:  # the last stage receives each matrix version it uses
+                    assert [a.mb for a in resumed.ranks[-1] if a.kind == "recv_tied_weight"] \
+                        == list(range(first - 1, steps - 1))
     with pytest.raises(ValueError, match="at least pp = 4 micro-batches"):
         pipedream_2bw_schedule(4, 3, 2)
+    with pytest.raises(ValueError, match="first_step 2 is outside"):
+        pipedream_2bw_schedule(2, 2, 2, first_step=2)
 
 
 def test_interleaved_with_a_partial_group_deadlocks():

@@ -106,16 +106,40 @@ def _resume(rt, base, tmp):
 
 def _two_bw(rt, base, tmp):
     """PipeDream-2BW through the Trainer: 3 steps' losses (the first computed with the initial
-    weights), whether a checkpoint was written, and the 3 losses with weight prediction."""
+    weights) and the 3 losses with weight prediction."""
     sets = base + ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2",
                    "train.steps=3"]
     trainer = Trainer(load_config(None, sets), rt, f"{tmp}/2bw")
     losses = [trainer.train_step(s).loss for s in range(3)]
-    trainer._save(3)
     predicting = Trainer(load_config(None, sets + ["parallel.weight_prediction=true"]), rt,
                          f"{tmp}/2bw-predict")
     predicted = [predicting.train_step(s).loss for s in range(3)]
-    return losses, (trainer.run_dir / "checkpoints").exists(), predicted
+    return losses, predicted
+
+
+def _two_bw_resume(rt, base, tmp):
+    """PipeDream-2BW (tied, 2 micro-batches of 2 sequences, so pp 2's first rank has step
+    t+1's first forward in flight at every UPDATE t), without and with weight prediction:
+    a 5-step run that writes a checkpoint after step 2 and goes on, and a new Trainer that
+    resumes from that checkpoint and runs steps 2-4. Per mode: both runs' losses of steps
+    2-4 and their final stage parameters (the run directory holds the last checkpoint)."""
+    out = {}
+    for predict in ("false", "true"):
+        cfg = load_config(None, base + [
+            "parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2",
+            "parallel.global_batch=4", "model.tied_embeddings=true",
+            f"parallel.weight_prediction={predict}"])
+        straight = Trainer(cfg, rt, f"{tmp}/2bw-resume-{predict}")
+        losses = [straight.train_step(s).loss for s in range(2)]
+        straight._save(2)
+        losses = [straight.train_step(s).loss for s in range(2, STEPS)]
+        resumed = Trainer(cfg, rt, f"{tmp}/2bw-resume-{predict}")
+        start = resumed._resume()
+        again = [resumed.train_step(s).loss for s in range(start, STEPS)]
+        resumed._save(STEPS)
+        out[predict] = [(losses, dict(straight.model.named_parameters())),
+                        (again, dict(resumed.model.named_parameters()))]
+    return out
 
 
 def _on_ranks(rt, base, layouts, tmp):
@@ -123,7 +147,8 @@ def _on_ranks(rt, base, layouts, tmp):
                for i, layout in enumerate(layouts)]
     extra = {}
     if rt.world_size == 2:
-        extra = {"resume": _resume(rt, base, tmp), "2bw": _two_bw(rt, base, tmp)}
+        extra = {"resume": _resume(rt, base, tmp), "2bw": _two_bw(rt, base, tmp),
+                 "2bw-resume": _two_bw_resume(rt, base, tmp)}
     return trained, extra
 
 
@@ -229,15 +254,35 @@ def test_checkpoint_resumes_exactly(ranks):
 def test_pipedream_2bw_runs_in_the_trainer(ranks, reference):
     """PipeDream-2BW's first step computes with the initial weights, so its loss is the
     synchronous one (rel 2e-5); later steps use one-step-stale weights (their update rule is
-    checked exactly in tests/test_pipeline_parity.py). It writes no checkpoint. With
-    `parallel.weight_prediction` steps 0 and 1 still compute with W(0) (nothing to extrapolate
-    yet: the same losses, rel 1e-6), step 2 with W(1) + (W(1) - W(0)) instead of W(1)."""
-    losses, wrote, predicted = ranks[2][0][1]["2bw"]
+    checked exactly in tests/test_pipeline_parity.py). With `parallel.weight_prediction`
+    steps 0 and 1 still compute with W(0) (nothing to extrapolate yet: the same losses,
+    rel 1e-6), step 2 with W(1) + (W(1) - W(0)) instead of W(1)."""
+    losses, predicted = ranks[2][0][1]["2bw"]
     assert losses[0] == pytest.approx(reference[False][0][0], rel=2e-5)
     assert all(x == x for x in losses) and losses[2] < losses[0]  # finite, and it learns
-    assert not wrote
     assert predicted[:2] == pytest.approx(losses[:2], rel=1e-6)
     assert predicted[2] != pytest.approx(losses[2], rel=1e-4) and predicted[2] < predicted[0]
+
+
+@pytest.mark.parametrize("predict", ["false", "true"])
+def test_pipedream_2bw_resumes_exactly(ranks, run_root, tmp_path, predict):
+    """A 2BW run resumed from its checkpoint after step 2 recomputes the forwards that were in
+    flight with the saved older version (the tied matrix sent to the last stage again) and
+    continues as the run that never stopped: the same losses and parameters, bit for bit."""
+    whole = {}
+    for _, extra in ranks[2]:
+        (losses, params), (again, resumed) = extra["2bw-resume"][predict]
+        assert again == losses
+        assert params.keys() == resumed.keys()
+        for name, q in params.items():
+            assert torch.equal(q, resumed[name]), name
+        whole.update(params)
+    # the stages' checkpoints export as the whole model (`fivefold convert`, `--init-from`)
+    convert(run_root / "w2" / f"2bw-resume-{predict}", tmp_path, to="fivefold")
+    exported = load_file(tmp_path / WEIGHTS_FILE)
+    assert exported.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_stage_takes_pretrained_weights_by_name(base):

@@ -22,8 +22,10 @@ cross-entropy, and the clipped gradient norm sums the shards over tp as well.
 With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
 with the data-parallel engine over the stage; a step and a validation batch are one run of
 the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
-(every stage has a "root" unit); PipeDream-2BW, asynchronous, writes none. The closing text
-sample is skipped with pp > 1.
+(every stage has a "root" unit). PipeDream-2BW's checkpoints add the stage's older weight
+version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
+was in flight, and continues exactly as the uninterrupted run. The closing text sample is
+skipped with pp > 1.
 """
 
 from __future__ import annotations
@@ -262,26 +264,35 @@ class Trainer:
             self.engine.after_checkpoint_load()
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim" + self._stage_tag()])
+            if self.pipeline:  # PipeDream-2BW
+                self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
 
+    def _stage_tag(self) -> str:
+        return "".join(f".{axis.name}{axis.rank}of{axis.size}"
+                       for axis in (self.pp_axis, self.tp_axis) if axis.size > 1)
+
     def _checkpoint_state(self) -> dict:
-        """What DCP saves and loads in place: the engine's shards, or the plain state dicts.
-        Keys carry the pp and tp ranks where those hold different tensors under one unit
-        name (every pipeline stage has a "root" unit; tp ranks hold different shards)."""
+        """What DCP saves and loads in place: the engine's shards, or the plain state dicts
+        (PipeDream-2BW: with the stage's older weight version). Keys carry the pp and tp
+        ranks where those hold different things under one name: every pipeline stage has a
+        "root" unit, tp ranks hold different shards, and each 2BW stage's optimizer has its
+        own parameter groups (its parameters and versions keep the whole model's names, so
+        the stages' "model" entries together are the whole model's state)."""
+        tag = self._stage_tag()
         if self.engine:
-            tag = "".join(f".{axis.name}{axis.rank}of{axis.size}"
-                          for axis in (self.pp_axis, self.tp_axis) if axis.size > 1)
             return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim" + tag: optim_sd}
+        if self.pipeline:  # PipeDream-2BW
+            state["versions"] = self.pipeline.pipe.checkpoint_state()
+        return state
 
     def _save(self, step: int) -> None:
-        if self.pipeline and self.pipeline.asynchronous:
-            return  # PipeDream-2BW: two weight versions and micro-batches in flight; not saved
         meta = {"data_position": step, "config": self.cfg.to_dict()}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,

@@ -73,7 +73,7 @@ class PipeDream2BWEngine(PipelineEngine):
         super().__init__(stage, schedule, pp_axis, None, None, autocast, record_timeline)
         self.evaluator = PipelineEngine(stage, evaluation, pp_axis, evaluation,
                                         autocast=autocast, tag_space=1)
-        self.segments = self._split_by_update(self._plan(schedule))
+        self.segments = self._split_by_update(self._plan(schedule), 0)
         self.m, self.steps, self.optimizer = micro_batches, steps, optimizer
         self.batch_fn = batch_fn
         self.loss_scale, self.max_norm, self.dp_axis = loss_scale, max_norm, dp_axis
@@ -83,6 +83,7 @@ class PipeDream2BWEngine(PipelineEngine):
                              for n, q in self.params.items()}}
         self.tied_versions = ({0: stage.tied_head_weight.detach().clone()}
                               if stage.borrows_embedding else {})
+        self.loaded: tuple[dict, dict] | None = None  # a checkpoint's versions (resume_at)
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}
         self.batches: dict[int, Batch] = {}
         self.loss_sums: dict[int, torch.Tensor] = {}
@@ -93,7 +94,8 @@ class PipeDream2BWEngine(PipelineEngine):
         self.act_dtype = next(stage.parameters()).dtype
 
     @staticmethod
-    def _split_by_update(plan: tuple[Step | Exchange, ...]) -> list[list[Step | Exchange]]:
+    def _split_by_update(plan: tuple[Step | Exchange, ...],
+                         first_step: int) -> dict[int, list[Step | Exchange]]:
         """Step t's segment of the issue plan: the items after UPDATE t-1 up to UPDATE t;
         the rest go last. A receive issued in one segment may be taken in the next."""
         segments, current = [], []
@@ -103,7 +105,7 @@ class PipeDream2BWEngine(PipelineEngine):
                 segments.append(current)
                 current = []
         segments[-1] += current
-        return segments
+        return dict(enumerate(segments, first_step))
 
     # ------------------------------------------------------------------ public API
 
@@ -124,6 +126,39 @@ class PipeDream2BWEngine(PipelineEngine):
         if step in self.loss_sums:  # the last stage
             return self.loss_sums.pop(step)
         return self.step_loss.pop(step, torch.tensor(math.nan))
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The weight versions a checkpoint holds besides the stage's parameters (the
+        optimizer's masters): "older", which the next step computes with, and, with
+        prediction, "newer", the one after it (without prediction that is the parameters
+        themselves). Saved after an UPDATE; before the first step these are fresh buffers
+        for a checkpoint to load into, and `resume_at` puts them in place."""
+        if len(self.versions) == 2:
+            older, newer = (self.versions[v] for v in sorted(self.versions))
+        else:
+            older = {n: torch.empty_like(t) for n, t in self.params.items()}
+            newer = {n: torch.empty_like(t) for n, t in self.params.items()}
+            self.loaded = older, newer
+        state = {f"older.{n}": t for n, t in older.items()}
+        if self.predict:
+            state.update({f"newer.{n}": t for n, t in newer.items()})
+        return state
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run from the checkpoint written after UPDATE step-1 (loaded into the
+        buffers of `checkpoint_state` and, by the caller, into the parameters and the
+        optimizer): the lists restart at `step` with a fresh warm-up, which recomputes the
+        forwards that were in flight with the same version, so the run goes on exactly as
+        the uninterrupted one. The last stage's copies of the tied matrix are sent again."""
+        older, newer = self.loaded
+        if not self.predict:
+            newer = {n: q.data for n, q in self.params.items()}
+        tied = self.stage.cfg.tied_embeddings
+        schedule = pipedream_2bw_schedule(self.axis.size, self.m, self.steps, tied, step)
+        self.schedule = schedule
+        self.segments = self._split_by_update(self._plan(schedule), step)
+        self.versions = {step - 1: older, step: newer}
+        self.tied_versions.clear()
 
     def eval_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Validation with the newest weights (forwards only; in-flight training untouched)."""

@@ -157,7 +157,8 @@ def check_compute(schedule: Schedule) -> None:
     """Each (stage, micro-batch, slice) unit is computed on its stage's rank: exactly one F
     and either one B or one I followed by one W, F before the backward. Raises otherwise."""
     expected = {(s, j, k) for s in range(schedule.stages)
-                for j in range(schedule.micro_batches * schedule.steps)
+                for j in range(schedule.micro_batches * schedule.first_step,
+                               schedule.micro_batches * schedule.steps)
                 for k in range(schedule.slices)}
     seen: dict[str, list] = {F: [], B: [], I: [], W: []}
     for r, actions in enumerate(schedule.ranks):

@@ -64,6 +64,7 @@ class Schedule:
     slices: int
     ranks: tuple[tuple[Action, ...], ...]
     steps: int = 1  # optimizer steps the lists span (PipeDream-2BW runs without flushes)
+    first_step: int = 0  # a resumed PipeDream-2BW run's lists start at this step
 
     @property
     def stages(self) -> int:
@@ -308,7 +309,7 @@ def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1, slices:
 
 
 def pipedream_2bw_schedule(pp: int, micro_batches: int, steps: int,
-                           tied_embeddings: bool = False) -> Schedule:
+                           tied_embeddings: bool = False, first_step: int = 0) -> Schedule:
     """PipeDream-2BW (arXiv 2006.09503, Sec. 3.1-3.2): 1F1B that never flushes.
 
     The warm-up of 1F1B happens once; after it every rank alternates forward and backward
@@ -321,16 +322,23 @@ def pipedream_2bw_schedule(pp: int, micro_batches: int, steps: int,
     version of the matrix to the last stage after its update, and the last stage returns the
     head's gradient share of step t before the owner's UPDATE t; the last stage also sends
     the step's loss to the first rank there (no all-rank synchronization per step).
+
+    `first_step` > 0 is a run resumed from a checkpoint written after UPDATE first_step-1:
+    the lists cover steps first_step..steps-1 and start with a fresh warm-up, whose forwards
+    recompute what was in flight (with the checkpoint's version first_step-1, so the math is
+    the uninterrupted run's).
     """
-    m, total = micro_batches, micro_batches * steps
+    m, first, total = micro_batches, micro_batches * first_step, micro_batches * steps
     if m < pp:
         raise ValueError(f"PipeDream-2BW needs at least pp = {pp} micro-batches per step, got {m}")
+    if not 0 <= first_step < steps:
+        raise ValueError(f"first_step {first_step} is outside the run's steps 0..{steps - 1}")
     stages = pp
     ranks = []
     for r in range(pp):
-        warm = min(pp - r - 1, total)
-        order = [Action(F, r, g) for g in range(warm)]
-        for g in range(total):
+        warm = min(pp - r - 1, total - first)
+        order = [Action(F, r, g) for g in range(first, first + warm)]
+        for g in range(first, total):
             if g + warm < total:
                 order.append(Action(F, r, g + warm))
             order.append(Action(B, r, g))
@@ -338,24 +346,37 @@ def pipedream_2bw_schedule(pp: int, micro_batches: int, steps: int,
                 order.append(Action(UPDATE, r, g // m))
         ranks.append(with_p2p(order, stages))
     if pp > 1:
-        _add_2bw_exchanges(ranks, m, steps, tied_embeddings)
-    return Schedule("pipedream-2bw", pp, 1, m, 1, tuple(tuple(o) for o in ranks), steps)
+        _add_2bw_exchanges(ranks, m, steps, tied_embeddings, first_step)
+    return Schedule("pipedream-2bw", pp, 1, m, 1, tuple(tuple(o) for o in ranks), steps,
+                    first_step)
 
 
-def _add_2bw_exchanges(ranks: list[list[Action]], m: int, steps: int, tied: bool) -> None:
-    """Loss (and tied-embedding) messages between the first and the last rank of 2BW."""
+def _add_2bw_exchanges(ranks: list[list[Action]], m: int, steps: int, tied: bool,
+                       first_step: int) -> None:
+    """Loss (and tied-embedding) messages between the first and the last rank of 2BW.
+
+    Step k computes with matrix version max(k-1, 0); the last stage receives each version
+    before the first activation of the first step that uses it. The owner sends version
+    k + 1 after its UPDATE k; a resumed run (first_step s > 0) sends version s - 1 first and
+    version s where the uninterrupted run did, after the warm-up's activations."""
     first, last = ranks[0], ranks[-1]
+    used_first = max(first_step - 1, 0)
     out_last = []
     for a in last:
-        if tied and a.kind == RECV_ACT and a.mb % m == 0 and a.mb // m != 1:
-            out_last.append(Action(RECV_TIED_WEIGHT, mb=max(a.mb // m - 1, 0)))
+        k = a.mb // m
+        if tied and a.kind == RECV_ACT and a.mb % m == 0 and (k == first_step or
+                                                               k - 1 > used_first):
+            out_last.append(Action(RECV_TIED_WEIGHT, mb=max(k - 1, 0)))
         if a.kind == UPDATE:
             out_last += ([Action(SEND_TIED_GRAD, mb=a.mb)] if tied else []) + [
                 Action(SEND_LOSS, mb=a.mb)]
         out_last.append(a)
     last[:] = out_last
-    out_first = [Action(SEND_TIED_WEIGHT, mb=0)] if tied else []
+    resent = first_step * m + len(ranks) - 1 if 0 < first_step <= steps - 2 else None
+    out_first = [Action(SEND_TIED_WEIGHT, mb=used_first)] if tied else []
     for a in first:
+        if tied and a.kind == F and a.mb == resent:
+            out_first.append(Action(SEND_TIED_WEIGHT, mb=first_step))
         if a.kind == UPDATE:
             out_first += ([Action(RECV_TIED_GRAD, mb=a.mb)] if tied else []) + [
                 Action(RECV_LOSS, mb=a.mb)]
