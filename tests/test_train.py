@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.train.checkpoint import PARTIAL, complete_checkpoints, latest_checkpoint
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
@@ -75,10 +75,22 @@ def test_resume_is_bit_identical(tiny_overrides, tmp_path):
         assert a.get("val_loss") == b.get("val_loss")
 
 
+def test_resume_with_another_layout_is_refused(tiny_overrides, tmp_path):
+    """A checkpoint of the plain one-rank trainer cannot seed a ZeRO-1 run (its keys are the
+    engine's shards): the resume names the key before DCP sees the mismatch."""
+    sets = tiny_overrides + ["train.steps=2", "train.sample_tokens=0"]
+    Trainer(load_config(None, sets), CPU, tmp_path).run()
+    zero = Trainer(load_config(None, sets + ["train.steps=4", "parallel.zero_stage=1"]), CPU,
+                   tmp_path)
+    with pytest.raises(ConfigError, match=r"`parallel.zero_stage`: .*written with "
+                                          r"parallel.zero_stage = 0, this run has 1"):
+        zero.run()
+
+
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     import fivefold.train.checkpoint as ckpt
-    from fivefold.config import load_config
+    from fivefold.config import ConfigError, load_config
     from fivefold.train.dist import Runtime
     from fivefold.train.trainer import Trainer
 

@@ -254,10 +254,16 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return 0
-        saved = json.loads((path / "meta.json").read_text()).get("config", {})
-        if saved.get("model") != self.cfg.to_dict()["model"]:
+        saved_meta = json.loads((path / "meta.json").read_text())
+        if saved_meta.get("config", {}).get("model") != self.cfg.to_dict()["model"]:
             raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
                                        " use another --run-dir or the same model keys")
+        saved, now = saved_meta.get("layout", {}), self._layout()
+        for key in saved:
+            if saved[key] != now[key]:
+                raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run "
+                                       f"has {now[key]!r}; checkpoints are not resharded: resume"
+                                       " with the same layout or use another --run-dir")
         state = self._checkpoint_state()
         meta, extra = load_checkpoint(self.rt, path, state)
         if self.engine:
@@ -292,8 +298,20 @@ class Trainer:
             state["versions"] = self.pipeline.pipe.checkpoint_state()
         return state
 
+    def _layout(self) -> dict:
+        """What decides the checkpoint's keys and shards, as "section.key": value (dp as
+        resolved from the world size): a resume must match it."""
+        p = self.cfg.parallel
+        layout = {f"parallel.{key}": getattr(p, key)
+                  for key in ("pp", "tp", "vpp", "stage_layers", "zero_stage", "zero_group", "hpz")}
+        asynchronous = p.pp > 1 and p.schedule == "pipedream-2bw"
+        layout["parallel.schedule"] = "pipedream-2bw" if asynchronous else "synchronous"
+        layout["parallel.weight_prediction"] = asynchronous and p.weight_prediction
+        layout["parallel.dp"] = self.dp
+        return layout
+
     def _save(self, step: int) -> None:
-        meta = {"data_position": step, "config": self.cfg.to_dict()}
+        meta = {"data_position": step, "config": self.cfg.to_dict(), "layout": self._layout()}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
