@@ -252,6 +252,7 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["train.lr=0"], "train.lr", "must be greater than zero, got 0"),
     (["train.lr=nan"], "train.lr", "must be greater than zero, got nan"),
     (["train.beta1=1.5"], "train.beta1", "must lie in [0, 1], got 1.5"),
+    (["train.muon_momentum=-0.1"], "train.muon_momentum", "must lie in [0, 1]"),
     (["train.beta2=-0.1"], "train.beta2", "must lie in [0, 1]"),
     (["train.min_lr_ratio=2"], "train.min_lr_ratio", "must lie in [0, 1]"),
     (["train.steps=10", "train.warmup_steps=11"], "train.warmup_steps",
@@ -440,8 +441,10 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
     (["train.optimizer=lomo"], 1, "train.optimizer", "'lomo' is not implemented"),
     (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
-    (["train.optimizer=sgd"], 2, "train.optimizer", "SGD runs on one rank without ZeRO"),
-    (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "SGD runs on one"),
+    (["train.optimizer=sgd"], 2, "train.optimizer", "'sgd' runs where torch's optimizer does"),
+    (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "on one rank"),
+    (["train.optimizer=muon"], 2, "train.optimizer", "Muon needs whole matrices"),
+    (["train.optimizer=muon", "parallel.pp=2"], 2, "train.optimizer", "under PipeDream-2BW"),
     (["model.preset=mixtral-8x7B"], 1, "model.moe", "mixture-of-experts training is not"),
 ])
 def test_validate_for_training_rejects(overrides, world_size, key, fragment):
@@ -452,6 +455,10 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
+    validate_for_training(load("train.optimizer=muon"), 1)
+    validate_for_training(load("train.optimizer=muon", "parallel.pp=2",
+                               "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),
+                          4)  # pp 2 x dp 2
     validate_for_training(load("parallel.micro_batch=2", "parallel.global_batch=8"), 2)
     validate_for_training(load("parallel.tp=4", "parallel.sequence_parallel=true"), 8)
     # a vocabulary that tp does not divide is padded, not rejected

@@ -22,8 +22,13 @@ that rule (gradient clipping off: 2BW clips per stage), losses rel 2e-5, paramet
 without clipping, elements whose gradient is near Adam's eps (1e-8) turn a gradient rounding
 difference of 5e-10 (5e-7 relative, measured) into a first-step difference of 5e-6, and up to
 2e-5 after 5 steps (measured, pp 2 x 8 micro-batches). The same with weight prediction.
-Slow: the default model's validation loss under 2BW, without and with weight prediction,
-against synchronous training (the issue's 3% target is an expected failure).
+With Muon (train.optimizer = "muon") parameters get atol 1e-4: torch's Muon orthogonalizes in
+bf16, where a gradient rounding difference can move an element across a bf16 rounding step
+(2^-8 relative) and Newton-Schulz spreads it over the matrix (measured: up to 3.4e-5 after 5
+steps); the same run without staleness is 3.3e-3 away, so a wrong rule still fails.
+Slow: the default model's validation loss under 2BW against synchronous training: with AdamW
+(without and with weight prediction; the issue's 3% target is an expected failure there) and
+with Muon (within 3%).
 """
 
 from __future__ import annotations
@@ -280,24 +285,26 @@ def test_sliced_attention_reproduces_the_plain_block():
 
 # ---------------------------------------------------------------- PipeDream-2BW
 
-# (pp, dp, micro_batch, layers, tied, weight prediction); micro-batches per step =
-# 8 / dp / micro_batch
-TWO_BW = [(2, 1, 2, 7, True, False), (2, 1, 1, 7, False, False), (4, 1, 2, 7, True, False),
-          (2, 2, 1, 7, True, False), (2, 1, 2, 7, True, True), (4, 1, 2, 7, False, True),
-          (2, 2, 1, 7, True, True)]
+# (pp, dp, micro_batch, layers, tied, weight prediction, optimizer); micro-batches per step
+# = 8 / dp / micro_batch
+TWO_BW = [(2, 1, 2, 7, True, False, "adamw"), (2, 1, 1, 7, False, False, "adamw"),
+          (4, 1, 2, 7, True, False, "adamw"), (2, 2, 1, 7, True, False, "adamw"),
+          (2, 1, 2, 7, True, True, "adamw"), (4, 1, 2, 7, False, True, "adamw"),
+          (2, 2, 1, 7, True, True, "adamw"), (2, 1, 2, 7, True, False, "muon"),
+          (2, 2, 1, 7, False, False, "muon")]
 
 
-def _two_bw_config(base, micro, layers, tied, pp=1):
+def _two_bw_config(base, micro, layers, tied, optimizer, pp=1):
     return load_config(None, base + [
         f"model.layers={layers}", f"model.tied_embeddings={str(tied).lower()}",
         "parallel.schedule=pipedream-2bw", f"parallel.micro_batch={micro}", f"parallel.pp={pp}",
-        f"train.steps={STEPS}", "train.grad_clip=0"])
+        f"train.steps={STEPS}", "train.grad_clip=0", f"train.optimizer={optimizer}"])
 
 
 def two_bw_run(rt, base, layouts):
     out = []
-    for pp, dp, micro, layers, tied, predict in layouts:
-        cfg = _two_bw_config(base, micro, layers, tied, pp)
+    for pp, dp, micro, layers, tied, predict, optimizer in layouts:
+        cfg = _two_bw_config(base, micro, layers, tied, optimizer, pp)
         mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, dp, Ledger())
         pp_axis, dp_axis = mesh.axis("pp"), mesh.axis("dp_shard")
         p, t = cfg.parallel, cfg.train
@@ -354,14 +361,15 @@ def stale_reference(cfg, predict):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides):
-    """pp 2 and pp 4 (tied and untied), and pp 2 x dp 2 (gradients all-reduced at UPDATE);
-    losses and validation loss rel 2e-5, parameters atol 3e-5 + rtol 1e-4 (module docstring)."""
+    """pp 2 and pp 4 (tied and untied), and pp 2 x dp 2 (gradients all-reduced at UPDATE),
+    with AdamW and Muon; losses and validation loss rel 2e-5, parameters atol 3e-5 (Muon
+    1e-4) + rtol 1e-4 (module docstring)."""
     layouts = [x for x in TWO_BW if x[0] * x[1] == world]
     results = run_on_ranks(two_bw_run, world, parity_overrides, layouts, timeout_s=600)
-    for i, (pp, dp, micro, layers, tied, predict) in enumerate(layouts):
+    for i, (pp, dp, micro, layers, tied, predict, optimizer) in enumerate(layouts):
         ref_losses, ref_params, ref_val = stale_reference(
-            _two_bw_config(parity_overrides, micro, layers, tied), predict)
-        layout = (pp, dp, micro, tied, predict)
+            _two_bw_config(parity_overrides, micro, layers, tied, optimizer), predict)
+        layout = (pp, dp, micro, tied, predict, optimizer)
         first, last = results[0][i], results[(pp - 1) * dp][i]  # first, last stage; dp rank 0
         assert first[0] == pytest.approx(ref_losses, rel=2e-5), layout
         assert last[0] == pytest.approx(ref_losses, rel=2e-5), layout
@@ -369,7 +377,8 @@ def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides):
         params = {}
         for r in range(world):
             params.update(results[r][i][1])
-        assert_params_close(params, ref_params, f"{layout}", atol=3e-5, rtol=1e-4)
+        assert_params_close(params, ref_params, f"{layout}", rtol=1e-4,
+                            atol=1e-4 if optimizer == "muon" else 3e-5)
 
 
 def two_bw_train(rt, overrides):
@@ -390,52 +399,68 @@ def two_bw_train(rt, overrides):
 
 @pytest.fixture(scope="module")
 def default_model_runs(tmp_path_factory):
-    """Validation losses of the default model (tiny preset, built-in corpus, default optimizer
-    and 200-step schedule; 2 micro-batches of 4 sequences) before training, after synchronous
-    training (the single-process trainer, which every synchronous schedule matches), and after
-    PipeDream-2BW on 2 stages without and with weight prediction. About 6 minutes on 2 idle
-    cores."""
+    """Validation losses of the default model (tiny preset, built-in corpus, 200-step
+    schedule; 2 micro-batches of 4 sequences): before training; after synchronous training
+    (the single-process trainer, which every synchronous schedule matches) and PipeDream-2BW
+    on 2 stages, without and with weight prediction, all with the default AdamW; after
+    synchronous training and 2BW with Muon. About 15 minutes on 2 idle cores."""
     cache = tmp_path_factory.mktemp("cache")
     sets = [f"data.cache_dir='{cache}'", "train.tensorboard=false", "train.sample_tokens=0",
             "parallel.micro_batch=2"]
-    cfg = load_config(None, sets)
-    prepare_data(cfg)
-    trainer = Trainer(cfg, CPU, tmp_path_factory.mktemp("r"))
-    initial = trainer.evaluate()
-    for step in range(cfg.train.steps):
-        trainer.train_step(step)
-    sync_val = trainer.evaluate()
+    prepare_data(load_config(None, sets))
+    runs = {}
+    for optimizer in ("adamw", "muon"):
+        cfg = load_config(None, sets + [f"train.optimizer={optimizer}"])
+        trainer = Trainer(cfg, CPU, tmp_path_factory.mktemp("r"))
+        runs["initial"] = trainer.evaluate()
+        for step in range(cfg.train.steps):
+            trainer.train_step(step)
+        runs[f"sync {optimizer}"] = trainer.evaluate()
     two_bw = sets + ["parallel.pp=2", "parallel.schedule=pipedream-2bw"]
-    plain, predicted = (run_on_ranks(two_bw_train, 2, two_bw + [f"parallel.weight_prediction={on}"],
-                                     timeout_s=3000)[0] for on in ("false", "true"))
-    print(f"validation loss: initial {initial:.4f}; after {cfg.train.steps} steps synchronous "
-          f"{sync_val:.4f}, PipeDream-2BW {plain:.4f} ({100 * (plain / sync_val - 1):+.2f}%), "
-          f"with weight prediction {predicted:.4f} ({100 * (predicted / sync_val - 1):+.2f}%)")
-    return initial, sync_val, plain, predicted
+    variants = {"2bw adamw": [], "2bw adamw predicted": ["parallel.weight_prediction=true"],
+                "2bw muon": ["train.optimizer=muon"]}
+    for name, extra in variants.items():
+        runs[name] = run_on_ranks(two_bw_train, 2, two_bw + extra, timeout_s=3000)[0]
+    print("validation loss after 200 steps: " + ", ".join(
+        f"{name} {value:.4f} ({100 * (value / runs['sync ' + name.split()[1]] - 1):+.2f}%)"
+        if name.startswith("2bw") else f"{name} {value:.4f}" for name, value in runs.items()))
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_pipedream_2bw_trains_the_default_model(default_model_runs):
     """2BW learns: its validation loss ends at least 25% below the initial ln(8192) = 9.0."""
-    initial, _, plain, _ = default_model_runs
-    assert plain < 0.75 * initial
+    runs = default_model_runs
+    assert runs["2bw adamw"] < 0.75 * runs["initial"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_weight_prediction_narrows_the_gap(default_model_runs):
     """By at least a quarter; measured +11.7% without, +6.5% with prediction (docs/pipeline.md)."""
-    _, sync_val, plain, predicted = default_model_runs
-    assert predicted - sync_val < 0.75 * (plain - sync_val)
+    runs = default_model_runs
+    sync = runs["sync adamw"]
+    assert runs["2bw adamw predicted"] - sync < 0.75 * (runs["2bw adamw"] - sync)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_pipedream_2bw_within_3_percent_of_synchronous(default_model_runs):
+    """With Muon, the issue's target holds against synchronous training with Muon and with the
+    default AdamW alike (measured in docs/pipeline.md: +0.6% and -0.2% in the one-process
+    references)."""
+    runs = default_model_runs
+    assert runs["2bw muon"] < 1.03 * runs["sync muon"]
+    assert runs["2bw muon"] < 1.03 * runs["sync adamw"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the issue's target, not met: one step of gradient staleness costs this short AdamW run "
+    "with AdamW the target is not met: one step of gradient staleness costs this short run "
     "+11.7% after the default 200 steps, +6.5% with weight prediction; the single-process "
     "references of the rules cost as much: the algorithm, not the pipeline (docs/pipeline.md)"))
-def test_pipedream_2bw_within_3_percent_of_synchronous(default_model_runs):
-    _, sync_val, _, predicted = default_model_runs
-    assert abs(predicted / sync_val - 1) < 0.03
+def test_pipedream_2bw_with_adamw_within_3_percent_of_synchronous(default_model_runs):
+    runs = default_model_runs
+    assert runs["2bw adamw predicted"] < 1.03 * runs["sync adamw"]

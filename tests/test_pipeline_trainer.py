@@ -117,27 +117,31 @@ def _two_bw(rt, base, tmp):
     return losses, predicted
 
 
+TWO_BW_RESUME = {"adamw": [], "prediction": ["parallel.weight_prediction=true"],
+                 "muon": ["train.optimizer=muon"]}
+
+
 def _two_bw_resume(rt, base, tmp):
     """PipeDream-2BW (tied, 2 micro-batches of 2 sequences, so pp 2's first rank has step
-    t+1's first forward in flight at every UPDATE t), without and with weight prediction:
-    a 5-step run that writes a checkpoint after step 2 and goes on, and a new Trainer that
-    resumes from that checkpoint and runs steps 2-4. Per mode: both runs' losses of steps
-    2-4 and their final stage parameters (the run directory holds the last checkpoint)."""
+    t+1's first forward in flight at every UPDATE t) with AdamW, AdamW and weight prediction,
+    and Muon: a 5-step run that writes a checkpoint after step 2 and goes on, and a new
+    Trainer that resumes from that checkpoint and runs steps 2-4. Per mode: both runs'
+    losses of steps 2-4 and their final stage parameters (the run directory holds the last
+    checkpoint)."""
     out = {}
-    for predict in ("false", "true"):
+    for mode, sets in TWO_BW_RESUME.items():
         cfg = load_config(None, base + [
             "parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2",
-            "parallel.global_batch=4", "model.tied_embeddings=true",
-            f"parallel.weight_prediction={predict}"])
-        straight = Trainer(cfg, rt, f"{tmp}/2bw-resume-{predict}")
+            "parallel.global_batch=4", "model.tied_embeddings=true"] + sets)
+        straight = Trainer(cfg, rt, f"{tmp}/2bw-resume-{mode}")
         losses = [straight.train_step(s).loss for s in range(2)]
         straight._save(2)
         losses = [straight.train_step(s).loss for s in range(2, STEPS)]
-        resumed = Trainer(cfg, rt, f"{tmp}/2bw-resume-{predict}")
+        resumed = Trainer(cfg, rt, f"{tmp}/2bw-resume-{mode}")
         start = resumed._resume()
         again = [resumed.train_step(s).loss for s in range(start, STEPS)]
         resumed._save(STEPS)
-        out[predict] = [(losses, dict(straight.model.named_parameters())),
+        out[mode] = [(losses, dict(straight.model.named_parameters())),
                         (again, dict(resumed.model.named_parameters()))]
     return out
 
@@ -264,21 +268,21 @@ def test_pipedream_2bw_runs_in_the_trainer(ranks, reference):
     assert predicted[2] != pytest.approx(losses[2], rel=1e-4) and predicted[2] < predicted[0]
 
 
-@pytest.mark.parametrize("predict", ["false", "true"])
-def test_pipedream_2bw_resumes_exactly(ranks, run_root, tmp_path, predict):
+@pytest.mark.parametrize("mode", TWO_BW_RESUME)
+def test_pipedream_2bw_resumes_exactly(ranks, run_root, tmp_path, mode):
     """A 2BW run resumed from its checkpoint after step 2 recomputes the forwards that were in
     flight with the saved older version (the tied matrix sent to the last stage again) and
     continues as the run that never stopped: the same losses and parameters, bit for bit."""
     whole = {}
     for _, extra in ranks[2]:
-        (losses, params), (again, resumed) = extra["2bw-resume"][predict]
+        (losses, params), (again, resumed) = extra["2bw-resume"][mode]
         assert again == losses
         assert params.keys() == resumed.keys()
         for name, q in params.items():
             assert torch.equal(q, resumed[name]), name
         whole.update(params)
     # the stages' checkpoints export as the whole model (`fivefold convert`, `--init-from`)
-    convert(run_root / "w2" / f"2bw-resume-{predict}", tmp_path, to="fivefold")
+    convert(run_root / "w2" / f"2bw-resume-{mode}", tmp_path, to="fivefold")
     exported = load_file(tmp_path / WEIGHTS_FILE)
     assert exported.keys() == whole.keys()
     for name, value in whole.items():

@@ -115,6 +115,30 @@ def test_pipedream_2bw_holds_two_weight_versions_three_with_prediction():
     assert got["2bw+wp"]["grads"] == got["1f1b"]["grads"]
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])
+def test_optimizer_state_matches_the_runtime(optimizer):
+    """The planner's optimizer-state bytes on one rank equal, to the byte, what the runtime's
+    optimizer holds after a step (its tensors, step counters aside): AdamW two fp32 moments,
+    SGD one momentum, Muon one momentum on the blocks' matrices and AdamW's moments on the
+    embedding and norm gains."""
+    import torch
+
+    from fivefold.models.llama import build_model
+    from fivefold.train.optim import build_optimizer
+
+    cfg = load_config(None, ["cluster.gpus=1", f"train.optimizer={optimizer}"])
+    model = build_model(cfg.model, 0)
+    opt = build_optimizer(model, cfg.train, torch.device("cpu"))
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size()
+               for o in getattr(opt, "optimizers", [opt]) for state in o.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    lay = layout_from_config(cfg)
+    units = stage_units(cfg.model, lay, list(range(cfg.model.layers)), True, True)
+    assert model_state_bytes(units, lay)["optimizer"] == held
+
+
 # ------------------------------------------------------------------ communication
 
 LINKS = Links(intra_Bps=100e9, inter_Bps=10e9, latency_intra_s=1e-6, latency_inter_s=5e-6,

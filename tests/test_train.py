@@ -47,10 +47,13 @@ def test_loss_falls_and_metrics_contract(tiny_overrides, tmp_path):
                                                                 "step_00000012"]
 
 
-def test_resume_is_bit_identical(tiny_overrides, tmp_path):
-    """fp32 on CPU: the losses after a resume equal those of an uninterrupted run exactly."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bit_identical(tiny_overrides, tmp_path, optimizer):
+    """fp32 on CPU: the losses after a resume equal those of an uninterrupted run exactly
+    (with Muon: both optimizers' states, Muon's momentum and AdamW's moments, come back)."""
     sets = tiny_overrides + ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
-                             "parallel.micro_batch=2", "train.sample_tokens=0"]
+                             "parallel.micro_batch=2", "train.sample_tokens=0",
+                             f"train.optimizer={optimizer}"]
     cfg = load_config(None, sets)
     Trainer(cfg, CPU, tmp_path / "straight").run()
 

@@ -117,7 +117,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    optimizer: str = _doc('"adamw" | "sgd" (train); "lomo" | "galore" are planner-only for now',
+    optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
+                          'rest) | "sgd" (train); "lomo" | "galore" are planner-only for now',
                           "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
@@ -126,6 +127,7 @@ class TrainConfig:
     warmup_steps: int = _doc("linear warm-up steps", 20)
     weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", 0.1)
     beta1: float = _doc("AdamW beta1 / SGD momentum", 0.9)
+    muon_momentum: float = _doc("Muon's (Nesterov) momentum on the blocks' matrices", 0.95)
     beta2: float = _doc("AdamW beta2", 0.95)
     eps: float = _doc("AdamW epsilon", 1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", 1.0)

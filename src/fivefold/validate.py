@@ -16,7 +16,7 @@ CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
-OPTIMIZERS = ("adamw", "sgd", "lomo", "galore")
+OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
 FFN_TYPES = ("swiglu", "gelu")
 DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -216,7 +216,7 @@ def validate_train(cfg: Config) -> None:
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
                 "log_every"):
         _positive(f"train.{key}", getattr(t, key))
-    for key in ("beta1", "beta2", "min_lr_ratio"):
+    for key in ("beta1", "beta2", "muon_momentum", "min_lr_ratio"):
         value = getattr(t, key)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"train.{key}", f"must lie in [0, 1], got {value}")
@@ -340,14 +340,17 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
-    if cfg.train.optimizer not in ("adamw", "sgd"):
+    if cfg.train.optimizer not in ("adamw", "muon", "sgd"):
         raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} is not implemented in "
-                                             "the runtime yet; use 'adamw' or 'sgd'")
-    if cfg.train.optimizer == "sgd" and (world_size > 1 or p.zero_stage > 0):
-        raise ConfigError("train.optimizer", "SGD runs on one rank without ZeRO only: the "
-                                             "data-parallel and pipeline engines keep AdamW "
-                                             "states; use 'adamw', or one rank with "
-                                             "parallel.zero_stage = 0")
+                                             "the runtime yet; use 'adamw', 'muon' or 'sgd'")
+    plain = (world_size == 1 and p.zero_stage == 0) or (p.pp > 1 and
+                                                        p.schedule == "pipedream-2bw")
+    if cfg.train.optimizer != "adamw" and not plain:
+        raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} runs where torch's "
+                                             "optimizer does: on one rank without ZeRO, or per "
+                                             "stage under PipeDream-2BW; the data-parallel "
+                                             "engine updates flat shards with AdamW (Muon "
+                                             "needs whole matrices). Use 'adamw' here")
     if cfg.model.moe is not None:
         raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
                                        "use a dense preset")

@@ -76,6 +76,19 @@ def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int) -> floa
     return g.flops / rate + nbytes / (prof.hbm_GBps * 1e9 * e.gemm_mem_eff) + e.kernel_overhead_s
 
 
+def newton_schulz_time(matrices: list[tuple[int, int]], prof: HardwareProfile,
+                       steps: int = 5) -> float:
+    """Muon's orthogonalization (torch.optim.Muon): per (rows, cols) matrix, `steps` quintic
+    Newton-Schulz iterations in bf16 on the A x B orientation (A the smaller side), each the
+    Gram matrix X X^T (A x B x A), its square (A x A x A) and the product with X (A x A x B)."""
+    total = 0.0
+    for rows, cols in matrices:
+        a, b = sorted((rows, cols))
+        total += steps * sum(gemm_time(g, prof, False, 2) for g in (
+            Gemm("gram", a, b, a), Gemm("square", a, a, a), Gemm("apply", a, a, b)))
+    return total
+
+
 def _compute_precision(act_bytes: int) -> str:
     return "fp32" if act_bytes == 4 else "bf16"
 

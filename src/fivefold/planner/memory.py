@@ -12,7 +12,8 @@ same way, so for the layouts the runtime executes they equal its ledger exactly.
   3       p * padded/n  g * padded / n     (4 + K) * padded / n
 
 p bytes of the compute dtype, g of the gradient-reduction dtype, K the optimizer's state bytes
-per parameter: AdamW 8 (two fp32 moments), SGD with momentum 4, LOMO 0 (it fuses the update
+per parameter: AdamW 8 (two fp32 moments), SGD with momentum 4, Muon 4 (one fp32 momentum)
+on the blocks' matrices and AdamW's 8 on every other parameter, LOMO 0 (it fuses the update
 into backward, LOMO arXiv 2306.09782, and keeps no full gradient either), GaLore the moments
 of rank-r projections (arXiv 2403.03507, Sec. 4, r = a quarter of the smaller side: 2 bytes
 per parameter; the projection matrices are not counted). Expert parameters of MoE layers are
@@ -31,9 +32,9 @@ from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
 from fivefold.planner.layout import PRECISION_BYTES, Layout
-from fivefold.planner.params import block_params, root_params
+from fivefold.planner.params import block_params, block_vector_params, root_params
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4, "lomo": 0, "galore": 8}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0, "galore": 8}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class Unit:
     numel: int
     shard: int
     multiple: int = 1  # each shard a multiple of this many elements (ZeRO++ quantization)
+    matrices: int = 0  # elements in the blocks' weight matrices (Muon's share)
+
+    def state_bytes(self, optimizer: str) -> float:
+        """Optimizer state bytes per element: Muon's on its matrices, AdamW's elsewhere."""
+        if optimizer != "muon":
+            return OPTIMIZER_STATE_BYTES[optimizer]
+        muon = OPTIMIZER_STATE_BYTES["muon"]
+        return (muon * self.matrices + OPTIMIZER_STATE_BYTES["adamw"] *
+                (self.numel - self.matrices)) / self.numel
 
     @property
     def padded(self) -> int:
@@ -67,9 +77,10 @@ def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool,
         units.append(Unit(root, shard, multiple))
     for i in layers:
         dense, expert = block_params(model, i, lay.tp, lay.ep)
+        matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
         if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
             dense, expert = dense + expert, 0
-        units.append(Unit(dense, shard, multiple))
+        units.append(Unit(dense, shard, multiple, matrices))
         if expert:
             units.append(Unit(expert, expert_shard, multiple))
     return units
@@ -90,7 +101,7 @@ def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
     if lay.optimizer == "galore":
         optimizer = sum(local) * OPTIMIZER_STATE_BYTES["galore"] // 4  # rank-r moments
     else:
-        optimizer = sum(local) * OPTIMIZER_STATE_BYTES[lay.optimizer]
+        optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in zip(local, units)))
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer}
 

@@ -15,12 +15,23 @@ from fivefold.config import ModelConfig
 from fivefold.planner.compute import is_moe_layer
 
 
+def _qkv_widths(model: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(query width, key/value width, their biases) on one tensor-parallel rank."""
+    q = model.heads * model.d_head // tp
+    kv = max(1, model.n_kv_heads // tp) * model.d_head
+    return q, kv, (q + 2 * kv) if getattr(model, "qkv_bias", False) else 0
+
+
 def attention_params(model: ModelConfig, tp: int = 1) -> int:
-    D, d = model.hidden, model.d_head
-    q = model.heads * d // tp
-    kv = max(1, model.n_kv_heads // tp) * d
-    bias = (q + 2 * kv) if getattr(model, "qkv_bias", False) else 0
+    D = model.hidden
+    q, kv, bias = _qkv_widths(model, tp)
     return D * q + 2 * D * kv + q * D + bias
+
+
+def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
+    """The vectors of one block (two norm gains, the query/key/value biases): with Muon they
+    stay with AdamW, as everything outside the blocks' matrices (fivefold.train.optim)."""
+    return 2 * model.hidden + _qkv_widths(model, tp)[2]
 
 
 def mlp_params(model: ModelConfig, tp: int = 1) -> int:

@@ -30,8 +30,8 @@ from fivefold.planner import activations as A
 from fivefold.planner.compute import is_moe_layer
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.layout import PRECISION_BYTES, Layout, layout_from_config
-from fivefold.planner.memory import OPTIMIZER_STATE_BYTES
-from fivefold.planner.params import root_params
+from fivefold.planner.memory import Unit
+from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.simulate import Estimate, StepModel, default_precision
 
@@ -125,8 +125,15 @@ class FastScorer:
             root_params(m, lay.tp, True, pp == 1)
         shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
         opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
+        matrices = 0.0
+        if lay.optimizer == "muon":  # Muon's share of the state, and its orthogonalization
+            vectors = block_vector_params(m, lay.tp)
+            matrices = sum(n * (sm.block_numel(moe, dense_only=True) - vectors)
+                           for n, moe in kinds) / pp
+            opt_s += sum(n * sm.newton_schulz_s(moe) for n, moe in kinds) / pp
         step = pipe + tail + regather + opt_s
-        return step, self._memory(sm, lay, numel, shard, rank_layers)
+        state = Unit(round(numel), 1, matrices=round(matrices)).state_bytes(lay.optimizer)
+        return step, self._memory(sm, lay, numel, shard, rank_layers, state)
 
     def _dp(self, sm: StepModel, lay: Layout, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:
@@ -140,13 +147,13 @@ class FastScorer:
                       if lay.zero_stage == 1 else 0.0)
 
     def _memory(self, sm: StepModel, lay: Layout, numel: float, shard: int,
-                rank_layers: int) -> float:
+                rank_layers: int, state_bytes: float) -> float:
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
         stage = lay.zero_stage
         params = numel * p / (shard if stage == 3 else 1)
         grads = numel * (g / shard if stage >= 2 else p)
-        state = OPTIMIZER_STATE_BYTES[lay.optimizer] + (0 if p == 4 else 4)
+        state = state_bytes + (0 if p == 4 else 4)
         optimizer = numel * state / (shard if stage >= 1 else 1)
         n = sm.shard.tokens
         per_block = A.block_saved_bytes(m, n, p, lay.tp, lay.sequence_parallel, lay.recompute,

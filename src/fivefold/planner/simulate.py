@@ -55,8 +55,9 @@ from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
-from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
-                                      embedding_times, head_times, is_moe_layer)
+from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_gemms,
+                                      block_times, embedding_times, head_times, is_moe_layer,
+                                      newton_schulz_time)
 from fivefold.planner.hardware import HardwareProfile, load_profile
 from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_layout,
                                      layout_from_config)
@@ -229,10 +230,13 @@ class StepModel:
         self.cache[key] = (t, f_comm, b_comm)
         return self.cache[key]
 
-    def block_numel(self, moe: bool) -> int:
+    def block_numel(self, moe: bool, dense_only: bool = False) -> int:
+        """Parameters of one block of the kind on one rank (`dense_only`: without the
+        routed experts)."""
         m = self.model
         index = next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
-        return sum(block_params(m, index, self.lay.tp, self.lay.ep))
+        dense, expert = block_params(m, index, self.lay.tp, self.lay.ep)
+        return dense if dense_only else dense + expert
 
     def _layer_cost(self, moe: bool) -> LayerCost:
         lay, e = self.lay, self.prof.eff
@@ -463,30 +467,44 @@ class StepModel:
         return tail, regather
 
     def optimizer_s(self, rank: int) -> float:
-        """AdamW over this rank's shard of parameters: memory bound (fp32 master, moments)."""
+        """The optimizer step over this rank's shard of parameters: memory bound (fp32
+        master, moments); Muon reads one momentum instead of two moments on the blocks'
+        matrices and adds their Newton-Schulz orthogonalization (compute bound)."""
         lay = self.lay
         units = self.rank_units(rank)
-        local = sum(u.shard_numel if lay.zero_stage >= 1 else u.padded for u in units)
         g = PRECISION_BYTES[lay.reduce_dtype]
-        per_param = {"adamw": 28 + 2 * g + self.a, "sgd": 16 + 2 * g + self.a,
-                     "lomo": 0, "galore": 16 + 2 * g + self.a}[lay.optimizer]
+        adamw, momentum = 28 + 2 * g + self.a, 16 + 2 * g + self.a
+        per_param = {"adamw": adamw, "muon": adamw, "sgd": momentum, "lomo": 0,
+                     "galore": momentum}[lay.optimizer]
+        traffic, ns = 0.0, 0.0
+        for u in units:
+            local = u.shard_numel if lay.zero_stage >= 1 else u.padded
+            matrices = u.matrices * local / u.numel if lay.optimizer == "muon" else 0
+            traffic += local * per_param - matrices * (adamw - momentum)
+        if lay.optimizer == "muon":
+            ns = sum(self.newton_schulz_s(is_moe_layer(self.model, i))
+                     for i in self.rank_layers(rank))
         e = self.prof.eff
-        return local * per_param / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s
+        return traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s + ns
+
+    def newton_schulz_s(self, moe: bool) -> float:
+        """Muon's orthogonalization of one block's weight matrices on one rank."""
+        attn, mlp = block_gemms(self.model, self.shard, moe)
+        return newton_schulz_time([(g.k, g.n) for g in attn + mlp
+                                   if not g.name.startswith("expert.")], self.prof)
+
+    def rank_layers(self, rank: int) -> list[int]:
+        return [i for g in range(rank, len(self.stage_layers), self.lay.pp)
+                for i in self.stage_ranges[g]]
 
     def rank_units(self, rank: int):
-        lay = self.lay
-        layers = [i for g in range(rank, len(self.stage_layers), lay.pp)
-                  for i in self.stage_ranges[g]]
-        return stage_units(self.model, lay, layers, rank == 0, rank == lay.pp - 1)
+        return stage_units(self.model, self.lay, self.rank_layers(rank), rank == 0,
+                           rank == self.lay.pp - 1)
 
     def block_state_bytes(self, i: int) -> float:
         """Parameters, gradients and optimizer states of block i on its rank."""
-        from fivefold.planner.memory import Unit
-
-        lay = self.lay
-        shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
-        units = [Unit(n, shard) for n in block_params(self.model, i, lay.tp, lay.ep) if n]
-        return model_state_bytes(units, lay)["total"]
+        return model_state_bytes(stage_units(self.model, self.lay, [i], False, False),
+                                 self.lay)["total"]
 
     def block_saved_bytes(self, i: int) -> float:
         lay = self.lay

@@ -4,6 +4,15 @@ AdamW (Loshchilov & Hutter, arXiv 1711.05101) with decoupled weight decay on mat
 (norm gains and other vectors are not decayed), fused on GPU. The schedule is linear warm-up
 to `lr` followed by cosine decay to `lr * min_lr_ratio` at the last step. It is a pure function
 of the step, so the step number is the scheduler's whole state in a checkpoint.
+
+Muon (`train.optimizer = "muon"`; Jordan et al. 2024, at scale Liu et al., arXiv 2502.16982)
+replaces each weight matrix's update by the orthogonalized momentum (Newton-Schulz), with
+torch.optim.Muon. It applies to the blocks' matrices; the embedding, the head and the norm
+gains keep AdamW (rows of a lookup table and vectors have no matrix structure to
+orthogonalize). Muon's step is scaled to AdamW's update RMS (0.2 sqrt(max(A, B)), Liu et al.
+Sec. 2.2), so both take `train.lr` and `train.weight_decay`. Why fivefold has it: under one
+step of gradient staleness (PipeDream-2BW) AdamW loses ~12% on the default run and Muon
+under 1% (docs/pipeline.md; Zmushko et al., arXiv 2606.30634, find the same).
 """
 
 from __future__ import annotations
@@ -34,7 +43,56 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+class MuonAdamW:
+    """Muon on the blocks' matrices and AdamW on the other parameters, stepped together.
+
+    Iterating it gives the torch optimizers (one where a pipeline stage holds only one
+    kind), which is the form DCP's get_state_dict and set_state_dict take several optimizers
+    in; `param_groups` lists all their groups (the trainer sets every group's learning
+    rate)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+    """A weight matrix inside a transformer block (models and pipeline stages alike)."""
+    return name.startswith("layers.") and param.dim() == 2
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device):
+    """torch's AdamW or SGD over `param_groups`, or `MuonAdamW`."""
+    if cfg.optimizer == "muon":
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        matrices = [q for n, q in named if is_muon_matrix(n, q)]
+        rest = [q for n, q in named if not is_muon_matrix(n, q)]
+        optimizers = []
+        if matrices:
+            optimizers.append(torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                               momentum=cfg.muon_momentum,
+                                               adjust_lr_fn="match_rms_adamw"))
+        groups = [{"params": [q for q in rest if q.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [q for q in rest if q.dim() < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]  # DCP refuses empty groups
+        if groups:
+            optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                                eps=cfg.eps, fused=device.type == "cuda"))
+        return MuonAdamW(*optimizers)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)

@@ -331,6 +331,10 @@ class Trainer:
                  f"{self.rt.device.type}, {self.precision}; "
                  f"global batch {self.cfg.parallel.global_batch} x {m.seq_len} tokens, "
                  f"micro-batch {self.micro_batch}")
+        if self.pipeline and self.pipeline.asynchronous and t.optimizer == "adamw":
+            self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
+                     "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
+                     " docs/pipeline.md, 'Convergence against synchronous training')")
         initial_val = self.evaluate() if start_step == 0 else None
         if initial_val is not None:
             self.say(f"step      0  val_loss {initial_val:.4f}")
