@@ -15,9 +15,10 @@ step t computes with (t-1) and the newest (t), which step t+1 will use; at UPDAT
 is dead, and its buffer receives W(t+1) = the optimizer's step applied to a copy of W(t). The
 optimizer's parameters point at the newest buffer, so its state (Adam moments) carries on.
 
-Weight prediction (`parallel.weight_prediction`, off by default). The plain rule costs the
-default 200-step run of the default model about 12% in validation loss (docs/pipeline.md);
-with AdamW, one step of staleness is known to hurt (Zmushko et al., arXiv 2606.30634).
+Weight prediction (`parallel.weight_prediction`, off by default). With AdamW the plain rule
+costs the default 200-step run of the default model about 12% in validation loss
+(docs/pipeline.md); one step of staleness is known to hurt AdamW and to spare Muon (Zmushko
+et al., arXiv 2606.30634), which loses 0.6% here (`train.optimizer = "muon"`).
 Linear weight prediction (Kosson et al., arXiv 2003.11666; SpecTrain, arXiv 1809.02839, predicts
 the same way from the momentum) offsets part of it without touching the schedule or adding
 messages: version t is extrapolated one update ahead, V(t) = W(t) + (W(t) - W(t-1)) ~ W(t+1),
