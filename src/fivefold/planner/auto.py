@@ -22,6 +22,8 @@ GPU's; on the CPU a calibrated CPU profile file named by `cluster.gpu`, else the
 
 from __future__ import annotations
 
+from collections import Counter
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -129,7 +131,7 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
         cfg, parallel=dataclasses.replace(p, precision=precision, **searched_defaults),
         cluster=dataclasses.replace(cfg.cluster, gpus=world_size))
     verdicts: dict[tuple, bool] = {}
-    rejections: list[str] = []  # why candidates that keep the fixed keys cannot run
+    rejections: list[ConfigError] = []  # why candidates keeping the fixed keys cannot run
 
     def runnable(lay: Layout) -> bool:
         run_cfg = layout_config(cfg, lay)
@@ -171,23 +173,28 @@ def _matches(p: ParallelConfig, lay: Layout, fixed: dict) -> bool:
     return all(resolved.get(k, getattr(p, k)) == v for k, v in fixed.items())
 
 
-def _trainable(cfg: Config, world_size: int, rejections: list[str]) -> bool:
+def _trainable(cfg: Config, world_size: int, rejections: list[ConfigError]) -> bool:
     try:
         validate_for_training(cfg, world_size)
     except ConfigError as err:
-        rejections.append(str(err))
+        rejections.append(err)
         return False
     return True
 
 
 def _no_layout_message(world_size: int, prof: HardwareProfile, fixed: dict,
-                       result: SearchResult, rejections: list[str]) -> str:
+                       result: SearchResult, rejections: list[ConfigError]) -> str:
     held = ", ".join(f"parallel.{k} = {v!r}" for k, v in fixed.items())
     if result.scored:
         why = (f"{result.scored} runnable layouts were scored and none fits in "
                f"{prof.memory_bytes / GiB:.0f} GiB per device")
     elif rejections:
-        why = f"no layout of the search space can run here (e.g. {rejections[-1]})"
+        # a key outside the searched layout (the user's own, e.g. train.optimizer) first,
+        # then the reason most candidates hit
+        counts = Counter(str(err) for err in rejections)
+        keys = {str(err): err.key for err in rejections}
+        reason = min(counts, key=lambda r: (keys[r].startswith("parallel."), -counts[r]))
+        why = f"no layout of the search space can run here (e.g. {reason})"
     elif held:
         why = "no layout of the search space keeps the keys held fixed"
     else:
