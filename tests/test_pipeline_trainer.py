@@ -127,7 +127,7 @@ def _two_bw_resume(rt, base, tmp):
     and Muon: a 5-step run that writes a checkpoint after step 2 and goes on, and a new
     Trainer that resumes from that checkpoint and runs steps 2-4. Per mode: both runs'
     losses of steps 2-4 and their final stage parameters (the run directory holds the last
-    checkpoint)."""
+    checkpoint). A third Trainer on the finished directory finds the run complete."""
     out = {}
     for mode, sets in TWO_BW_RESUME.items():
         cfg = load_config(None, base + [
@@ -141,6 +141,8 @@ def _two_bw_resume(rt, base, tmp):
         start = resumed._resume()
         again = [resumed.train_step(s).loss for s in range(start, STEPS)]
         resumed._save(STEPS)
+        complete = Trainer(cfg, rt, f"{tmp}/2bw-resume-{mode}").run()  # nothing left to run
+        assert complete == {"steps": STEPS, "complete": True}
         out[mode] = [(losses, dict(straight.model.named_parameters())),
                         (again, dict(resumed.model.named_parameters()))]
     return out

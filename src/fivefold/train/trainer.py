@@ -271,7 +271,7 @@ class Trainer:
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim" + self._stage_tag()])
-            if self.pipeline:  # PipeDream-2BW
+            if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
                 self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
