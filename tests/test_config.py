@@ -443,8 +443,9 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
     (["train.optimizer=sgd"], 2, "train.optimizer", "'sgd' runs where torch's optimizer does"),
     (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "on one rank"),
-    (["train.optimizer=muon"], 2, "train.optimizer", "Muon needs whole matrices"),
-    (["train.optimizer=muon", "parallel.pp=2"], 2, "train.optimizer", "under PipeDream-2BW"),
+    (["train.optimizer=muon", "parallel.zero_stage=1"], 2, "parallel.zero_stage",
+     "Muon orthogonalizes whole matrices"),
+    (["train.optimizer=muon", "parallel.tp=2"], 2, "parallel.tp", "tensor-parallel splits"),
     (["model.preset=mixtral-8x7B"], 1, "model.moe", "mixture-of-experts training is not"),
 ])
 def test_validate_for_training_rejects(overrides, world_size, key, fragment):
@@ -456,6 +457,7 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("train.optimizer=muon"), 1)
+    validate_for_training(load("train.optimizer=muon", "parallel.pp=2"), 4)  # DDP engine
     validate_for_training(load("train.optimizer=muon", "parallel.pp=2",
                                "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),
                           4)  # pp 2 x dp 2

@@ -96,12 +96,42 @@ def _interrupted_and_straight(rt, overrides, layouts, tmp):
     return out
 
 
+MUON = ["train.optimizer=muon"]
+
+
 def test_sharded_checkpoint_resume_is_bit_identical(parity_overrides, tmp_path):
-    """The engine's DCP checkpoint (master shards + Adam moments) restores a run exactly."""
-    layouts = [(0, None, None), (1, None, None), (3, None, 1), (2, 1, None)]
+    """The engine's DCP checkpoint (master shards + Adam moments; with Muon its momentum
+    and AdamW's moments per parameter) restores a run exactly."""
+    layouts = [(0, None, None), (1, None, None), (3, None, 1), (2, 1, None),
+               (0, None, None, MUON)]
     results = run_on_ranks(_interrupted_and_straight, 2, parity_overrides, layouts,
                            str(tmp_path), timeout_s=600)[0]
     for layout, (straight, resumed) in zip(layouts, results):
         assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)), layout
         for a, b in zip(straight, resumed):
             assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (layout, a["step"])
+
+
+def test_muon_matches_one_process(parity_overrides, tmp_path):
+    """Muon through the engine (DDP on 2 ranks, with micro-batches of 1; a synchronous
+    pipeline, pp 2 x 1F1B; DDP x pp, 4 ranks) against the one-process Trainer with Muon:
+    losses rel 2e-5, parameters atol 1e-4 + rtol 1e-4 (torch's Muon orthogonalizes in bf16,
+    which turns the layouts' float-sum order into up to ~3e-5 after 5 steps: see
+    tests/test_pipeline_parity.py)."""
+    ref = train_steps(CPU, _config(parity_overrides, 0, None, None, MUON), tmp_path / "ref")
+    for world, layouts in ((2, [(0, None, 1, MUON), (0, None, None, MUON + ["parallel.pp=2"])]),
+                           (4, [(0, None, None, MUON + ["parallel.pp=2"])])):
+        runs = run_on_ranks(_layouts_all_ranks, world, parity_overrides, layouts,
+                            str(tmp_path / f"w{world}"), timeout_s=600)
+        for k, layout in enumerate(layouts):
+            label = f"world {world} {layout}"
+            params = {}
+            for rank_runs in runs:
+                params.update(rank_runs[k].params)  # the pipeline's stages, each once
+            assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
+            assert_params_close(params, ref.params, label, atol=1e-4, rtol=1e-4)
+
+
+def _layouts_all_ranks(rt, overrides, layouts, tmp):
+    return [train_steps(rt, _config(overrides, *layout), f"{tmp}/{k}")
+            for k, layout in enumerate(layouts)]

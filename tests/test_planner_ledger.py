@@ -8,7 +8,8 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table (49 configurations) spans what the runtime executes today: DDP, ZeRO-1/2/3,
+The table (50 configurations) spans what the runtime executes today: DDP (with AdamW and
+with Muon), ZeRO-1/2/3,
 hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
 ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
 pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H1,
@@ -56,6 +57,8 @@ CASES = [  # (world size, overrides, label)
          "parallel.reduce_dtype='fp32'"], "zero3 bf16, fp32 reduce"),
     (2, ["parallel.zero_stage=2", "model.tied_embeddings=false", "model.qkv_bias=true"],
      "zero2 untied head, qkv bias"),
+    (2, ["parallel.zero_stage=0", "train.optimizer=muon", "model.qkv_bias=true"],
+     "ddp muon (momentum on matrices, AdamW on vectors and embeddings)"),
     (4, ["parallel.zero_stage=0", "parallel.micro_batch=1"], "ddp 4 ranks"),
     (4, ["parallel.zero_stage=1", "parallel.zero_group=2"], "zero1 hierarchical"),
     (4, ["parallel.zero_stage=2", "parallel.zero_group=2", "parallel.micro_batch=1"],
@@ -178,7 +181,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 49
+    assert len(CASES) == 50
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}

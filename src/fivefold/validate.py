@@ -345,12 +345,17 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                              "the runtime yet; use 'adamw', 'muon' or 'sgd'")
     plain = (world_size == 1 and p.zero_stage == 0) or (p.pp > 1 and
                                                         p.schedule == "pipedream-2bw")
-    if cfg.train.optimizer != "adamw" and not plain:
-        raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} runs where torch's "
-                                             "optimizer does: on one rank without ZeRO, or per "
-                                             "stage under PipeDream-2BW; the data-parallel "
-                                             "engine updates flat shards with AdamW (Muon "
-                                             "needs whole matrices). Use 'adamw' here")
+    if cfg.train.optimizer == "sgd" and not plain:
+        raise ConfigError("train.optimizer", "'sgd' runs where torch's optimizer does: on one "
+                                             "rank without ZeRO, or per stage under "
+                                             "PipeDream-2BW; the data-parallel engine keeps "
+                                             "AdamW or Muon states. Use 'adamw' here")
+    if cfg.train.optimizer == "muon" and (p.zero_stage > 0 or p.tp > 1):
+        key = "parallel.zero_stage" if p.zero_stage > 0 else "parallel.tp"
+        raise ConfigError(key, "Muon orthogonalizes whole matrices; ZeRO shards and "
+                               "tensor-parallel splits hold parts of them (gathering each "
+                               "matrix for it is not built): use zero_stage = 0 and tp = 1 "
+                               "with train.optimizer = 'muon', or 'adamw'")
     if cfg.model.moe is not None:
         raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
                                        "use a dense preset")

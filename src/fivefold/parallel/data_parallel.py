@@ -51,6 +51,10 @@ stage-3 weight all-gathers over the shard group, hpZ keeps a node-local secondar
 backward all-gather stays inside the node, qgZ reduce-scatters gradients as int8 through two
 all-to-all hops. Quantized units are padded so every shard holds whole quantization blocks.
 
+Muon (`train.optimizer = "muon"`, stage 0 without tensor parallelism, where every rank holds
+whole matrices): the optimizers of fivefold.train.optim step per-parameter views of the flat
+master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere.
+
 Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
 engine records its model-state bytes per rank there too.
 """
@@ -69,6 +73,7 @@ from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
+from fivefold.train.optim import optimizer_for
 
 
 def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
@@ -143,8 +148,18 @@ class DataParallelEngine:
                 unit.free_full()
         self._attach_grad_views()
         self.decay_masks = [u.decay_mask() for u in self.units]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=train.lr, weight_decay=0.0,
-                                           betas=(train.beta1, train.beta2), eps=train.eps)
+        self.views: list[tuple[str, torch.Tensor]] = []  # Muon: each parameter's master
+        self.slices: list[tuple[int, int, int, torch.Size]] = []  # its (unit, offset, n, shape)
+        if train.optimizer == "muon":  # stage 0 only (config validation): whole matrices
+            for i, unit in enumerate(self.units):
+                for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels,
+                                               unit.shapes):
+                    self.slices.append((i, off, n, shape))
+                    self.views.append((name, self.masters[i].detach()[off:off + n].view(shape)))
+            self.optimizer = optimizer_for(self.views, train, device)
+        else:
+            self.optimizer = torch.optim.AdamW(self.masters, lr=train.lr, weight_decay=0.0,
+                                               betas=(train.beta1, train.beta2), eps=train.eps)
         self._pending: list[tuple[int, object, torch.Tensor | None]] = []
         self._ready = [0] * len(self.units)
         self._last = True
@@ -192,8 +207,9 @@ class DataParallelEngine:
         if self.stage >= 2:
             grads = sum(g.nbytes for g in self.grad_shards)
         master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
-        optimizer = sum(t.nbytes for state in self.optimizer.state.values()
-                        for key, t in state.items() if key != "step")
+        optimizer = sum(t.nbytes for opt in self._torch_optimizers()
+                        for state in opt.state.values() for key, t in state.items()
+                        if key != "step")
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
                                          "optimizer": optimizer,
                                          "total": params + grads + master + optimizer}
@@ -353,15 +369,21 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """Decoupled weight decay on matrices, AdamW on the master, then re-publish params."""
+        """Decoupled weight decay on matrices, AdamW on the master, then re-publish params.
+        With Muon its optimizers step per-parameter views of the (whole, stage 0) master,
+        weight decay included, as fivefold.train.optim does for a plain model."""
         wd = self.train_cfg.weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if wd:
+        for (_, view), (i, off, n, shape) in zip(self.views, self.slices):
+            view.grad = self.masters[i].grad[off:off + n].view(shape)
+        if wd and not self.views:
             factor = 1.0 - lr * wd
             for m, mask in zip(self.masters, self.decay_masks):
                 m.mul_(torch.where(mask, factor, 1.0))
         self.optimizer.step()
+        for _, view in self.views:
+            view.grad = None
         for unit, master in zip(self.units, self.masters):
             if self.stage == 0:
                 if master.data_ptr() != unit.full.data_ptr():
@@ -374,6 +396,9 @@ class DataParallelEngine:
             elif unit.shard.data_ptr() != master.data_ptr():
                 unit.shard.copy_(master)
         self.record_model_state()
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(getattr(self.optimizer, "optimizers", [self.optimizer]))
 
     def zero_grad(self) -> None:
         for m in self.masters:
@@ -391,14 +416,20 @@ class DataParallelEngine:
         """Tensors to save or load in place: master weights and Adam moments of this rank.
 
         Keys name the shard (`.shard{r}of{n}`), so DCP stores every shard once (replicas
-        hold identical ones); resuming needs the same data-parallel layout.
+        hold identical ones); resuming needs the same data-parallel layout. With Muon the
+        states are per parameter: Muon's momentum, or AdamW's moments and step.
         """
+        n, r = self.shard_axis.size, self.shard_axis.rank
+        if self.views:
+            return {**{f"master.{unit.name}.shard{r}of{n}": master.data
+                       for unit, master in zip(self.units, self.masters)},
+                    **{f"{key}.{name}.shard{r}of{n}": value
+                       for name, state in self._view_states() for key, value in state.items()}}
         for master in self.masters:  # make the moments exist so that a load can fill them
             state = self.optimizer.state[master]
             if not state:
                 state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))
-        n, r = self.shard_axis.size, self.shard_axis.rank
         out = {}
         for unit, master in zip(self.units, self.masters):
             tag = f"{unit.name}.shard{r}of{n}"
@@ -407,6 +438,25 @@ class DataParallelEngine:
             out[f"exp_avg.{tag}"] = state["exp_avg"]
             out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
             out[f"step.{tag}"] = state["step"]
+        return out
+
+    def _view_states(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """(name, optimizer state) of every Muon-path view, created empty where no step has
+        run yet, so that a checkpoint load can fill them."""
+        out = []
+        for opt in self._torch_optimizers():
+            names = {id(view): name for name, view in self.views}
+            for group in opt.param_groups:
+                for view in group["params"]:
+                    state = opt.state[view]
+                    if not state and isinstance(opt, torch.optim.Muon):
+                        state["momentum_buffer"] = torch.zeros_like(view)
+                    elif not state:  # fused AdamW keeps its step counter on the device
+                        step_device = view.device if group.get("fused") else "cpu"
+                        state.update(step=torch.zeros((), device=step_device),
+                                     exp_avg=torch.zeros_like(view),
+                                     exp_avg_sq=torch.zeros_like(view))
+                    out.append((names[id(view)], state))
         return out
 
     @torch.no_grad()

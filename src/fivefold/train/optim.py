@@ -35,12 +35,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices decay, vectors (norm gains, biases) do not."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    """Matrices decay, vectors (norm gains, biases) do not; empty groups are left out
+    (DCP's state dicts refuse them)."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 class MuonAdamW:
@@ -76,25 +76,29 @@ def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device):
-    """torch's AdamW or SGD over `param_groups`, or `MuonAdamW`."""
+    """torch's AdamW or SGD, or `MuonAdamW`, over the model's trainable parameters."""
+    return optimizer_for([(n, q) for n, q in model.named_parameters() if q.requires_grad],
+                         cfg, device)
+
+
+def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
+                  device: torch.device):
+    """The optimizer `cfg.optimizer` names over (name, tensor) pairs: a module's parameters,
+    or views of the data-parallel engine's flat master weights."""
+    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                 fused=device.type == "cuda")
     if cfg.optimizer == "muon":
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         matrices = [q for n, q in named if is_muon_matrix(n, q)]
-        rest = [q for n, q in named if not is_muon_matrix(n, q)]
+        rest = param_groups([q for n, q in named if not is_muon_matrix(n, q)], cfg.weight_decay)
         optimizers = []
         if matrices:
             optimizers.append(torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                momentum=cfg.muon_momentum,
                                                adjust_lr_fn="match_rms_adamw"))
-        groups = [{"params": [q for q in rest if q.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [q for q in rest if q.dim() < 2], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]  # DCP refuses empty groups
-        if groups:
-            optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                                eps=cfg.eps, fused=device.type == "cuda"))
+        if rest:
+            optimizers.append(torch.optim.AdamW(rest, **adamw))
         return MuonAdamW(*optimizers)
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups([q for _, q in named], cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, **adamw)
