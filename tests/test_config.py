@@ -437,7 +437,13 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.cp=2"], 2, "parallel.cp", "not implemented in the runtime"),
     (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
-    (["parallel.recompute=full"], 1, "parallel.recompute", "recomputation is not implemented"),
+    (["parallel.recompute=selective"], 1, "parallel.recompute",
+     "selective recomputation (a per-operator policy) is not implemented"),
+    (["parallel.recompute=full", "parallel.zero_stage=3"], 2, "parallel.zero_stage",
+     "ZeRO-3 frees a block's weights"),
+    (["parallel.recompute=full", "parallel.tp=2"], 2, "parallel.tp", "repeat tensor"),
+    (["parallel.recompute=full", "parallel.pp=2", "parallel.schedule=zb",
+      "parallel.micro_batch=1"], 2, "parallel.schedule", "the zb schedule keeps"),
     (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
     (["train.optimizer=lomo"], 1, "train.optimizer", "'lomo' is not implemented"),
     (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
@@ -457,6 +463,10 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("train.optimizer=muon"), 1)
+    validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)
+    validate_for_training(load("parallel.recompute=full", "parallel.pp=2",
+                               "parallel.schedule=interleaved", "parallel.vpp=2",
+                               "parallel.micro_batch=2"), 2)
     validate_for_training(load("train.optimizer=muon", "parallel.pp=2"), 4)  # DDP engine
     validate_for_training(load("train.optimizer=muon", "parallel.pp=2",
                                "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),

@@ -8,8 +8,8 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table (50 configurations) spans what the runtime executes today: DDP (with AdamW and
-with Muon), ZeRO-1/2/3,
+The table (52 configurations) spans what the runtime executes today: DDP (with AdamW and
+with Muon), full recomputation (ZeRO-2, pp), ZeRO-1/2/3,
 hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
 ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
 pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H1,
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
+from fivefold.memory.recompute import apply_full_recompute
 from fivefold.models.llama import build_model
 from fivefold.planner.activations import block_saved_bytes, root_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
@@ -59,6 +60,10 @@ CASES = [  # (world size, overrides, label)
      "zero2 untied head, qkv bias"),
     (2, ["parallel.zero_stage=0", "train.optimizer=muon", "model.qkv_bias=true"],
      "ddp muon (momentum on matrices, AdamW on vectors and embeddings)"),
+    (2, ["parallel.zero_stage=2", "parallel.recompute='full'", "parallel.micro_batch=2"],
+     "zero2 full recompute (no collective repeated)"),
+    (2, ["parallel.pp=2", "parallel.micro_batch=1", "parallel.recompute='full'", TIED],
+     "pp2 1f1b full recompute"),
     (4, ["parallel.zero_stage=0", "parallel.micro_batch=1"], "ddp 4 ranks"),
     (4, ["parallel.zero_stage=1", "parallel.zero_group=2"], "zero1 hierarchical"),
     (4, ["parallel.zero_stage=2", "parallel.zero_group=2", "parallel.micro_batch=1"],
@@ -181,7 +186,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 50
+    assert len(CASES) == 52
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}
@@ -208,15 +213,21 @@ ACTIVATION_CASES = [  # (overrides, dtype)
     (["model.kv_heads=4", "model.tied_embeddings=false", "model.qkv_bias=true"], torch.float32),
     (ODD, torch.float32),
     ([], torch.bfloat16),
+    (["parallel.recompute='full'"], torch.float32),
+    (["parallel.recompute='full'"], torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("sets, dtype", ACTIVATION_CASES)
 def test_activation_bytes_match_saved_tensors(sets, dtype, tiny_overrides):
     """Blocks and root, each within 5% of the count (model cast to the compute dtype, as the
-    data-parallel engine does, under autocast)."""
-    cfg = load_config(None, tiny_overrides + sets).model
+    data-parallel engine does, under autocast). With full recomputation a block keeps its
+    input only (saved by the checkpoint outside its own hooks, so the count sees it)."""
+    whole = load_config(None, tiny_overrides + sets)
+    cfg, recompute = whole.model, whole.parallel.recompute
     model = build_model(cfg, seed=0).to(dtype)
+    if recompute == "full":
+        apply_full_recompute(model.layers)
     batch, seq = 3, cfg.seq_len
     tokens = torch.randint(0, cfg.vocab, (batch, seq))
     targets = torch.randint(0, cfg.vocab, (batch, seq))
@@ -227,7 +238,7 @@ def test_activation_bytes_match_saved_tensors(sets, dtype, tiny_overrides):
         F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
     a = torch.finfo(dtype).bits // 8
     for i in range(cfg.layers):
-        predicted = block_saved_bytes(cfg, batch * seq, a, layer=i)
+        predicted = block_saved_bytes(cfg, batch * seq, a, recompute=recompute, layer=i)
         assert predicted == pytest.approx(acts.bytes_by_label[f"layers.{i}"], rel=0.05)
     assert root_saved_bytes(cfg, batch * seq, a) == pytest.approx(acts.bytes_by_label["root"],
                                                                   rel=0.05)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
+from fivefold.memory.activation_count import SavedActivations
 from fivefold.train.checkpoint import PARTIAL, complete_checkpoints, latest_checkpoint
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
@@ -78,6 +79,29 @@ def test_resume_is_bit_identical(tiny_overrides, tmp_path, optimizer):
         assert a.get("val_loss") == b.get("val_loss")
 
 
+def test_full_recompute_changes_nothing_but_memory(tiny_overrides, tmp_path):
+    """parallel.recompute = 'full' on one rank (fp32, CPU): each block keeps only its input
+    (a x D bytes per token, counted); the recomputed forward is the same computation, so
+    losses, gradient norms and parameters equal the run without it bit for bit."""
+    sets = tiny_overrides + ["train.steps=3", "parallel.micro_batch=2"]
+    runs = []
+    for mode in ("none", "full"):
+        trainer = Trainer(load_config(None, sets + [f"parallel.recompute={mode}"]), CPU,
+                          tmp_path / mode)
+        model, m = trainer.model, trainer.cfg.model
+        with SavedActivations(model, {"block": model.layers[0]}) as acts:
+            model(torch.zeros(2, m.seq_len, dtype=torch.long))
+        kept = acts.bytes_by_label["block"]
+        assert (kept == 2 * m.seq_len * m.hidden * 4) == (mode == "full"), (mode, kept)
+        results = [trainer.train_step(s) for s in range(3)]
+        runs.append(([(r.loss, r.grad_norm) for r in results],
+                     {n: q.detach().clone() for n, q in trainer.model.named_parameters()}))
+    (plain, plain_params), (recomputed, recomputed_params) = runs
+    assert recomputed == plain
+    for name, q in plain_params.items():
+        assert torch.equal(recomputed_params[name], q), name
+
+
 def test_resume_with_another_layout_is_refused(tiny_overrides, tmp_path):
     """A checkpoint of the plain one-rank trainer cannot seed a ZeRO-1 run (its keys are the
     engine's shards): the resume names the key before DCP sees the mismatch."""
@@ -93,7 +117,7 @@ def test_resume_with_another_layout_is_refused(tiny_overrides, tmp_path):
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     import fivefold.train.checkpoint as ckpt
-    from fivefold.config import ConfigError, load_config
+    from fivefold.config import load_config
     from fivefold.train.dist import Runtime
     from fivefold.train.trainer import Trainer
 

@@ -334,9 +334,23 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
                                                  "parallel.zero_stage to 1, 2 or 3, or drop "
                                                  "zero_group")
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute", "activation recomputation is not implemented in "
-                                                "the runtime yet; use 'none'")
+    if p.recompute == "selective":
+        raise ConfigError("parallel.recompute", "selective recomputation (a per-operator "
+                                                "policy) is not implemented in the runtime yet;"
+                                                " use 'full' or 'none'")
+    if p.recompute == "full":
+        refused = [("parallel.zero_stage", p.zero_stage == 3, "ZeRO-3 frees a block's "
+                    "weights after its forward, which the recomputation would run again on"),
+                   ("parallel.tp", p.tp > 1, "the recomputed forward would repeat tensor "
+                    "parallelism's collectives, which the planner's ledger does not predict"),
+                   ("parallel.schedule", p.pp > 1 and p.schedule in ("zb", "terapipe",
+                                                                     "pipedream-2bw"),
+                    f"the {p.schedule} schedule keeps per-pass state (split backward, key/value"
+                    " caches or weight versions) that recomputation would bypass")]
+        for key, bad, why in refused:
+            if bad:
+                raise ConfigError(key, f"parallel.recompute = 'full' is not supported here: "
+                                       f"{why}; use recompute = 'none' with it")
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")

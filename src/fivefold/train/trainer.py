@@ -55,6 +55,7 @@ from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
 from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.planner.hardware import detect_profile
+from fivefold.memory.recompute import apply_full_recompute
 from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
                                        save_checkpoint)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
@@ -103,6 +104,8 @@ class Trainer:
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
         self.model = self._build_model(init_from)
+        if p.recompute == "full":
+            apply_full_recompute(self.model.layers)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
