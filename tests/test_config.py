@@ -439,8 +439,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
     (["parallel.recompute=selective"], 1, "parallel.recompute",
      "selective recomputation (a per-operator policy) is not implemented"),
-    (["parallel.recompute=full", "parallel.zero_stage=3"], 2, "parallel.zero_stage",
-     "ZeRO-3 frees a block's weights"),
     (["parallel.recompute=full", "parallel.tp=2"], 2, "parallel.tp", "repeat tensor"),
     (["parallel.recompute=full", "parallel.pp=2", "parallel.schedule=zb",
       "parallel.micro_batch=1"], 2, "parallel.schedule", "the zb schedule keeps"),

@@ -138,25 +138,28 @@ def _layouts_all_ranks(rt, overrides, layouts, tmp):
 
 
 def test_full_recompute_matches_one_process(parity_overrides, reference, tmp_path):
-    """parallel.recompute = 'full' under DDP with micro-batches, ZeRO-2, and pipelines
-    (1F1B, GPipe, interleaved on 4 blocks) on 2 ranks: the module docstring's tolerances
-    against the plain one-process run (recomputation itself changes nothing,
-    tests/test_train.py)."""
+    """parallel.recompute = 'full' under DDP with micro-batches, ZeRO-2, ZeRO-3 (its
+    backward gather, started by the block output's gradient hook, precedes the
+    recomputation, which so finds the block's weights gathered) and pipelines (1F1B,
+    GPipe, interleaved on 4 blocks) on 2 ranks, and pp 2 x ZeRO-3 on 4: the module
+    docstring's tolerances against the plain one-process run (recomputation itself
+    changes nothing, tests/test_train.py)."""
     full, four = ["parallel.recompute=full"], ["model.layers=4"]
-    layouts = [(0, None, 1, full), (2, None, None, full),
+    layouts = [(0, None, 1, full), (2, None, None, full), (3, None, 1, full),
                (0, None, 1, full + ["parallel.pp=2"]),
                (0, None, 2, full + ["parallel.pp=2", "parallel.schedule=gpipe"]),
                (0, None, 2, full + four + ["parallel.pp=2", "parallel.schedule=interleaved",
                                            "parallel.vpp=2"])]
     four_blocks = train_steps(CPU, _config(parity_overrides, 0, None, None, four),
                               tmp_path / "ref4")
-    runs = run_on_ranks(_layouts_all_ranks, 2, parity_overrides, layouts, str(tmp_path),
-                        timeout_s=600)
-    for k, layout in enumerate(layouts):
-        ref = four_blocks if "model.layers=4" in layout[3] else reference[None]
-        params = {}
-        for rank_runs in runs:
-            params.update(rank_runs[k].params)  # a pipeline's stages, each once
-        label = f"layout {layout}"
-        assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
-        assert_params_close(params, ref.params, label, atol=1e-5, rtol=1e-4)
+    for world, layouts in ((2, layouts), (4, [(3, None, 1, full + ["parallel.pp=2"])])):
+        runs = run_on_ranks(_layouts_all_ranks, world, parity_overrides, layouts,
+                            str(tmp_path / f"w{world}"), timeout_s=600)
+        for k, layout in enumerate(layouts):
+            ref = four_blocks if "model.layers=4" in layout[3] else reference[None]
+            params = {}
+            for rank_runs in runs:
+                params.update(rank_runs[k].params)  # a pipeline's stages, each once
+            label = f"world {world} layout {layout}"
+            assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
+            assert_params_close(params, ref.params, label, atol=1e-5, rtol=1e-4)

@@ -339,9 +339,7 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                                 "policy) is not implemented in the runtime yet;"
                                                 " use 'full' or 'none'")
     if p.recompute == "full":
-        refused = [("parallel.zero_stage", p.zero_stage == 3, "ZeRO-3 frees a block's "
-                    "weights after its forward, which the recomputation would run again on"),
-                   ("parallel.tp", p.tp > 1, "the recomputed forward would repeat tensor "
+        refused = [("parallel.tp", p.tp > 1, "the recomputed forward would repeat tensor "
                     "parallelism's collectives, which the planner's ledger does not predict"),
                    ("parallel.schedule", p.pp > 1 and p.schedule in ("zb", "terapipe",
                                                                      "pipedream-2bw"),

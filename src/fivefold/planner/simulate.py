@@ -248,8 +248,11 @@ class StepModel:
         if lay.zero_stage == 3:
             ag = self._coll("all_gather", numel * self.a, self.shard_group)
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
-            # the block is freed after its forward; a full recomputation gathers it once
-            # more (the runtime's pre-forward hook), then the backward gathers it again
+            # the block is freed after its forward; under full recomputation the published
+            # ZeRO-3 systems gather it once more (their pre-forward hook runs again), then
+            # for the backward. fivefold's runtime recomputes on the backward gather (two
+            # gathers, its ledger), so this term is one gather pessimistic for it; kept for
+            # the published runs the simulator is validated against (docs/planner.md)
             bwd_ag = ag * (2 if lay.recompute == "full" else 1)
             z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
             z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
