@@ -8,8 +8,8 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table (53 configurations) spans what the runtime executes today: DDP (with AdamW and
-with Muon), full recomputation (ZeRO-2, ZeRO-3, pp), ZeRO-1/2/3,
+The table (55 configurations) spans what the runtime executes today: DDP (with AdamW and
+with Muon), full recomputation (ZeRO-2, ZeRO-3, tp, pp x tp with sp), ZeRO-1/2/3,
 hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
 ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
 pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H1,
@@ -64,6 +64,9 @@ CASES = [  # (world size, overrides, label)
      "zero2 full recompute (no collective repeated)"),
     (2, ["parallel.zero_stage=3", "parallel.recompute='full'", "parallel.micro_batch=2"],
      "zero3 full recompute (two gathers per block, as without it)"),
+    (2, ["parallel.tp=2", "parallel.recompute='full'"], "tp2 full recompute"),
+    (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute='full'",
+         "parallel.pp=2", "parallel.micro_batch=2"], "pp2 x tp2 sp full recompute"),
     (2, ["parallel.pp=2", "parallel.micro_batch=1", "parallel.recompute='full'", TIED],
      "pp2 1f1b full recompute"),
     (4, ["parallel.zero_stage=0", "parallel.micro_batch=1"], "ddp 4 ranks"),
@@ -188,7 +191,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 53
+    assert len(CASES) == 55
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}

@@ -338,17 +338,12 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.recompute", "selective recomputation (a per-operator "
                                                 "policy) is not implemented in the runtime yet;"
                                                 " use 'full' or 'none'")
-    if p.recompute == "full":
-        refused = [("parallel.tp", p.tp > 1, "the recomputed forward would repeat tensor "
-                    "parallelism's collectives, which the planner's ledger does not predict"),
-                   ("parallel.schedule", p.pp > 1 and p.schedule in ("zb", "terapipe",
-                                                                     "pipedream-2bw"),
-                    f"the {p.schedule} schedule keeps per-pass state (split backward, key/value"
-                    " caches or weight versions) that recomputation would bypass")]
-        for key, bad, why in refused:
-            if bad:
-                raise ConfigError(key, f"parallel.recompute = 'full' is not supported here: "
-                                       f"{why}; use recompute = 'none' with it")
+    if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "terapipe", "pipedream-2bw"):
+        raise ConfigError("parallel.schedule", f"parallel.recompute = 'full' is not supported "
+                                               f"with {p.schedule}: it keeps per-pass state "
+                                               "(split backward, key/value caches or weight "
+                                               "versions) that recomputation would bypass; use "
+                                               "recompute = 'none' with it, or 1f1b")
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")

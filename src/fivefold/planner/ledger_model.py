@@ -140,22 +140,28 @@ class _Step:
         at the final norm (last stage); with sequence parallelism their all-gather /
         reduce-scatter halves, one re-gather of each region's input in backward and an
         all-reduce of every norm gain's gradient; and, on the last stage, the
-        vocabulary-parallel loss's all-gather of three fp32 statistics per token."""
+        vocabulary-parallel loss's all-gather of three fp32 statistics per token. Full
+        recomputation runs each block's forward again in backward (fivefold.memory.recompute)
+        up to the last tensor the backward needs (torch's early stop): the collectives that
+        open the two regions and the attention's closing one run again, the MLP's closing
+        one, whose output nothing in the block saves, does not."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len
         act = tokens * m.hidden * self.pb
         regions, ends = 2 * self.blocks, int(self.first) + int(self.last)
+        again = self.blocks if lay.recompute == "full" else 0  # per block: attention's close
         if lay.sequence_parallel:
-            for op, count, purpose in (("reduce_scatter", 2 * regions + ends, "sp_activations"),
-                                       ("all_gather", 2 * regions + ends, "sp_activations"),
-                                       ("all_gather", regions, "sp_regather")):
+            for op, count, purpose in (
+                    ("reduce_scatter", 2 * regions + ends + again, "sp_activations"),
+                    ("all_gather", 2 * regions + ends + 2 * again, "sp_activations"),
+                    ("all_gather", regions, "sp_regather")):
                 for _ in range(count):
                     self.record(op, "tp", t, self.param, act, purpose)
             for _ in range(regions + int(self.last)):
                 self.record("all_reduce", "tp", t, self.param, m.hidden * self.pb,
                             "sp_norm_grads")
         else:  # embedding and 2 regions forward; 2 regions and the final norm backward
-            for _ in range(2 * regions + ends):
+            for _ in range(2 * regions + ends + again):
                 self.record("all_reduce", "tp", t, self.param, act, "tp_activations")
         if self.last:
             self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
