@@ -442,7 +442,11 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.recompute=full", "parallel.pp=2", "parallel.schedule=zb",
       "parallel.micro_batch=1"], 2, "parallel.schedule", "not supported with zb"),
     (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
-    (["train.optimizer=lomo"], 1, "train.optimizer", "'lomo' is not implemented"),
+    (["train.optimizer=lomo"], 2, "train.optimizer", "LOMO updates each parameter inside"),
+    (["train.optimizer=lomo", "parallel.micro_batch=2"], 1, "parallel.micro_batch",
+     "cannot accumulate micro-batches: leave micro_batch unset or set it to 8"),
+    (["train.optimizer=lomo", "parallel.precision=fp16"], 1, "parallel.precision",
+     "LOMO with fp16 loss scaling"),
     (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
     (["train.optimizer=sgd"], 2, "train.optimizer", "'sgd' runs where torch's optimizer does"),
     (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "on one rank"),
@@ -460,6 +464,7 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("train.optimizer=muon"), 1)
+    validate_for_training(load("train.optimizer=lomo", "parallel.micro_batch=8"), 1)
     validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)
     validate_for_training(load("parallel.recompute=full", "parallel.pp=2",
                                "parallel.schedule=interleaved", "parallel.vpp=2",

@@ -102,6 +102,54 @@ def test_full_recompute_changes_nothing_but_memory(tiny_overrides, tmp_path):
         assert torch.equal(recomputed_params[name], q), name
 
 
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_lomo_is_sgd_fused_into_backward(tiny_overrides, tmp_path, clip):
+    """train.optimizer = 'lomo' equals torch's SGD without momentum over the same groups,
+    with and without clipping (two backward passes when clipping): losses, gradient norms
+    and parameters bit for bit; no gradient is left on any parameter after a step; a
+    checkpoint without optimizer state resumes exactly."""
+    sets = tiny_overrides + ["train.steps=4", "train.lr=0.05", f"train.grad_clip={clip}",
+                             "train.checkpoint_every=2", "train.eval_every=100",
+                             "train.sample_tokens=0"]
+    runs = {}
+    for name, extra in (("lomo", ["train.optimizer=lomo"]),
+                        ("sgd", ["train.optimizer=sgd", "train.beta1=0"])):
+        trainer = Trainer(load_config(None, sets + extra), CPU, tmp_path / name)
+        results = [trainer.train_step(s) for s in range(4)]
+        assert all(q.grad is None for q in trainer.model.parameters()), name
+        runs[name] = ([(r.loss, r.grad_norm) for r in results],
+                      {n: q.detach().clone() for n, q in trainer.model.named_parameters()})
+    assert runs["lomo"][0] == runs["sgd"][0]
+    for n, q in runs["sgd"][1].items():
+        assert torch.equal(runs["lomo"][1][n], q), n
+    # inside backward: right after each parameter's gradient is complete (a hook that runs
+    # after LOMO's), no parameter holds a gradient; a plain backward holds them all
+    trainer = Trainer(load_config(None, sets + ["train.optimizer=lomo"]), CPU, tmp_path / "x")
+    params, held = list(trainer.model.parameters()), []
+    for q in params:
+        q.register_post_accumulate_grad_hook(
+            lambda q: held.append(sum(p.grad is not None for p in params)))
+    trainer.train_step(0)
+    passes = 1 if clip == "0" else 2  # clipping measures the norm in a first backward
+    assert trainer.optimizer is None and len(held) == passes * len(params) and max(held) == 0
+    lomo = load_config(None, sets + ["train.optimizer=lomo"])
+    Trainer(lomo, CPU, tmp_path / "straight").run()
+    interrupted = Trainer(lomo, CPU, tmp_path / "resumed")
+    real_step = interrupted.train_step
+
+    def crash_at_3(step):
+        if step == 3:
+            raise SimulatedCrash
+        return real_step(step)
+
+    interrupted.train_step = crash_at_3
+    with pytest.raises(SimulatedCrash):
+        interrupted.run()
+    Trainer(lomo, CPU, tmp_path / "resumed").run()
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
 def test_resume_with_another_layout_is_refused(tiny_overrides, tmp_path):
     """A checkpoint of the plain one-rank trainer cannot seed a ZeRO-1 run (its keys are the
     engine's shards): the resume names the key before DCP sees the mismatch."""

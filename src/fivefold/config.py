@@ -118,8 +118,8 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
-                          'rest) | "sgd" (train); "lomo" | "galore" are planner-only for now',
-                          "adamw")
+                          'rest) | "sgd" | "lomo" (SGD fused into backward, one rank); '
+                          '"galore" is planner-only for now', "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
     lr: float = _doc("peak learning rate", 1e-3)

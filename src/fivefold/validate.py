@@ -347,9 +347,24 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
-    if cfg.train.optimizer not in ("adamw", "muon", "sgd"):
+    if cfg.train.optimizer not in ("adamw", "muon", "sgd", "lomo"):
         raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} is not implemented in "
-                                             "the runtime yet; use 'adamw', 'muon' or 'sgd'")
+                                             "the runtime yet; use 'adamw', 'muon', 'sgd' or "
+                                             "'lomo'")
+    if cfg.train.optimizer == "lomo":
+        per_rank = p.global_batch // max(1, world_size // (p.tp * p.pp * p.cp))
+        if world_size > 1 or p.zero_stage > 0:
+            raise ConfigError("train.optimizer", "LOMO updates each parameter inside backward "
+                                                 "and keeps no gradient to reduce: it runs on "
+                                                 "one rank with parallel.zero_stage = 0")
+        if p.micro_batch and p.micro_batch < per_rank:
+            raise ConfigError("parallel.micro_batch", "LOMO applies the update during "
+                                                      "backward, so it cannot accumulate "
+                                                      "micro-batches: leave micro_batch unset "
+                                                      f"or set it to {per_rank}")
+        if p.precision == "fp16":
+            raise ConfigError("parallel.precision", "LOMO with fp16 loss scaling is not "
+                                                    "implemented; use bf16 or fp32")
     plain = (world_size == 1 and p.zero_stage == 0) or (p.pp > 1 and
                                                         p.schedule == "pipedream-2bw")
     if cfg.train.optimizer == "sgd" and not plain:

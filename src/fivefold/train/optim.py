@@ -101,4 +101,7 @@ def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
     groups = param_groups([q for _, q in named], cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
-    return torch.optim.AdamW(groups, **adamw)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **adamw)
+    raise ValueError(f"train.optimizer = {cfg.optimizer!r} has no optimizer object (LOMO "
+                     "updates inside backward: fivefold.memory.lomo)")

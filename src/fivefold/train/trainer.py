@@ -55,6 +55,7 @@ from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
 from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.planner.hardware import detect_profile
+from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.recompute import apply_full_recompute
 from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
                                        save_checkpoint)
@@ -109,7 +110,7 @@ class Trainer:
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
-        self.engine, self.optimizer = None, None
+        self.engine, self.optimizer, self.lomo = None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         asynchronous = p.pp > 1 and p.schedule == "pipedream-2bw"  # updates on its own
         if (rt.distributed or p.zero_stage > 0) and not asynchronous:
@@ -122,6 +123,8 @@ class Trainer:
             zero_pp = ZeroPP(p.qwz, p.hpz, p.qgz, ranks_per_node(cfg, shard))
             self.engine = DataParallelEngine(self.model, p.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.precision], reduce, zero_pp)
+        elif cfg.train.optimizer == "lomo":  # no optimizer object: SGD fused into backward
+            self.lomo = FusedSGD(self.model, cfg.train)
         else:
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         self.pipeline = None
@@ -187,6 +190,12 @@ class Trainer:
         clip = self.cfg.train.grad_clip or math.inf
         if self.pipeline:  # every micro-batch through every stage, and the update
             loss_sum, grad_norm = self.pipeline.step(step, lr)
+        elif self.lomo:  # one micro-batch (validation), updated during its backward
+            inputs, targets = self.train_sampler.rank_batch(step)
+            loss_sum = self.micro_batch_loss(inputs.to(self.rt.device),
+                                             targets.to(self.rt.device))
+            grad_norm = self.lomo.step(loss_sum / self.global_tokens, lr, clip)
+            loss_sum = loss_sum.detach()
         else:
             loss_sum = self._accumulate(*self.train_sampler.rank_batch(step))
             if self.engine:
@@ -272,7 +281,7 @@ class Trainer:
         if self.engine:
             self.engine.after_checkpoint_load()
         else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+            set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
                            optim_state_dict=state["optim" + self._stage_tag()])
             if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
                 self.pipeline.pipe.resume_at(meta["step"])
@@ -280,6 +289,10 @@ class Trainer:
             self.scaler.load_state_dict(extra["scaler"])
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
+
+    def _optimizers(self):
+        """The torch optimizer(s) DCP saves with the model: none under LOMO."""
+        return [] if self.lomo else self.optimizer
 
     def _stage_tag(self) -> str:
         return "".join(f".{axis.name}{axis.rank}of{axis.size}"
@@ -295,7 +308,7 @@ class Trainer:
         tag = self._stage_tag()
         if self.engine:
             return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
         state = {"model": model_sd, "optim" + tag: optim_sd}
         if self.pipeline:  # PipeDream-2BW
             state["versions"] = self.pipeline.pipe.checkpoint_state()

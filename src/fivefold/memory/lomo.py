@@ -1,0 +1,69 @@
+"""LOMO: the SGD update fused into backward, so no full gradient is ever held.
+
+LOMO (Lv et al., arXiv 2306.09782, Sec. 3.2) updates each parameter the moment its gradient
+is complete during backward and frees that gradient at once: the gradient memory drops from
+every parameter's to about one parameter's, and there are no optimizer states (plain SGD).
+The price is that nothing global can be known before the first update happens: the global
+gradient norm needs a first backward that only measures it (Sec. 3.3, the paper's
+two-pass clipping), and gradients cannot be accumulated over micro-batches.
+
+`FusedSGD(model, cfg)` registers a post-accumulate-grad hook on every trainable parameter;
+`step(loss, lr, max_norm)` runs the backward(s) and returns the gradient norm before
+clipping. The arithmetic is exactly torch's `clip_grad_norm_` followed by `torch.optim.SGD`
+without momentum over fivefold's parameter groups (L2 weight decay on matrices, as torch's
+SGD applies it), so a LOMO step equals that step (tests/test_train.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fivefold.config import TrainConfig
+
+
+class FusedSGD:
+    """SGD applied from inside backward, one parameter at a time."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig):
+        self.weight_decay = cfg.weight_decay
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.index = {id(q): i for i, q in enumerate(self.params)}
+        self.norms: dict[int, torch.Tensor] = {}  # parameter index: its gradient's norm
+        self.measure = self.apply = False
+        self.lr, self.coef = 0.0, torch.ones(())
+        for q in self.params:
+            q.register_post_accumulate_grad_hook(self._on_gradient)
+
+    @torch.no_grad()
+    def _on_gradient(self, q: torch.Tensor) -> None:
+        """The gradient of `q` is complete: measure it, apply it, or both; then drop it."""
+        grad, q.grad = q.grad, None
+        if self.measure:
+            self.norms[self.index[id(q)]] = torch.linalg.vector_norm(grad)
+        if self.apply:
+            grad = grad.mul(self.coef)
+            if q.dim() >= 2 and self.weight_decay:
+                grad = grad.add(q, alpha=self.weight_decay)
+            q.data.add_(grad, alpha=-self.lr)  # .data: no saved view of q is read again
+
+    def _norm(self) -> torch.Tensor:
+        """The global gradient norm, summed in parameter order as clip_grad_norm_ does."""
+        return torch.linalg.vector_norm(torch.stack([self.norms[i] for i in sorted(self.norms)]))
+
+    def step(self, loss: torch.Tensor, lr: float, max_norm: float) -> torch.Tensor:
+        """Backward of `loss` with the update fused in; the gradient norm before clipping.
+        With a finite `max_norm` a first backward measures the norm (two passes)."""
+        self.norms, self.lr, self.coef = {}, lr, torch.ones(())
+        two_pass = math.isfinite(max_norm)
+        if two_pass:
+            self.measure, self.apply = True, False
+            loss.backward(retain_graph=True)
+            norm = self._norm()
+            self.coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.measure, self.apply = not two_pass, True
+        loss.backward()
+        self.measure = self.apply = False
+        return norm if two_pass else self._norm()
