@@ -443,9 +443,8 @@ class DataParallelEngine:
     def _view_states(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """(name, optimizer state) of every Muon-path view, created empty where no step has
         run yet, so that a checkpoint load can fill them."""
-        out = []
+        out, names = [], {id(view): name for name, view in self.views}
         for opt in self._torch_optimizers():
-            names = {id(view): name for name, view in self.views}
             for group in opt.param_groups:
                 for view in group["params"]:
                     state = opt.state[view]
