@@ -33,6 +33,26 @@ class SimulatedCrash(Exception):
     pass
 
 
+def straight_and_resumed(cfg, root: Path, crash_at: int) -> tuple[list[dict], list[dict], str]:
+    """Metrics of an uninterrupted `run()` in root/straight and of one in root/resumed that
+    crashes before step `crash_at` and is run again, and the checkpoint it resumed from."""
+    Trainer(cfg, CPU, root / "straight").run()
+    interrupted = Trainer(cfg, CPU, root / "resumed")
+    real_step = interrupted.train_step
+
+    def crashing(step):
+        if step == crash_at:
+            raise SimulatedCrash
+        return real_step(step)
+
+    interrupted.train_step = crashing
+    with pytest.raises(SimulatedCrash):
+        interrupted.run()
+    resumed_from = latest_checkpoint(root / "resumed").name
+    Trainer(cfg, CPU, root / "resumed").run()
+    return read_metrics(root / "straight"), read_metrics(root / "resumed"), resumed_from
+
+
 def test_loss_falls_and_metrics_contract(tiny_overrides, tmp_path):
     cfg = load_config(None, tiny_overrides + ["train.steps=12", "train.eval_every=6",
                                               "train.checkpoint_every=6"])
@@ -55,24 +75,9 @@ def test_resume_is_bit_identical(tiny_overrides, tmp_path, optimizer):
     sets = tiny_overrides + ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
                              "parallel.micro_batch=2", "train.sample_tokens=0",
                              f"train.optimizer={optimizer}"]
-    cfg = load_config(None, sets)
-    Trainer(cfg, CPU, tmp_path / "straight").run()
-
-    interrupted = Trainer(cfg, CPU, tmp_path / "resumed")
-    real_step = interrupted.train_step
-
-    def crash_at_6(step):
-        if step == 6:
-            raise SimulatedCrash
-        return real_step(step)
-
-    interrupted.train_step = crash_at_6
-    with pytest.raises(SimulatedCrash):
-        interrupted.run()
-    assert latest_checkpoint(tmp_path / "resumed").name == "step_00000004"
-    Trainer(cfg, CPU, tmp_path / "resumed").run()
-
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    straight, resumed, resumed_from = straight_and_resumed(load_config(None, sets), tmp_path,
+                                                           crash_at=6)
+    assert resumed_from == "step_00000004"
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for a, b in zip(straight, resumed):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], a["step"]
@@ -132,21 +137,9 @@ def test_lomo_is_sgd_fused_into_backward(tiny_overrides, tmp_path, clip):
     trainer.train_step(0)
     passes = 1 if clip == "0" else 2  # clipping measures the norm in a first backward
     assert trainer.optimizer is None and len(held) == passes * len(params) and max(held) == 0
-    lomo = load_config(None, sets + ["train.optimizer=lomo"])
-    Trainer(lomo, CPU, tmp_path / "straight").run()
-    interrupted = Trainer(lomo, CPU, tmp_path / "resumed")
-    real_step = interrupted.train_step
-
-    def crash_at_3(step):
-        if step == 3:
-            raise SimulatedCrash
-        return real_step(step)
-
-    interrupted.train_step = crash_at_3
-    with pytest.raises(SimulatedCrash):
-        interrupted.run()
-    Trainer(lomo, CPU, tmp_path / "resumed").run()
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    straight, resumed, resumed_from = straight_and_resumed(
+        load_config(None, sets + ["train.optimizer=lomo"]), tmp_path, crash_at=3)
+    assert resumed_from == "step_00000002"
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
 
 
