@@ -253,6 +253,7 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["train.lr=nan"], "train.lr", "must be greater than zero, got nan"),
     (["train.beta1=1.5"], "train.beta1", "must lie in [0, 1], got 1.5"),
     (["train.muon_momentum=-0.1"], "train.muon_momentum", "must lie in [0, 1]"),
+    (["train.galore_update_gap=0"], "train.galore_update_gap", "must be greater than zero"),
     (["train.beta2=-0.1"], "train.beta2", "must lie in [0, 1]"),
     (["train.min_lr_ratio=2"], "train.min_lr_ratio", "must lie in [0, 1]"),
     (["train.steps=10", "train.warmup_steps=11"], "train.warmup_steps",
@@ -447,7 +448,7 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "cannot accumulate micro-batches: leave micro_batch unset or set it to 8"),
     (["train.optimizer=lomo", "parallel.precision=fp16"], 1, "parallel.precision",
      "LOMO with fp16 loss scaling"),
-    (["train.optimizer=galore"], 1, "train.optimizer", "'galore' is not implemented"),
+    (["train.optimizer=galore"], 2, "train.optimizer", "GaLore runs on one rank"),
     (["train.optimizer=sgd"], 2, "train.optimizer", "'sgd' runs where torch's optimizer does"),
     (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "on one rank"),
     (["train.optimizer=muon", "parallel.zero_stage=1"], 2, "parallel.zero_stage",
@@ -465,6 +466,7 @@ def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("train.optimizer=muon"), 1)
     validate_for_training(load("train.optimizer=lomo", "parallel.micro_batch=8"), 1)
+    validate_for_training(load("train.optimizer=galore"), 1)
     validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)
     validate_for_training(load("parallel.recompute=full", "parallel.pp=2",
                                "parallel.schedule=interleaved", "parallel.vpp=2",

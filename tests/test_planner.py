@@ -115,7 +115,7 @@ def test_pipedream_2bw_holds_two_weight_versions_three_with_prediction():
     assert got["2bw+wp"]["grads"] == got["1f1b"]["grads"]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "galore", "sgd"])
 def test_optimizer_state_matches_the_runtime(optimizer):
     """The planner's optimizer-state bytes on one rank equal, to the byte, what the runtime's
     optimizer holds after a step (its tensors, step counters aside): AdamW two fp32 moments,

@@ -68,10 +68,11 @@ def test_loss_falls_and_metrics_contract(tiny_overrides, tmp_path):
                                                                 "step_00000012"]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "galore"])
 def test_resume_is_bit_identical(tiny_overrides, tmp_path, optimizer):
     """fp32 on CPU: the losses after a resume equal those of an uninterrupted run exactly
-    (with Muon: both optimizers' states, Muon's momentum and AdamW's moments, come back)."""
+    (with Muon or GaLore: both optimizers' states come back, Muon's momentum or GaLore's
+    projections and low-rank moments, and AdamW's moments)."""
     sets = tiny_overrides + ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
                              "parallel.micro_batch=2", "train.sample_tokens=0",
                              f"train.optimizer={optimizer}"]
@@ -227,3 +228,32 @@ def test_cli_two_ranks_match_one_rank(tiny_overrides, tmp_path):
     assert len(list((latest_checkpoint(tmp_path / "two")).glob("rank_*.pt"))) == 2
     again = run_cli("train", *sets, "--steps", "3", "--run-dir", str(tmp_path / "one"))
     assert again.returncode == 0 and "already complete" in again.stdout
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8)])
+def test_galore_is_adam_in_a_refreshed_low_rank_subspace(shape):
+    """GaLore on one matrix, 3 steps with a subspace refresh every 2 (steps 0 and 2), against
+    the algorithm written out (arXiv 2403.03507, Alg. 2): rank 8 // 4 = 2, projection from
+    the left for a wide matrix and from the right for a tall one; float rounding only."""
+    from fivefold.memory.galore import GaLoreAdamW
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(shape))
+    ref = w.detach().clone()
+    opt = GaLoreAdamW([w], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                      update_gap=2, scale=0.25)
+    left, m, v = shape[0] <= shape[1], 0.0, 0.0
+    for k in range(1, 4):
+        g = torch.randn(shape)
+        w.grad = g.clone()
+        opt.step()
+        if k in (1, 3):  # refresh: top-2 singular vectors of this gradient
+            u, _, vh = torch.linalg.svd(g, full_matrices=False)
+            proj = u[:, :2] if left else vh[:2].T
+        low = proj.T @ g if left else g @ proj
+        m = 0.9 * m + 0.1 * low
+        v = 0.95 * v + 0.05 * low * low
+        n = (m / (1 - 0.9 ** k)) / ((v / (1 - 0.95 ** k)).sqrt() + 1e-8)
+        ref = ref * (1 - 0.1 * 0.1) - 0.1 * 0.25 * (proj @ n if left else n @ proj.T)
+        torch.testing.assert_close(w.detach(), ref, rtol=1e-5, atol=1e-6)
+    assert opt.state[w]["exp_avg"].shape == ((2, 20) if left else (20, 2))

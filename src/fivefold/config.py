@@ -118,8 +118,8 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
-                          'rest) | "sgd" | "lomo" (SGD fused into backward, one rank); '
-                          '"galore" is planner-only for now', "adamw")
+                          'rest) | "galore" (low-rank Adam on the blocks\' matrices, one '
+                          'rank) | "sgd" | "lomo" (SGD fused into backward, one rank)', "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
     lr: float = _doc("peak learning rate", 1e-3)
@@ -128,6 +128,9 @@ class TrainConfig:
     weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", 0.1)
     beta1: float = _doc("AdamW beta1 / SGD momentum", 0.9)
     muon_momentum: float = _doc("Muon's (Nesterov) momentum on the blocks' matrices", 0.95)
+    galore_update_gap: int = _doc("GaLore: steps between refreshes of each matrix's gradient "
+                                  "subspace (its rank is a quarter of the smaller side)", 200)
+    galore_scale: float = _doc("GaLore: scale of the projected-back update", 0.25)
     beta2: float = _doc("AdamW beta2", 0.95)
     eps: float = _doc("AdamW epsilon", 1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", 1.0)

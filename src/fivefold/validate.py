@@ -211,6 +211,8 @@ def validate_train(cfg: Config) -> None:
     _positive("train.lr", t.lr)
     _positive("train.eps", t.eps)
     _positive("train.timeout_s", t.timeout_s)
+    _positive("train.galore_update_gap", t.galore_update_gap)
+    _positive("train.galore_scale", t.galore_scale)
     for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
@@ -347,10 +349,11 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
-    if cfg.train.optimizer not in ("adamw", "muon", "sgd", "lomo"):
-        raise ConfigError("train.optimizer", f"{cfg.train.optimizer!r} is not implemented in "
-                                             "the runtime yet; use 'adamw', 'muon', 'sgd' or "
-                                             "'lomo'")
+    if cfg.train.optimizer == "galore" and (world_size > 1 or p.zero_stage > 0):
+        raise ConfigError("train.optimizer", "GaLore runs on one rank with "
+                                             "parallel.zero_stage = 0 (its per-matrix subspaces "
+                                             "are not built for data-parallel shards or "
+                                             "pipeline stages); use 'adamw' or 'muon' here")
     if cfg.train.optimizer == "lomo":
         per_rank = p.global_batch // max(1, world_size // (p.tp * p.pp * p.cp))
         if world_size > 1 or p.zero_stage > 0:

@@ -14,9 +14,10 @@ same way, so for the layouts the runtime executes they equal its ledger exactly.
 p bytes of the compute dtype, g of the gradient-reduction dtype, K the optimizer's state bytes
 per parameter: AdamW 8 (two fp32 moments), SGD with momentum 4, Muon 4 (one fp32 momentum)
 on the blocks' matrices and AdamW's 8 on every other parameter, LOMO 0 (it fuses the update
-into backward, LOMO arXiv 2306.09782, and keeps no full gradient either), GaLore the moments
-of rank-r projections (arXiv 2403.03507, Sec. 4, r = a quarter of the smaller side: 2 bytes
-per parameter; the projection matrices are not counted). Expert parameters of MoE layers are
+into backward, LOMO arXiv 2306.09782, and keeps no full gradient either), GaLore on each
+block matrix (A x B, A the smaller side) the fp32 moments of its rank-r projection, 8 r B,
+and the projection, 4 A r, with r = A / 4 (arXiv 2403.03507, Sec. 4; fivefold.memory.galore),
+and AdamW's 8 elsewhere. Expert parameters of MoE layers are
 split over ep ranks and sharded over the remaining data-parallel ranks.
 
 PipeDream-2BW (fivefold.parallel.pipeline.pipedream_2bw) holds two weight versions, and three
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
 from fivefold.planner.layout import PRECISION_BYTES, Layout
-from fivefold.planner.params import block_params, block_vector_params, root_params
+from fivefold.planner.params import (block_matrix_shapes, block_params, block_vector_params,
+                                     root_params)
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0, "galore": 8}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0}  # per element; GaLore: Unit
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,18 @@ class Unit:
     numel: int
     shard: int
     multiple: int = 1  # each shard a multiple of this many elements (ZeRO++ quantization)
-    matrices: int = 0  # elements in the blocks' weight matrices (Muon's share)
+    matrices: int = 0  # elements in the blocks' weight matrices (Muon's and GaLore's share)
+    low_rank_bytes: int = 0  # GaLore's state for those matrices (moments and projections)
 
     def state_bytes(self, optimizer: str) -> float:
-        """Optimizer state bytes per element: Muon's on its matrices, AdamW's elsewhere."""
-        if optimizer != "muon":
+        """Optimizer state bytes per element: Muon's or GaLore's on the matrices, AdamW's
+        elsewhere."""
+        if optimizer not in ("muon", "galore"):
             return OPTIMIZER_STATE_BYTES[optimizer]
-        muon = OPTIMIZER_STATE_BYTES["muon"]
-        return (muon * self.matrices + OPTIMIZER_STATE_BYTES["adamw"] *
-                (self.numel - self.matrices)) / self.numel
+        matrices = (OPTIMIZER_STATE_BYTES["muon"] * self.matrices if optimizer == "muon"
+                    else self.low_rank_bytes)
+        return (matrices + OPTIMIZER_STATE_BYTES["adamw"] * (self.numel - self.matrices)
+                ) / self.numel
 
     @property
     def padded(self) -> int:
@@ -62,6 +67,16 @@ class Unit:
     @property
     def shard_numel(self) -> int:
         return self.padded // self.shard
+
+
+def galore_state_bytes(model: ModelConfig, layer: int, tp: int = 1) -> int:
+    """GaLore's fp32 moments (8 r B) and projection (4 A r) over block `layer`'s matrices."""
+    total = 0
+    for shape in block_matrix_shapes(model, layer, tp):
+        a, b = sorted(shape)
+        r = max(1, a // 4)
+        total += 8 * r * b + 4 * a * r
+    return total
 
 
 def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool,
@@ -80,7 +95,9 @@ def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool,
         matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
         if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
             dense, expert = dense + expert, 0
-        units.append(Unit(dense, shard, multiple, matrices))
+        units.append(Unit(dense, shard, multiple, matrices,
+                          galore_state_bytes(model, i, lay.tp) if lay.optimizer == "galore"
+                          else 0))
         if expert:
             units.append(Unit(expert, expert_shard, multiple))
     return units
@@ -98,10 +115,7 @@ def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
         grads = max((u.padded for u in units), default=0) * g  # one unit's gradient at a time
     local = [(u.shard_numel if stage >= 1 else u.padded) for u in units]
     master = 0 if p == 4 else sum(local) * 4
-    if lay.optimizer == "galore":
-        optimizer = sum(local) * OPTIMIZER_STATE_BYTES["galore"] // 4  # rank-r moments
-    else:
-        optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in zip(local, units)))
+    optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in zip(local, units)))
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer}
 

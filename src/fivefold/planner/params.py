@@ -28,6 +28,24 @@ def attention_params(model: ModelConfig, tp: int = 1) -> int:
     return D * q + 2 * D * kv + q * D + bias
 
 
+def block_matrix_shapes(model: ModelConfig, layer: int, tp: int = 1) -> list[tuple[int, int]]:
+    """(rows, columns) of block `layer`'s 2-D weight matrices on one tensor-parallel rank:
+    attention, then the dense MLP, or the router and shared experts of an MoE layer (routed
+    experts are one 3-D tensor per projection)."""
+    D = model.hidden
+    q, kv, _ = _qkv_widths(model, tp)
+    shapes = [(q, D), (kv, D), (kv, D), (D, q)]
+    if is_moe_layer(model, layer):
+        m = model.moe
+        shapes.append((m.experts, D))
+        if m.shared_experts:
+            f = m.shared_experts * (m.expert_ffn_hidden or model.ffn_hidden) // tp
+            shapes += [(f, D), (f, D), (D, f)]
+        return shapes
+    f = model.ffn_hidden // tp
+    return shapes + ([(f, D)] * (2 if model.ffn_type == "swiglu" else 1) + [(D, f)])
+
+
 def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
     """The vectors of one block (two norm gains, the query/key/value biases): with Muon they
     stay with AdamW, as everything outside the blocks' matrices (fivefold.train.optim)."""

@@ -30,7 +30,7 @@ from fivefold.planner import activations as A
 from fivefold.planner.compute import is_moe_layer
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.layout import PRECISION_BYTES, Layout, layout_from_config
-from fivefold.planner.memory import Unit
+from fivefold.planner.memory import Unit, galore_state_bytes
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.simulate import Estimate, StepModel, default_precision
@@ -125,15 +125,23 @@ class FastScorer:
             root_params(m, lay.tp, True, pp == 1)
         shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
         opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
-        matrices = 0.0
-        if lay.optimizer == "muon":  # Muon's share of the state, and its orthogonalization
+        matrices = low_rank = 0.0
+        if lay.optimizer in ("muon", "galore"):  # their share of the state
             vectors = block_vector_params(m, lay.tp)
             matrices = sum(n * (sm.block_numel(moe, dense_only=True) - vectors)
                            for n, moe in kinds) / pp
+            low_rank = sum(n * galore_state_bytes(m, self._first_layer(moe), lay.tp)
+                           for n, moe in kinds) / pp
+        if lay.optimizer == "muon":  # and Muon's orthogonalization
             opt_s += sum(n * sm.newton_schulz_s(moe) for n, moe in kinds) / pp
         step = pipe + tail + regather + opt_s
-        state = Unit(round(numel), 1, matrices=round(matrices)).state_bytes(lay.optimizer)
+        state = Unit(round(numel), 1, matrices=round(matrices),
+                     low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
         return step, self._memory(sm, lay, numel, shard, rank_layers, state)
+
+    def _first_layer(self, moe: bool) -> int:
+        m = self.cfg.model
+        return next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
 
     def _dp(self, sm: StepModel, lay: Layout, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:

@@ -13,6 +13,9 @@ orthogonalize). Muon's step is scaled to AdamW's update RMS (0.2 sqrt(max(A, B))
 Sec. 2.2), so both take `train.lr` and `train.weight_decay`. Why fivefold has it: under one
 step of gradient staleness (PipeDream-2BW) AdamW loses ~12% on the default run and Muon
 under 1% (docs/pipeline.md; Zmushko et al., arXiv 2606.30634, find the same).
+
+GaLore (`train.optimizer = "galore"`, fivefold.memory.galore) takes the same split: low-rank
+Adam on the blocks' matrices, AdamW on the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from fivefold.config import TrainConfig
+from fivefold.memory.galore import GaLoreAdamW
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -43,8 +47,9 @@ def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-class MuonAdamW:
-    """Muon on the blocks' matrices and AdamW on the other parameters, stepped together.
+class OptimizerPair:
+    """Muon or GaLore on the blocks' matrices and AdamW on the other parameters, stepped
+    together.
 
     Iterating it gives the torch optimizers (one where a pipeline stage holds only one
     kind), which is the form DCP's get_state_dict and set_state_dict take several optimizers
@@ -70,13 +75,14 @@ class MuonAdamW:
             opt.zero_grad(set_to_none=set_to_none)
 
 
-def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+def is_block_matrix(name: str, param: torch.Tensor) -> bool:
     """A weight matrix inside a transformer block (models and pipeline stages alike)."""
     return name.startswith("layers.") and param.dim() == 2
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device):
-    """torch's AdamW or SGD, or `MuonAdamW`, over the model's trainable parameters."""
+    """torch's AdamW or SGD, or an `OptimizerPair` (Muon or GaLore, and AdamW), over the
+    model's trainable parameters."""
     return optimizer_for([(n, q) for n, q in model.named_parameters() if q.requires_grad],
                          cfg, device)
 
@@ -87,17 +93,22 @@ def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
     or views of the data-parallel engine's flat master weights."""
     adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                  fused=device.type == "cuda")
-    if cfg.optimizer == "muon":
-        matrices = [q for n, q in named if is_muon_matrix(n, q)]
-        rest = param_groups([q for n, q in named if not is_muon_matrix(n, q)], cfg.weight_decay)
+    if cfg.optimizer in ("muon", "galore"):
+        matrices = [q for n, q in named if is_block_matrix(n, q)]
+        rest = param_groups([q for n, q in named if not is_block_matrix(n, q)], cfg.weight_decay)
         optimizers = []
-        if matrices:
+        if matrices and cfg.optimizer == "muon":
             optimizers.append(torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                momentum=cfg.muon_momentum,
                                                adjust_lr_fn="match_rms_adamw"))
+        elif matrices:
+            optimizers.append(GaLoreAdamW(matrices, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                          eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                          update_gap=cfg.galore_update_gap,
+                                          scale=cfg.galore_scale))
         if rest:
             optimizers.append(torch.optim.AdamW(rest, **adamw))
-        return MuonAdamW(*optimizers)
+        return OptimizerPair(*optimizers)
     groups = param_groups([q for _, q in named], cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)

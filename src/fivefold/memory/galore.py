@@ -1,0 +1,77 @@
+"""GaLore: Adam in a low-rank subspace of each weight matrix's gradient.
+
+GaLore (Zhao et al., arXiv 2403.03507, Sec. 4, Algorithm 2) keeps full-parameter training
+but shrinks the optimizer state: for an m x n weight matrix (m <= n) it takes the top-r
+left singular vectors P (m x r) of the gradient G every `update_gap` steps, runs Adam on the
+projected gradient R = P^T G (r x n), and applies the projected-back update scale * P N,
+N Adam's normalized step. For m > n it projects from the right (R = G Q, Q n x r). The
+moments then take 2 r n instead of 2 m n values, plus the projection; with the paper's
+rank of a quarter of the smaller side (r = D/4 in its runs) that is 2 bytes per parameter
+for the moments in fp32 (fivefold.planner.memory counts the same, projection included).
+
+`GaLoreAdamW` handles the blocks' weight matrices; fivefold.train.optim pairs it with AdamW
+for the embedding, head and norm gains, as for Muon. Weight decay is decoupled and
+full-rank, as AdamW's. The moments carry over when the projection is refreshed (they are
+not reset); the projection is kept in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def galore_rank(shape: torch.Size | tuple[int, int]) -> int:
+    """The projection rank of a matrix: a quarter of its smaller side (at least 1)."""
+    return max(1, min(shape) // 4)
+
+
+class GaLoreAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, update_gap: int, scale: float):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      update_gap=update_gap, scale=scale))
+
+    def init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero state of matrix `p` (also what a checkpoint load fills)."""
+        state = self.state[p]
+        if not state:
+            m, n = p.shape
+            r = galore_rank(p.shape)
+            low = (r, n) if m <= n else (m, r)
+            state.update(step=torch.zeros(()),
+                         proj=torch.zeros((m, r) if m <= n else (n, r), dtype=torch.float32,
+                                          device=p.device),
+                         exp_avg=torch.zeros(low, dtype=torch.float32, device=p.device),
+                         exp_avg_sq=torch.zeros(low, dtype=torch.float32, device=p.device))
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """One update of every matrix with a gradient (torch's state-dict loader passes
+        `closure=None`; a closure is not supported)."""
+        if closure is not None:
+            raise ValueError("GaLoreAdamW.step takes no closure")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.init_state(p)
+                grad, left = p.grad.float(), p.shape[0] <= p.shape[1]
+                k = int(state["step"])
+                if k % group["update_gap"] == 0:  # a new subspace from this gradient
+                    u, _, vh = torch.linalg.svd(grad, full_matrices=False)
+                    r = state["proj"].shape[1]
+                    state["proj"].copy_(u[:, :r] if left else vh[:r].T)
+                proj = state["proj"]
+                low = proj.T @ grad if left else grad @ proj
+                k += 1
+                state["step"].fill_(k)
+                state["exp_avg"].lerp_(low, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(low, low, value=1 - beta2)
+                m_hat = state["exp_avg"] / (1 - beta1 ** k)
+                v_hat = state["exp_avg_sq"] / (1 - beta2 ** k)
+                normalized = m_hat / (v_hat.sqrt() + group["eps"])
+                update = proj @ normalized if left else normalized @ proj.T
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * group["scale"])
