@@ -355,16 +355,15 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                              "are not built for data-parallel shards or "
                                              "pipeline stages); use 'adamw' or 'muon' here")
     if cfg.train.optimizer == "lomo":
-        per_rank = p.global_batch // max(1, world_size // (p.tp * p.pp * p.cp))
         if world_size > 1 or p.zero_stage > 0:
             raise ConfigError("train.optimizer", "LOMO updates each parameter inside backward "
                                                  "and keeps no gradient to reduce: it runs on "
                                                  "one rank with parallel.zero_stage = 0")
-        if p.micro_batch and p.micro_batch < per_rank:
+        if p.micro_batch and p.micro_batch < p.global_batch:  # one rank holds the whole batch
             raise ConfigError("parallel.micro_batch", "LOMO applies the update during "
                                                       "backward, so it cannot accumulate "
                                                       "micro-batches: leave micro_batch unset "
-                                                      f"or set it to {per_rank}")
+                                                      f"or set it to {p.global_batch}")
         if p.precision == "fp16":
             raise ConfigError("parallel.precision", "LOMO with fp16 loss scaling is not "
                                                     "implemented; use bf16 or fp32")

@@ -149,13 +149,9 @@ class DataParallelEngine:
         self._attach_grad_views()
         self.decay_masks = [u.decay_mask() for u in self.units]
         self.views: list[tuple[str, torch.Tensor]] = []  # Muon: each parameter's master
-        self.slices: list[tuple[int, int, int, torch.Size]] = []  # its (unit, offset, n, shape)
         if train.optimizer == "muon":  # stage 0 only (config validation): whole matrices
-            for i, unit in enumerate(self.units):
-                for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels,
-                                               unit.shapes):
-                    self.slices.append((i, off, n, shape))
-                    self.views.append((name, self.masters[i].detach()[off:off + n].view(shape)))
+            self.views = [(name, view) for unit, master in zip(self.units, self.masters)
+                          for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
         else:
             self.optimizer = torch.optim.AdamW(self.masters, lr=train.lr, weight_decay=0.0,
@@ -197,8 +193,8 @@ class DataParallelEngine:
         for unit, buf in zip(self.units, self.grad_buffers):
             if buf is None:
                 continue
-            for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels, unit.shapes):
-                p.grad = buf[off:off + n].view(shape)
+            for p, grad in zip(unit.params, unit.views(buf)):
+                p.grad = grad
 
     def record_model_state(self) -> None:
         """Bytes of parameters, gradients, optimizer states and master copies on this rank."""
@@ -375,8 +371,11 @@ class DataParallelEngine:
         wd = self.train_cfg.weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        for (_, view), (i, off, n, shape) in zip(self.views, self.slices):
-            view.grad = self.masters[i].grad[off:off + n].view(shape)
+        if self.views:  # the same slicing of the master gradient
+            grads = [g for unit, master in zip(self.units, self.masters)
+                     for g in unit.views(master.grad)]
+            for (_, view), grad in zip(self.views, grads):
+                view.grad = grad
         if wd and not self.views:
             factor = 1.0 - lr * wd
             for m, mask in zip(self.masters, self.decay_masks):
@@ -480,6 +479,6 @@ class DataParallelEngine:
             else:
                 flat = torch.empty(unit.padded, dtype=torch.float32, device=master.device)
                 C.all_gather(flat, master.detach(), self.shard_axis, "state_dict")
-            for name, off, n, shape in zip(unit.names, unit.offsets, unit.numels, unit.shapes):
-                out[name] = flat[off:off + n].view(shape).clone()
+            for name, view in zip(unit.names, unit.views(flat)):
+                out[name] = view.clone()
         return out

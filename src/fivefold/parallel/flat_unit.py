@@ -40,10 +40,16 @@ class FlatUnit:
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
         self.point_params_at(self.full)
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of `flat` (a whole-unit buffer), in its shape, sharing
+        storage; in parameter order."""
+        return [flat[off:off + n].view(shape)
+                for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Make each parameter a view of its slice of `flat` (same storage)."""
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = flat[off:off + n].view(shape)
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
 
     def decay_mask(self) -> torch.Tensor:
         """Bool over this rank's shard: True where weight decay applies (matrices)."""

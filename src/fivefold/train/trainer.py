@@ -320,7 +320,7 @@ class Trainer:
         p = self.cfg.parallel
         layout = {f"parallel.{key}": getattr(p, key)
                   for key in ("pp", "tp", "vpp", "stage_layers", "zero_stage", "zero_group", "hpz")}
-        asynchronous = p.pp > 1 and p.schedule == "pipedream-2bw"
+        asynchronous = bool(self.pipeline and self.pipeline.asynchronous)
         layout["parallel.schedule"] = "pipedream-2bw" if asynchronous else "synchronous"
         layout["parallel.weight_prediction"] = asynchronous and p.weight_prediction
         layout["parallel.dp"] = self.dp
