@@ -130,18 +130,14 @@ class FastScorer:
             vectors = block_vector_params(m, lay.tp)
             matrices = sum(n * (sm.block_numel(moe, dense_only=True) - vectors)
                            for n, moe in kinds) / pp
-            low_rank = sum(n * galore_state_bytes(m, self._first_layer(moe), lay.tp)
+            low_rank = sum(n * galore_state_bytes(m, sm.first_layer(moe), lay.tp)
                            for n, moe in kinds) / pp
         if lay.optimizer == "muon":  # and Muon's orthogonalization
-            opt_s += sum(n * sm.newton_schulz_s(moe) for n, moe in kinds) / pp
+            opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
         step = pipe + tail + regather + opt_s
         state = Unit(round(numel), 1, matrices=round(matrices),
                      low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
         return step, self._memory(sm, lay, numel, shard, rank_layers, state)
-
-    def _first_layer(self, moe: bool) -> int:
-        m = self.cfg.model
-        return next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
 
     def _dp(self, sm: StepModel, lay: Layout, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:

@@ -55,14 +55,14 @@ from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
-from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_gemms,
-                                      block_times, embedding_times, head_times, is_moe_layer,
+from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
+                                      embedding_times, head_times, is_moe_layer,
                                       newton_schulz_time)
 from fivefold.planner.hardware import HardwareProfile, load_profile
 from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_layout,
                                      layout_from_config)
 from fivefold.planner.memory import model_state_bytes, stage_units
-from fivefold.planner.params import block_params, root_params
+from fivefold.planner.params import block_matrix_shapes, block_params, root_params
 from fivefold.planner.replay import Replay, replay
 from fivefold.planner.schedules import Action, actions_for
 
@@ -230,12 +230,16 @@ class StepModel:
         self.cache[key] = (t, f_comm, b_comm)
         return self.cache[key]
 
+    def first_layer(self, moe: bool) -> int:
+        """The first block of the kind (MoE or dense), which stands for all of them."""
+        m = self.model
+        return next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
+
     def block_numel(self, moe: bool, dense_only: bool = False) -> int:
         """Parameters of one block of the kind on one rank (`dense_only`: without the
         routed experts)."""
-        m = self.model
-        index = next((i for i in range(m.layers) if is_moe_layer(m, i) == moe), 0)
-        dense, expert = block_params(m, index, self.lay.tp, self.lay.ep)
+        dense, expert = block_params(self.model, self.first_layer(moe), self.lay.tp,
+                                     self.lay.ep)
         return dense if dense_only else dense + expert
 
     def _layer_cost(self, moe: bool) -> LayerCost:
@@ -485,16 +489,14 @@ class StepModel:
             matrices = u.matrices * local / u.numel if lay.optimizer == "muon" else 0
             traffic += local * per_param - matrices * (adamw - momentum)
         if lay.optimizer == "muon":
-            ns = sum(self.newton_schulz_s(is_moe_layer(self.model, i))
-                     for i in self.rank_layers(rank))
+            ns = sum(self.newton_schulz_s(i) for i in self.rank_layers(rank))
         e = self.prof.eff
         return traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s + ns
 
-    def newton_schulz_s(self, moe: bool) -> float:
-        """Muon's orthogonalization of one block's weight matrices on one rank."""
-        attn, mlp = block_gemms(self.model, self.shard, moe)
-        return newton_schulz_time([(g.k, g.n) for g in attn + mlp
-                                   if not g.name.startswith("expert.")], self.prof)
+    def newton_schulz_s(self, layer: int) -> float:
+        """Muon's orthogonalization of block `layer`'s weight matrices on one rank."""
+        return newton_schulz_time(block_matrix_shapes(self.model, layer, self.lay.tp),
+                                  self.prof)
 
     def rank_layers(self, rank: int) -> list[int]:
         return [i for g in range(rank, len(self.stage_layers), self.lay.pp)
