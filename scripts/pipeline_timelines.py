@@ -23,13 +23,14 @@ import torch
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.pipeline.build import build_pipeline_stage, pipeline_schedules
+from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.replay import Event, bubble_fraction, replay
 from fivefold.parallel.pipeline.schedules import (COMPUTE, UPDATE, build_schedule,
                                                   pipedream_2bw_schedule, theory_bubble)
 from fivefold.parallel.pipeline.timeline import chrome_trace, plot_timeline
+from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
 from fivefold.train.optim import build_optimizer
 
@@ -58,7 +59,8 @@ def measure(rt, name, schedule, vpp, slices, micro_batches, steps):
     mesh = Mesh({"pp": rt.world_size, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1},
                 "cpu", Ledger())
     axis = mesh.axis("pp")
-    stage = build_pipeline_stage(cfg, axis.rank, rt.device)
+    plan = plan_from_config(cfg, rt.world_size)
+    stage = build_pipeline_stage(cfg, plan, axis.rank, rt.device)
     tokens = torch.randint(0, cfg.model.vocab, (8, cfg.model.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -69,7 +71,7 @@ def measure(rt, name, schedule, vpp, slices, micro_batches, steps):
         for step in range(steps):
             engine.train_step(step, 1e-4)
         return [engine.timeline]
-    train, _ = pipeline_schedules(cfg, micro_batches)
+    train, _ = plan.pipeline_schedules(cfg.model.tied_embeddings)
     engine = PipelineEngine(stage, train, axis, record_timeline=True)
     out = []
     for _ in range(steps):

@@ -11,6 +11,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config
+from fivefold.parallel.plan import ParallelPlan, training_plan
 from fivefold.planner.auto import layout_overrides, resolve_auto
 from fivefold.train.checkpoint import latest_checkpoint
 from fivefold.validate import validate_for_training
@@ -51,6 +52,10 @@ def test_resolved_layout_validates_and_is_the_written_layout(world, tiny_overrid
     assert est["tp"] * est["pp"] * est["cp"] * est["dp"] == world
     assert auto.profile.name == "cpu" and est["precision"] == "fp32"
     assert auto.result.scored >= 1 and auto.estimate.step_time_s > 0
+    # one plan: the scored one is the written config's training plan, and survives JSON
+    assert auto.plan is auto.estimate.layout
+    assert training_plan(auto.cfg, world, "cpu") == auto.plan
+    assert ParallelPlan.from_dict(json.loads(json.dumps(auto.plan.to_dict()))) == auto.plan
 
 
 def test_keys_set_alongside_auto_are_held_fixed(tiny_overrides):
@@ -103,6 +108,11 @@ def test_cli_trains_the_resolved_layout_on_two_ranks(tiny_overrides, tmp_path):
     written = lines[0].split("the same as ")[1].split()
     meta = json.loads((latest_checkpoint(tmp_path / "auto") / "meta.json").read_text())
     assert meta["config"]["parallel"]["auto"] is False
+    # the ranks trained the plan the launcher scored, handed over as a plan, not as strings
+    scored = resolve_auto(load_config(None, tiny_overrides + ["parallel.global_batch=8",
+                                                              "parallel=auto"]), 2, "cpu").plan
+    handed = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert ParallelPlan.from_dict(handed) == ParallelPlan.from_dict(meta["plan"]) == scored
     plain = run_cli("train", *sets, *(a for s in written for a in ("--set", s)), "--steps", "2",
                     "--nproc", "2", "--run-dir", str(tmp_path / "written"))
     assert plain.returncode == 0, plain.stdout + plain.stderr

@@ -44,13 +44,14 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
 from fivefold.models.llama import build_model
 from fivefold.parallel.data_parallel import DataParallelEngine
+from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.pipeline.build import (build_pipeline_stage, layer_ranges,
-                                              pipeline_schedules)
-from fivefold.parallel.pipeline.executor import PipelineEngine, clip_grad_norm_
+from fivefold.parallel.pipeline.build import build_pipeline_stage, layer_ranges
+from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
+from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler, prepare_data
 from fivefold.train.optim import build_optimizer, lr_at
@@ -97,7 +98,8 @@ def pipeline_rank(rt, cfg, dp, ledger):
     the train and validation samplers of its dp rank."""
     mesh = Mesh({"pp": rt.world_size // dp, "dp_replicate": 1, "dp_shard": dp, "cp": 1, "tp": 1},
                 "cpu", ledger)
-    stage = build_pipeline_stage(cfg, mesh.axis("pp").rank, rt.device)
+    plan = plan_from_config(cfg, rt.world_size)
+    stage = build_pipeline_stage(cfg, plan, mesh.axis("pp").rank, rt.device)
     data = prepare_data(cfg, log=lambda _: None)
     train, val = (BatchSampler(tokens, cfg.model.seq_len, cfg.parallel.global_batch,
                                cfg.train.seed, split, mesh.axis("dp_shard").rank, dp)
@@ -114,9 +116,9 @@ def pipeline_run(rt, base, layout, tmp):
     mesh, stage, sampler, val_sampler = pipeline_rank(rt, cfg, dp, ledger)
     pp_axis, dp_axis = mesh.axis("pp"), mesh.axis("dp_shard")
     p, t = cfg.parallel, cfg.train
-    per_rank = p.global_batch // dp
     engine = DataParallelEngine(stage, zero, mesh, t, rt.device) if zero is not None else None
-    train, evaluation = pipeline_schedules(cfg, per_rank // p.micro_batch)
+    train, evaluation = plan_from_config(cfg, rt.world_size).pipeline_schedules(
+        cfg.model.tied_embeddings)
     pipe = PipelineEngine(stage, train, pp_axis, evaluation, grad_sync=engine)
     optimizer = None if engine else build_optimizer(stage, t, rt.device)
     global_tokens = p.global_batch * cfg.model.seq_len
@@ -193,10 +195,11 @@ def test_stages_hold_the_plain_models_parameters():
     cfg = load_config(None, TEST_MODEL + ["model.layers=7", "model.tied_embeddings=true",
                                           "parallel.pp=4"])
     plain = dict(build_model(cfg.model, cfg.train.seed).named_parameters())
-    assert [len(r) for r in layer_ranges(cfg)] == [2, 2, 2, 1]
+    plan = plan_from_config(cfg, 4)
+    assert [len(r) for r in layer_ranges(cfg.model, plan)] == [2, 2, 2, 1]
     seen = {}
     for rank in range(4):
-        stage = build_pipeline_stage(cfg, rank, torch.device("cpu"))
+        stage = build_pipeline_stage(cfg, plan, rank, torch.device("cpu"))
         seen.update(dict(stage.named_parameters()))
         if rank == 3:
             assert torch.equal(stage.tied_head_weight, plain["tok_embeddings.weight"])
@@ -211,7 +214,7 @@ def test_zero_bubble_split_equals_the_full_backward():
     tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
     grads = []
     for name in ("1f1b", "zb"):
-        stage = build_pipeline_stage(cfg, 0, torch.device("cpu"))
+        stage = build_pipeline_stage(cfg, plan_from_config(cfg, 1), 0, torch.device("cpu"))
         schedule = build_schedule(name, 1, 2)
         axis = C.Axis("pp", None, 1, 0, Ledger())
         PipelineEngine(stage, schedule, axis).train_step(tokens[:, :-1], tokens[:, 1:], 1e-2)

@@ -33,6 +33,7 @@ from fivefold.config import ConfigError, load_config
 from fivefold.models.llama import build_model
 from fivefold.models.pretrained import WEIGHTS_FILE, convert, load_weights_into
 from fivefold.parallel.pipeline.build import build_pipeline_stage
+from fivefold.parallel.plan import plan_from_config
 from fivefold.parallel.tensor import gather_full_state
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import prepare_data
@@ -297,7 +298,7 @@ def test_stage_takes_pretrained_weights_by_name(base):
     cfg = load_config(None, base + ["parallel.pp=2", "model.tied_embeddings=true"])
     plain = build_model(cfg.model, seed=123).state_dict()
     for rank in range(2):
-        stage = build_pipeline_stage(cfg, rank, torch.device("cpu"))
+        stage = build_pipeline_stage(cfg, plan_from_config(cfg, 2), rank, torch.device("cpu"))
         stage.load_plain_state(plain)
         for name, q in stage.named_parameters():
             assert torch.equal(q, plain[name]), name

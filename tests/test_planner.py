@@ -22,7 +22,7 @@ from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
 from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
-from fivefold.planner.layout import PRECISION_BYTES, layout_from_config
+from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
 from fivefold.planner.replay import replay
@@ -70,7 +70,7 @@ def test_model_state_bytes_follow_the_zero_table(stage):
     stage says (units sized to need no padding)."""
     cfg = load_config(None, ["parallel.precision='bf16'", f"parallel.zero_stage={stage}",
                              "cluster.gpus=8"])
-    lay = layout_from_config(cfg)
+    lay = plan_from_config(cfg, cfg.cluster.gpus)
     n = 8
     units = [Unit(8 * 1000, n if stage else 1), Unit(8 * 3000, n if stage else 1)]
     psi = 32000
@@ -89,7 +89,7 @@ def test_units_pad_to_the_shard_degree():
 
 def test_pipeline_stage_units_hold_their_blocks_and_root():
     cfg = load_config(None, ["model.preset='8B'", "cluster.gpus=8", "parallel.pp=4"])
-    lay = layout_from_config(cfg)
+    lay = plan_from_config(cfg, cfg.cluster.gpus)
     m = cfg.model
     first = sum(u.numel for u in stage_units(m, lay, list(range(8)), True, False))
     last = sum(u.numel for u in stage_units(m, lay, list(range(24, 32)), False, True))
@@ -108,9 +108,9 @@ def test_pipedream_2bw_holds_two_weight_versions_three_with_prediction():
                                     "parallel.weight_prediction=true"])]:
         cfg = load_config(None, base + extra)
         validate(cfg)
-        got[name] = model_state_bytes(units, layout_from_config(cfg))
+        got[name] = model_state_bytes(units, plan_from_config(cfg, cfg.cluster.gpus))
     one = got["1f1b"]["params"]
-    assert one == 4000 * PRECISION_BYTES[layout_from_config(cfg).precision]
+    assert one == 4000 * PRECISION_BYTES[plan_from_config(cfg, cfg.cluster.gpus).precision]
     assert [got[k]["params"] for k in ("2bw", "2bw+wp")] == [2 * one, 3 * one]
     assert got["2bw+wp"]["grads"] == got["1f1b"]["grads"]
 
@@ -134,7 +134,7 @@ def test_optimizer_state_matches_the_runtime(optimizer):
     held = sum(t.numel() * t.element_size()
                for o in getattr(opt, "optimizers", [opt]) for state in o.state.values()
                for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    lay = layout_from_config(cfg)
+    lay = plan_from_config(cfg, cfg.cluster.gpus)
     units = stage_units(cfg.model, lay, list(range(cfg.model.layers)), True, True)
     assert model_state_bytes(units, lay)["optimizer"] == held
 
@@ -308,7 +308,7 @@ def test_search_returns_fitting_layouts_fastest_first():
     cfg = spec_config(spec(model={"preset": "8B", "layers": 8}, cluster={"gpus": 16},
                            parallel={"global_batch": 32}))
     result = search(cfg, H100, top_k=3)
-    assert result.scored == len(candidates(cfg, layout_from_config(cfg)))
+    assert result.scored == len(candidates(cfg, plan_from_config(cfg, cfg.cluster.gpus)))
     assert result.scored > 1000 and 0 < result.fitting <= result.scored
     times = [e.step_time_s for e in result.best]
     assert len(times) == 3 and times == sorted(times) and all(e.fits for e in result.best)

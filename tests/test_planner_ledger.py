@@ -32,10 +32,10 @@ from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
 from fivefold.memory.recompute import apply_full_recompute
 from fivefold.models.llama import build_model
+from fivefold.parallel.plan import training_plan
 from fivefold.planner.activations import block_saved_bytes, root_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.memory import stage_units
-from fivefold.planner.ledger_model import runtime_layout
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import prepare_data
 from fivefold.train.trainer import Trainer
@@ -182,7 +182,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
         cfg = load_config(None, overrides + sets)
         for rank in range(world):
             got = recorded[rank][i]
-            predicted = predict_ledger(cfg, world, rank=rank)
+            predicted = predict_ledger(cfg, training_plan(cfg, world, "cpu"), rank=rank)
             where = f"{label}, rank {rank}"
             assert got[0], where  # every case communicates
             assert predicted.totals("bytes") == got[0], where
@@ -208,7 +208,7 @@ def test_cases_span_the_implemented_dimensions(overrides):
 
 def _units(sets, world):
     cfg = load_config(None, sets)
-    lay = runtime_layout(cfg, world)
+    lay = training_plan(cfg, world, "cpu")
     return stage_units(cfg.model, lay, list(range(cfg.model.layers)), True, True)
 
 

@@ -14,12 +14,14 @@ and the fix, before any rank starts; no Python traceback is shown for it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 from fivefold.config import Config, ConfigError, load_config
+from fivefold.parallel.plan import ParallelPlan, training_plan
 from fivefold.planner import commands as planner_commands
-from fivefold.validate import validate_for_training
 
 DEFAULT_RUN_DIR = "runs/default"
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-from", metavar="FOLDER",
                        help="start from these weights: a Hugging Face model folder, a fivefold "
                             "weights folder or a training checkpoint; the model shape is theirs")
+    train.add_argument("--plan", help=argparse.SUPPRESS)  # parallel=auto: the launcher's plan
     convert = sub.add_parser("convert", help="convert weights: Hugging Face folder <-> fivefold "
                                              "weights folder (or a training checkpoint -> HF)")
     convert.add_argument("src", help="Hugging Face folder, fivefold weights folder, or a run "
@@ -75,27 +78,68 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     under_launcher = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
     cfg = train_config(args)
-    if cfg.parallel.auto:  # once, before any rank trains; the ranks get the layout spelled out
-        from fivefold.planner.auto import resolve_for_training
-
-        cfg, layout = resolve_for_training(cfg, world_size, os.environ.get("RANK", "0") == "0")
-        argv = [*argv, *(arg for assignment in layout for arg in ("--set", assignment))]
-    validate_for_training(cfg, world_size)
+    device_type = _device_type(cfg)
+    if cfg.parallel.auto:
+        cfg, plan = _auto_plan(cfg, world_size, device_type, args.plan)
+        if world_size > 1 and not under_launcher:  # the ranks get the plan, not a search
+            argv = [*argv, "--plan", str(_write_plan(plan, args.run_dir))]
+    else:
+        plan = training_plan(cfg, world_size, device_type)
     if world_size > 1 and not under_launcher:
         from fivefold.train.data import prepare_data
 
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _without_nproc(argv))
-    return _train_this_rank(cfg, args.run_dir, args.init_from)
+    return _train_this_rank(cfg, plan, args.run_dir, args.init_from)
 
 
-def _train_this_rank(cfg: Config, run_dir: str, init_from: str | None = None) -> int:
+def _device_type(cfg: Config) -> str:
+    """"cuda" or "cpu", as `train.device` resolves on this machine."""
+    from fivefold.train.dist import pick_device
+
+    try:
+        return pick_device(cfg.train.device, 0).type
+    except RuntimeError as err:
+        raise ConfigError("train.device", str(err)) from None
+
+
+def _auto_plan(cfg: Config, world_size: int, device_type: str, plan_file: str | None
+               ) -> tuple[Config, ParallelPlan]:
+    """`parallel = "auto"`: the plan the launcher chose (`--plan`, on a launched rank) or the
+    planner's choice, announced once; with the config that spells it out, whose own
+    training plan must be that plan (what is trained is what was scored)."""
+    from fivefold.planner.auto import layout_config, resolve_auto
+
+    if plan_file is not None:
+        plan = ParallelPlan.from_dict(json.loads(Path(plan_file).read_text()))
+        cfg = layout_config(cfg, plan)
+    else:
+        auto = resolve_auto(cfg, world_size, device_type)
+        if os.environ.get("RANK", "0") == "0":
+            print(auto.summary(), flush=True)
+        cfg, plan = auto.cfg, auto.plan
+    trained = training_plan(cfg, world_size, device_type)
+    if trained != plan:
+        raise RuntimeError(f"parallel.auto: the scored plan {plan} is not the plan of its "
+                           f"spelled-out config {trained}; please report this")
+    return cfg, plan
+
+
+def _write_plan(plan: ParallelPlan, run_dir: str) -> Path:
+    path = Path(run_dir) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan.to_dict(), indent=1))
+    return path
+
+
+def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
+                     init_from: str | None = None) -> int:
     from fivefold.train.dist import init_runtime, shutdown
     from fivefold.train.trainer import Trainer
 
     rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
     try:
-        Trainer(cfg, rt, run_dir, init_from=init_from).run()
+        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan).run()
     finally:
         shutdown()
     return 0

@@ -369,6 +369,9 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                                     "implemented; use bf16 or fp32")
     plain = (world_size == 1 and p.zero_stage == 0) or (p.pp > 1 and
                                                         p.schedule == "pipedream-2bw")
+    if p.precision == "fp16" and not plain:
+        raise ConfigError("parallel.precision", "fp16 loss scaling runs on one rank only for "
+                                                "now; use bf16 or fp32 with data parallelism")
     if cfg.train.optimizer == "sgd" and not plain:
         raise ConfigError("train.optimizer", "'sgd' runs where torch's optimizer does: on one "
                                              "rank without ZeRO, or per stage under "

@@ -186,7 +186,6 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
     """The model (pp = 1) or pipeline stage of one (pp, tp) rank, on the meta device, split
     over tp as the run split it: its parameters have the shapes and order the run's units had."""
     from fivefold.comm.collectives import Axis
-    from fivefold.parallel.pipeline.build import stage_ids_of_rank
     from fivefold.parallel.pipeline.partition import stage_layer_ranges
     from fivefold.parallel.pipeline.stage import PipelineStage
     from fivefold.parallel.tensor import apply_tensor_parallel
@@ -203,7 +202,7 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
                 ranges = stage_layer_ranges(cfg, pp * vpp, parallel.get("stage_layers"))
             except ValueError as err:
                 raise CheckpointError(str(step / "meta.json"), f"parallel config: {err}")
-            model = PipelineStage(cfg, stage_ids_of_rank(pp, vpp, pp_rank), ranges)
+            model = PipelineStage(cfg, list(range(pp_rank, pp * vpp, pp)), ranges)  # its chunks
         if tp > 1:  # shapes only: no collective runs while splitting
             apply_tensor_parallel(model, Axis("tp", None, tp, tp_rank, None), False)
     return model

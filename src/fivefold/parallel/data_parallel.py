@@ -113,7 +113,8 @@ class DataParallelEngine:
     """Owns the parameters, gradients and optimizer of a data-parallel model replica.
 
     Per optimizer step: `prepare_backward(last)` and `after_backward()` around each
-    micro-batch's backward, then `clip_grad_norm_`, `step(lr)` and `zero_grad()`.
+    micro-batch's backward, then clipping of `masters`' gradients
+    (fivefold.parallel.grad_clip), `step(lr)` and `zero_grad()`.
     """
 
     def __init__(self, model: nn.Module, stage: int, mesh: Mesh, train: TrainConfig,
@@ -348,18 +349,6 @@ class DataParallelEngine:
             if self.stage >= 1:  # hierarchical sharding: second hop across replicas
                 C.all_reduce(grad, self.replicate_axis, "grads")
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (over every shard) to `max_norm`; return the norm."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
-        for m in self.masters:
-            sq += m.grad.pow(2).sum()
-        C.all_reduce(sq, self.shard_axis, "grad_norm")
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m in self.masters:
-            m.grad.mul_(coef)
-        return norm
 
     # ------------------------------------------------------------------ the update
 

@@ -3,8 +3,8 @@
 Axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost
 so that its ranks are neighbours (the same node); the data-parallel degree splits into
 `dp_shard` (ZeRO / FSDP sharding within a group, MiCS's partition group) and `dp_replicate`
-(copies across groups). Built on torch's DeviceMesh; no global state: the mesh is passed to
-whatever needs an axis.
+(copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
+torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
 """
 
 from __future__ import annotations
@@ -14,16 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
-from fivefold.config import ParallelConfig
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-def mesh_shape(p: ParallelConfig, world_size: int) -> dict[str, int]:
-    """Axis sizes for a validated config on `world_size` ranks."""
-    dp = world_size // (p.tp * p.pp * p.cp)
-    shard = p.zero_group or dp
-    return {"pp": p.pp, "dp_replicate": dp // shard, "dp_shard": shard, "cp": p.cp, "tp": p.tp}
+from fivefold.parallel.plan import MESH_AXES
 
 
 class Mesh:
@@ -34,8 +25,8 @@ class Mesh:
             self.world_size *= size
         self.device_mesh = None
         if self.world_size > 1:
-            self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in AXES),
-                                                mesh_dim_names=AXES)
+            self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in MESH_AXES),
+                                                mesh_dim_names=MESH_AXES)
 
     def axis(self, name: str) -> Axis:
         if self.device_mesh is None:

@@ -297,41 +297,21 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
 
 # ---------------------------------------------------------------- training-step helpers
 
-def _counted_mask(unit, tp_rank: int) -> torch.Tensor | None:
-    """Over a flat unit's shard: True where this tp rank counts the element in the norm."""
+def counted_masks(units, tp_rank: int) -> list[torch.Tensor | None]:
+    """Over each flat unit's shard (fivefold.parallel.flat_unit): True where this tp rank
+    adds the element to the gradient norm (fivefold.parallel.grad_clip). Split parameters
+    count on every tp rank (each holds its own shard), replicated ones (norm gains, equal on
+    every tp rank) on tp rank 0 only, so the sum over data-parallel shards and tp ranks counts
+    each element of the plain model exactly once. None: every element (tp rank 0)."""
     if tp_rank == 0:
-        return None
-    mask = torch.zeros(unit.padded, dtype=torch.bool, device=unit.device)
-    for name, off, n in zip(unit.names, unit.offsets, unit.numels):
-        mask[off:off + n] = split_dim(name) is not None
-    return mask[unit.shard_slice]
-
-
-@torch.no_grad()
-def clip_grad_norm_(engine, max_norm: float, tp_axis: Axis,
-                    pp_axis: Axis | None = None) -> torch.Tensor:
-    """Clip the global gradient norm of a tensor-parallel model held by a DataParallelEngine.
-
-    The engine's clipping with the tensor-parallel parts included: split parameters add the
-    squares of their shard on every tp rank, replicated ones (norm gains, equal on every tp
-    rank) on tp rank 0 only, so the sum over data-parallel shards and tp ranks counts each
-    element of the plain model exactly once; with pipeline stages (`pp_axis`) the stages'
-    sums add up too. Returns the norm before clipping.
-    """
-    sq = torch.zeros((), dtype=torch.float32, device=engine.masters[0].device)
-    for unit, master in zip(engine.units, engine.masters):
-        mask = _counted_mask(unit, tp_axis.rank)
-        sq_elems = master.grad.float().pow(2)
-        sq += (sq_elems if mask is None else torch.where(mask, sq_elems, 0.0)).sum()
-    C.all_reduce(sq, engine.shard_axis, "grad_norm")
-    C.all_reduce(sq, tp_axis, "grad_norm")
-    if pp_axis is not None:
-        C.all_reduce(sq, pp_axis, "grad_norm")
-    norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for master in engine.masters:
-        master.grad.mul_(coef)
-    return norm
+        return [None] * len(units)
+    masks = []
+    for unit in units:
+        mask = torch.zeros(unit.padded, dtype=torch.bool, device=unit.device)
+        for name, off, n in zip(unit.names, unit.offsets, unit.numels):
+            mask[off:off + n] = split_dim(name) is not None
+        masks.append(mask[unit.shard_slice])
+    return masks
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, batch: int, seq_len: int, tp: int = 1,

@@ -3,9 +3,11 @@
 `fivefold train` with `parallel.auto = true` (or `parallel = "auto"`, or `fivefold plan SPEC
 --train`) calls `resolve_auto` once, in the launching process, before any rank starts: it
 searches the layouts of the launched world (fivefold.planner.search) on this device's
-hardware profile and returns the winner as `--set parallel.*` overrides. The launcher hands
-those overrides to the ranks with `parallel.auto=false`, so the run is exactly the run of a
-config that spelled the layout out; the ranks never search.
+hardware profile and returns the winning `ParallelPlan` with the config that spells it out
+(`layout_config`). The launcher hands the plan itself to the ranks (RUN_DIR/plan.json), so
+the run trains the very plan that was scored, and is exactly the run of a config that
+spelled the layout out (the `--set` overrides printed for the user); the ranks never
+search.
 
 The space is that of `fivefold plan`, restricted to what the runtime executes: every
 candidate is turned into a config and kept only if `fivefold.validate.validate_for_training`
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from fivefold.config import Config, ConfigError, ParallelConfig
 from fivefold.planner.hardware import HardwareProfile, detect_profile, load_profile
-from fivefold.planner.layout import Layout
+from fivefold.parallel.plan import ParallelPlan, device_precision
 from fivefold.planner.report import layout_line
 from fivefold.planner.search import SearchResult, search
 from fivefold.planner.simulate import Estimate, shared_machine
@@ -43,9 +45,11 @@ DEFAULTS = ParallelConfig()
 
 
 @dataclass
-class AutoLayout:
-    """The resolved run: its config, the overrides that spell it out, and its prediction."""
+class AutoPlan:
+    """The resolved run: the plan that was scored, the config that spells it out (and its
+    `--set` overrides), and its prediction."""
 
+    plan: ParallelPlan
     cfg: Config
     overrides: list[str]
     estimate: Estimate
@@ -67,13 +71,14 @@ def fixed_keys(p: ParallelConfig) -> dict:
     return {k: getattr(p, k) for k in SEARCHED if getattr(p, k) != getattr(DEFAULTS, k)}
 
 
-def layout_config(cfg: Config, lay: Layout) -> Config:
-    """`cfg` with `lay`'s degrees and switches written in, as a user would write them."""
+def layout_config(cfg: Config, lay: ParallelPlan) -> Config:
+    """`cfg` with `lay`'s degrees and switches written in, as a user would write them (dp
+    and a whole-dp zero_group left to be derived); its training plan is `lay` again."""
     stages = lay.pp * lay.vpp
     p = dataclasses.replace(
         cfg.parallel, auto=False, dp=None, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep,
-        vpp=lay.vpp, schedule=lay.schedule if lay.pp > 1 else cfg.parallel.schedule,
-        stage_layers=lay.source.stage_layers if stages > 1 else None,
+        vpp=lay.vpp, schedule=lay.schedule,
+        stage_layers=list(lay.stage_layers) if stages > 1 and lay.stage_layers else None,
         zero_stage=lay.zero_stage,
         zero_group=None if lay.zero_group == lay.dp else lay.zero_group,
         micro_batch=lay.micro_batch, recompute=lay.recompute,
@@ -113,7 +118,7 @@ def local_profile(cfg: Config, device_type: str) -> HardwareProfile:
     return prof
 
 
-def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
+def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoPlan:
     """The fastest layout of `cfg` on `world_size` ranks of `device_type` that the runtime
     executes and that fits; ConfigError naming the keys when there is none."""
     p = cfg.parallel
@@ -125,7 +130,7 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
         check(cfg)  # what no layout can fix is reported as itself
     fixed = fixed_keys(p)
     prof = shared_machine(local_profile(cfg, device_type), world_size)
-    precision = p.precision or ("bf16" if device_type == "cuda" else "fp32")
+    precision = p.precision or device_precision(device_type)
     searched_defaults = {k: getattr(DEFAULTS, k) for k in SEARCHED}  # the search sets them
     plan_cfg = dataclasses.replace(
         cfg, parallel=dataclasses.replace(p, precision=precision, **searched_defaults),
@@ -133,7 +138,7 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
     verdicts: dict[tuple, bool] = {}
     rejections: list[ConfigError] = []  # why candidates keeping the fixed keys cannot run
 
-    def runnable(lay: Layout) -> bool:
+    def runnable(lay: ParallelPlan) -> bool:
         run_cfg = layout_config(cfg, lay)
         key = tuple(getattr(run_cfg.parallel, k) if k != "stage_layers" else
                     tuple(run_cfg.parallel.stage_layers or ()) for k in SEARCHED)
@@ -148,26 +153,11 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoLayout:
                                                               rejections))
     best = result.best[0]
     run_cfg = layout_config(cfg, best.layout)
-    return AutoLayout(run_cfg, layout_overrides(run_cfg), best, result, prof, world_size)
+    return AutoPlan(best.layout, run_cfg, layout_overrides(run_cfg), best, result, prof,
+                    world_size)
 
 
-def resolve_for_training(cfg: Config, world_size: int, announce: bool = True
-                         ) -> tuple[Config, list[str]]:
-    """`fivefold train`'s step: resolve an auto config on the device `train.device` picks,
-    print the choice (when `announce`), return the resolved config and its overrides."""
-    from fivefold.train.dist import pick_device
-
-    try:
-        device_type = pick_device(cfg.train.device, 0).type
-    except RuntimeError as err:
-        raise ConfigError("train.device", str(err)) from None
-    auto = resolve_auto(cfg, world_size, device_type)
-    if announce:
-        print(auto.summary(), flush=True)
-    return auto.cfg, auto.overrides
-
-
-def _matches(p: ParallelConfig, lay: Layout, fixed: dict) -> bool:
+def _matches(p: ParallelConfig, lay: ParallelPlan, fixed: dict) -> bool:
     """The candidate keeps every fixed key (dp and zero_group compared as resolved)."""
     resolved = {"dp": lay.dp, "zero_group": lay.zero_group}
     return all(resolved.get(k, getattr(p, k)) == v for k, v in fixed.items())

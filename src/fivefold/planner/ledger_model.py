@@ -1,9 +1,9 @@
 """The ledger of one training step, predicted from the configuration alone.
 
-`predict_ledger(cfg, world_size, rank=r)` returns a `Ledger` (fivefold.comm.ledger) filled
-with the collectives global rank r will issue in one `Trainer.train_step` and the
-model-state bytes it will hold, so `predicted.totals()` can be compared with
-`trainer.ledger.totals()` key by key. It follows the data-parallel engine
+`predict_ledger(cfg, plan, rank=r)` returns a `Ledger` (fivefold.comm.ledger) filled
+with the collectives global rank r will issue in one `Trainer.train_step` under that
+`ParallelPlan` (the one the trainer runs) and the model-state bytes it will hold, so
+`predicted.totals()` can be compared with `trainer.ledger.totals()` key by key. It follows the data-parallel engine
 (fivefold.parallel.data_parallel) step by step, per flat unit of the rank's pipeline stage
 (root first when the stage has one, then one per block; fivefold.planner.memory pads them as
 the runtime does):
@@ -46,7 +46,7 @@ import dataclasses
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
-from fivefold.planner.layout import Layout, layout_from_config
+from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
                                                zero3_block_gathers)
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -56,55 +56,42 @@ QUANT_BLOCK = 256  # fivefold.comm.quantize.BLOCK
 DP = "dp_replicate+dp_shard"
 
 
-def runtime_layout(cfg: Config, world_size: int, device_type: str = "cpu") -> Layout:
-    """The layout the trainer runs on `world_size` ranks (precision default as it resolves)."""
-    default = "bf16" if device_type == "cuda" else "fp32"
-    lay = layout_from_config(cfg, default, world_size)
-    return lay.replace(reduce_dtype=cfg.parallel.reduce_dtype or lay.precision)
-
-
-def predict_ledger(cfg: Config, world_size: int, device_type: str = "cpu",
-                   rank: int = 0) -> Ledger:
-    """The ledger `Trainer.train_step` records on global rank `rank`, predicted."""
-    p = cfg.parallel
-    lay = runtime_layout(cfg, world_size, device_type)
-    quantized = getattr(p, "qwz", False) or getattr(p, "qgz", False)
-    pp_rank = rank // (world_size // lay.pp)  # pp is the outermost mesh axis
+def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
+    """The ledger `Trainer.train_step` records on global rank `rank` under plan `lay`."""
+    quantized = lay.qwz or lay.qgz
+    pp_rank = lay.pp_rank_of(rank)
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
     units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     ledger = Ledger()
-    if world_size == 1 and lay.zero_stage == 0:
+    if lay.update in ("plain", "lomo"):
         return ledger  # the plain single-process path: no engine, no collectives
     _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last)).run()
     ledger.model_state_bytes = model_state_bytes(units, lay)
     return ledger
 
 
-def _table(cfg: Config, lay: Layout) -> int:
+def _table(cfg: Config, lay: ParallelPlan) -> int:
     return -(-cfg.model.vocab // lay.tp) * cfg.model.hidden
 
 
 class _Step:
     """Replays the engine's collectives for one optimizer step into a ledger."""
 
-    def __init__(self, ledger: Ledger, lay: Layout, units: list[Unit], cfg: Config,
+    def __init__(self, ledger: Ledger, lay: ParallelPlan, units: list[Unit], cfg: Config,
                  pp_rank: int, stage: tuple[int, bool, bool]):
-        from fivefold.validate import ranks_per_node
-
         self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
         self.pp_rank = pp_rank
         self.blocks, self.first, self.last = stage  # blocks held; embedding; norm and head
-        p = cfg.parallel
-        self.qwz, self.hpz, self.qgz = (getattr(p, k, False) for k in ("qwz", "hpz", "qgz"))
+        self.qwz, self.hpz, self.qgz = lay.qwz, lay.hpz, lay.qgz
         self.param = DTYPE_NAMES[lay.precision]
         self.reduce = DTYPE_NAMES[lay.reduce_dtype] if lay.zero_stage >= 2 else self.param
         self.pb = 4 if lay.precision == "fp32" else 2
         self.gb = 4 if self.reduce == "float32" else 2
         self.shard = lay.zero_group if lay.zero_stage >= 1 else 1
         self.replicate = lay.dp // self.shard if lay.zero_stage >= 1 else 1
-        self.node = ranks_per_node(cfg, self.shard) if (self.hpz or self.qgz) else 1
+        self.node = lay.ranks_per_node if (self.hpz or self.qgz) else 1
 
     def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
         if size > 1:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.parallel.pipeline import schedules as S
-from fivefold.planner.layout import Layout
+from fivefold.parallel.pipeline.partition import stage_layer_ranges
+from fivefold.parallel.plan import ParallelPlan
 
 PURPOSES = {S.SEND_ACT: "pp_activations", S.RECV_ACT: "pp_activations",
             S.SEND_GRAD: "pp_grads", S.RECV_GRAD: "pp_grads",
@@ -37,19 +38,16 @@ PURPOSES = {S.SEND_ACT: "pp_activations", S.RECV_ACT: "pp_activations",
             S.SEND_TIED_GRAD: "pp_tied_grads", S.RECV_TIED_GRAD: "pp_tied_grads"}
 
 
-def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
+def pipeline_messages(cfg: Config, lay: ParallelPlan, pp_rank: int, elem_bytes: int
                       ) -> list[tuple[str, str, int]]:
     """(op, purpose, bytes) of every send and receive pp rank `pp_rank` makes in one step."""
     if lay.pp == 1:
         return []
-    from fivefold.parallel.pipeline.build import token_slices  # the runtime's own cut
     from fivefold.parallel.pipeline.terapipe import slice_bounds
 
     m = cfg.model
-    slices = token_slices(cfg)
-    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp, slices,
-                                m.tied_embeddings)
-    bounds = slice_bounds(m.seq_len, slices)
+    schedule, _ = lay.pipeline_schedules(m.tied_embeddings)
+    bounds = slice_bounds(m.seq_len, lay.slices)
     table = -(-m.vocab // lay.tp) * m.hidden * elem_bytes  # this tp rank's vocabulary rows
     shards = lay.tp if lay.sequence_parallel else 1
     out = []
@@ -69,28 +67,22 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
     return out
 
 
-def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
+def stage_layers_of_rank(cfg: Config, lay: ParallelPlan, pp_rank: int
+                         ) -> tuple[list[int], bool, bool]:
     """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
     stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""
-    from fivefold.parallel.pipeline.build import stage_ids_of_rank
-    from fivefold.parallel.pipeline.partition import stage_layer_ranges
-
     stages = lay.pp * lay.vpp
-    ranges = stage_layer_ranges(cfg.model, stages, cfg.parallel.stage_layers)
-    ids = stage_ids_of_rank(lay.pp, lay.vpp, pp_rank)
+    ranges = stage_layer_ranges(cfg.model, stages, lay.stage_layers)
+    ids = lay.stage_ids_of_rank(pp_rank)
     return [i for s in ids for i in ranges[s]], 0 in ids, stages - 1 in ids
 
 
-def zero3_block_gathers(cfg: Config, lay: Layout, pp_rank: int) -> list[tuple[int, bool]]:
+def zero3_block_gathers(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[tuple[int, bool]]:
     """(position among the rank's blocks, backward) of each all-gather of block weights that
     ZeRO-3 issues on pp rank `pp_rank` in one step (fivefold.parallel.data_parallel)."""
-    from fivefold.parallel.pipeline.build import token_slices
-    from fivefold.parallel.pipeline.partition import stage_layer_ranges
-
     m = cfg.model
-    schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp,
-                                token_slices(cfg), m.tied_embeddings)
-    ranges = stage_layer_ranges(m, lay.pp * lay.vpp, cfg.parallel.stage_layers)
+    schedule, _ = lay.pipeline_schedules(m.tied_embeddings)
+    ranges = stage_layer_ranges(m, lay.pp * lay.vpp, lay.stage_layers)
     layers, _, _ = stage_layers_of_rank(cfg, lay, pp_rank)
     where = {layer: j for j, layer in enumerate(layers)}
     gathered, out = [False] * len(layers), []

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
-from fivefold.planner.layout import PRECISION_BYTES, Layout
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
 from fivefold.planner.params import (block_matrix_shapes, block_params, block_vector_params,
                                      root_params)
 
@@ -79,7 +79,7 @@ def galore_state_bytes(model: ModelConfig, layer: int, tp: int = 1) -> int:
     return total
 
 
-def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool, last: bool,
+def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first: bool, last: bool,
                 multiple: int = 1) -> list[Unit]:
     """The units of one pipeline stage on one rank: root (if any), then each block's dense
     and expert parts. The shard degree is the ZeRO group (times cp, whose ranks also replicate
@@ -103,7 +103,7 @@ def stage_units(model: ModelConfig, lay: Layout, layers: list[int], first: bool,
     return units
 
 
-def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
+def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
     """{params, grads, master, optimizer, total} on one rank, as the runtime records them."""
     p = PRECISION_BYTES[lay.precision]
     stage = lay.zero_stage
@@ -120,8 +120,8 @@ def model_state_bytes(units: list[Unit], lay: Layout) -> dict[str, int]:
             "total": params + grads + master + optimizer}
 
 
-def weight_copies(lay: Layout) -> int:
+def weight_copies(lay: ParallelPlan) -> int:
     """Copies of its weights a rank holds: PipeDream-2BW's versions (module docstring)."""
     if lay.schedule != "pipedream-2bw" or lay.pp == 1:
         return 1
-    return 3 if lay.source.weight_prediction else 2
+    return 3 if lay.weight_prediction else 2

@@ -18,7 +18,6 @@ ranked by that step time.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -26,14 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config import Config
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.compute import is_moe_layer
 from fivefold.planner.hardware import HardwareProfile
-from fivefold.planner.layout import PRECISION_BYTES, Layout, layout_from_config
 from fivefold.planner.memory import Unit, galore_state_bytes
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.simulate import Estimate, StepModel, default_precision
+from fivefold.planner.spec import cluster_gpus
 
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (2, 4)
@@ -51,7 +51,7 @@ def powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def candidates(cfg: Config, base: Layout) -> list[Layout]:
+def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
     """Every layout of the search space that the model and batch can take."""
     m, gpus = cfg.model, base.gpus
     gpn = cfg.cluster.gpus_per_node
@@ -102,7 +102,7 @@ class FastScorer:
         m = cfg.model
         self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
 
-    def score(self, lay: Layout) -> tuple[float, float]:
+    def score(self, lay: ParallelPlan) -> tuple[float, float]:
         """(step seconds, peak bytes per device)."""
         sm = StepModel(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
@@ -139,7 +139,7 @@ class FastScorer:
                      low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
         return step, self._memory(sm, lay, numel, shard, rank_layers, state)
 
-    def _dp(self, sm: StepModel, lay: Layout, grad_bytes: float, window: float):
+    def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:
             return 0.0, (sm._coll("all_gather", grad_bytes, sm.shard_group)
                          if lay.zero_stage == 2 else 0.0)
@@ -150,7 +150,7 @@ class FastScorer:
         return tail, (sm._coll("all_gather", grad_bytes, sm.shard_group)
                       if lay.zero_stage == 1 else 0.0)
 
-    def _memory(self, sm: StepModel, lay: Layout, numel: float, shard: int,
+    def _memory(self, sm: StepModel, lay: ParallelPlan, numel: float, shard: int,
                 rank_layers: int, state_bytes: float) -> float:
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
@@ -174,13 +174,13 @@ class FastScorer:
 
 
 def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
-           accept: Callable[[Layout], bool] | None = None) -> SearchResult:
+           accept: Callable[[ParallelPlan], bool] | None = None) -> SearchResult:
     """The `top_k` fastest layouts that fit, simulated exactly. `accept` restricts the space
     (fivefold.planner.auto: only layouts the runtime can execute); it sees every candidate
     before scoring and every winner again with its stage split."""
     start = time.perf_counter()
-    base = layout_from_config(cfg, default_precision(prof))
-    base = base.replace(source=dataclasses.replace(base.source, stage_layers=None))
+    base = plan_from_config(cfg, cluster_gpus(cfg), default_precision(prof))
+    base = base.replace(stage_layers=None)
     scorer = FastScorer(cfg, prof)
     usable = prof.memory_bytes
     scored, ranked = 0, []
@@ -201,7 +201,7 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
     return SearchResult(best[:top_k], scored, len(ranked), time.perf_counter() - start)
 
 
-def exact_estimate(cfg: Config, prof: HardwareProfile, lay: Layout,
+def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
                    cache: dict) -> Estimate | None:
     """Simulate `lay` with its blocks cut into stages by the planner's partition (by time,
     each stage within its share of the device memory); None when no split fits."""
@@ -224,6 +224,5 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: Layout,
             counts = sm.balanced_stage_layers(fits)
         except ValueError:
             return None
-        source = dataclasses.replace(lay.source, stage_layers=counts)
-        sm = StepModel(cfg, prof, lay.replace(source=source), cache)
+        sm = StepModel(cfg, prof, lay.replace(stage_layers=tuple(counts)), cache)
     return sm.estimate()

@@ -52,6 +52,7 @@ import functools
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
@@ -59,12 +60,11 @@ from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_time
                                       embedding_times, head_times, is_moe_layer,
                                       newton_schulz_time)
 from fivefold.planner.hardware import HardwareProfile, load_profile
-from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_layout,
-                                     layout_from_config)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_matrix_shapes, block_params, root_params
 from fivefold.planner.replay import Replay, replay
 from fivefold.planner.schedules import Action, actions_for
+from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 
 MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "other", "total")
 BREAKDOWN_FIELDS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -84,7 +84,7 @@ class Estimate:
     fits: bool
     breakdown_s: dict[str, float]
     parallel: dict
-    layout: Layout = field(repr=False)
+    layout: ParallelPlan = field(repr=False)
     stage_layers: list[int] = field(default_factory=list, repr=False)
     replay: Replay | None = field(default=None, repr=False)
     dp_tail_s: list[float] = field(default_factory=list, repr=False)
@@ -125,13 +125,13 @@ def shared_machine(prof: HardwareProfile, ranks: int) -> HardwareProfile:
                                hbm_GBps=prof.hbm_GBps * share)
 
 
-def simulate(cfg: Config, prof: HardwareProfile | None = None, lay: Layout | None = None,
-             keep_events: bool = False) -> Estimate:
-    """The predicted step of `cfg` (or of `lay` on cfg's model and cluster)."""
+def simulate(cfg: Config, prof: HardwareProfile | None = None,
+             plan: ParallelPlan | None = None, keep_events: bool = False) -> Estimate:
+    """The predicted step of `cfg` (or of `plan` on cfg's model and cluster)."""
     prof = shared_machine(prof or profile_of(cfg), cfg.cluster.gpus or 1)
-    lay = lay or layout_from_config(cfg, default_precision(prof))
-    check_model_fits_layout(cfg.model, lay)
-    return StepModel(cfg, prof, lay).estimate(keep_events)
+    plan = plan or plan_from_config(cfg, cluster_gpus(cfg), default_precision(prof))
+    check_model_fits_layout(cfg.model, plan)
+    return StepModel(cfg, prof, plan).estimate(keep_events)
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class LayerCost:
 class StepModel:
     """All per-layout quantities of one simulated step, computed once."""
 
-    def __init__(self, cfg: Config, prof: HardwareProfile, lay: Layout,
+    def __init__(self, cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
                  cache: dict | None = None):
         self.cfg, self.model, self.prof, self.lay = cfg, cfg.model, prof, lay
         self.cache = {} if cache is None else cache
@@ -331,7 +331,7 @@ class StepModel:
         default split (fivefold.parallel.pipeline.partition), so that `simulate` predicts
         what `train` runs."""
         stages = self.lay.pp * self.lay.vpp
-        given = self.lay.source.stage_layers if hasattr(self.lay.source, "stage_layers") else None
+        given = self.lay.stage_layers
         if given:
             return list(given)
         if stages == 1:
@@ -398,13 +398,6 @@ class StepModel:
 
     # ------------------------------------------------------------ the step
 
-    @property
-    def slices(self) -> int:
-        """TeraPipe's token slices per sequence (default pp); 1 for other schedules."""
-        if self.lay.schedule != "terapipe":
-            return 1
-        return getattr(self.lay.source, "token_slices", None) or self.lay.pp
-
     def run_pipeline(self, keep_events: bool) -> Replay:
         """Replay the schedule; PipeDream-2BW never flushes, so its step is the steady-state
         difference between replays of two and three optimizer steps."""
@@ -412,7 +405,7 @@ class StepModel:
         stages = len(self.stage_layers)
         times = [self.stage_times(g) for g in range(stages)]
         split = lay.schedule == "zb"
-        n = self.slices
+        n = self.lay.slices
 
         def duration(act: Action) -> float:
             f, b, w, _, _ = times[act.stage]

@@ -3,7 +3,7 @@
 A spec is a config file (TOML or JSON, `load_config`) whose keys run_spec.md lists, or the
 `spec` table of a runs file. On top of `validate`, a spec needs the cluster (cluster.gpus
 and cluster.gpu, a profile name or file) and a model whose shape the layout can split
-(fivefold.planner.layout.check_model_fits_layout). A pipelined spec without
+(`check_model_fits_layout`). A pipelined spec without
 `parallel.stage_layers` gets the runtime's own balanced split written in
 (fivefold.parallel.pipeline.partition), so the layout that is scored, printed and trained is
 one and the same. Every problem raises `ConfigError` naming the key.
@@ -13,10 +13,41 @@ from __future__ import annotations
 
 import json
 
-from fivefold.config import Config, ConfigError, load_config
+from fivefold.config import Config, ConfigError, ModelConfig, load_config
+from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.hardware import load_profile
-from fivefold.planner.layout import cluster_gpus
 from fivefold.validate import validate, validate_cluster, validate_model
+
+
+def cluster_gpus(cfg: Config) -> int:
+    """cluster.gpus, which plan and simulate need; ConfigError when it is missing."""
+    if cfg.cluster.gpus is None:
+        raise ConfigError("cluster.gpus", "plan and simulate need the number of devices; set "
+                                          "cluster.gpus, e.g. --set cluster.gpus=64")
+    return cfg.cluster.gpus
+
+
+def check_model_fits_layout(model: ModelConfig, lay: ParallelPlan) -> None:
+    """Divisibility the planner's formulas assume; ConfigError naming the key otherwise."""
+    if model.heads % lay.tp or model.n_kv_heads % lay.tp and lay.tp % model.n_kv_heads:
+        raise ConfigError("parallel.tp", f"tp = {lay.tp} must divide model.heads = "
+                                         f"{model.heads} (and kv_heads {model.n_kv_heads}, or be"
+                                         " a multiple of it)")
+    if lay.pp * lay.vpp > model.layers:
+        raise ConfigError("parallel.pp", f"pp*vpp = {lay.pp * lay.vpp} stages exceed the "
+                                         f"{model.layers} layers")
+    if model.seq_len % lay.cp:
+        raise ConfigError("parallel.cp", f"cp = {lay.cp} does not divide model.seq_len = "
+                                         f"{model.seq_len}")
+    if model.moe is not None and (lay.dp * lay.cp) % lay.ep:
+        raise ConfigError("parallel.ep", f"ep = {lay.ep} does not divide the dp*cp = "
+                                         f"{lay.dp * lay.cp} ranks that hold the experts")
+    if model.moe is not None and model.moe.experts % lay.ep:
+        raise ConfigError("parallel.ep", f"ep = {lay.ep} does not divide model.moe.experts = "
+                                         f"{model.moe.experts}")
+    if model.moe is None and lay.ep != 1:
+        raise ConfigError("parallel.ep", "expert parallelism needs a mixture-of-experts model "
+                                         "(model.moe); set parallel.ep = 1")
 
 
 def prepare(cfg: Config) -> Config:

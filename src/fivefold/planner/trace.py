@@ -19,7 +19,7 @@ from fivefold.planner.simulate import Estimate
 
 def trace_events(est: Estimate, sm) -> list[dict]:
     times = [sm.stage_times(g) for g in range(len(sm.stage_layers))]
-    n = sm.slices
+    n = sm.lay.slices
     out = []
     for r in range(est.layout.pp):
         out.append({"name": "process_name", "ph": "M", "pid": r,

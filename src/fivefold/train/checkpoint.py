@@ -3,7 +3,13 @@
 Layout: RUN_DIR/checkpoints/step_00000100/ holds the DCP files of the model and optimizer
 state the trainer hands over (each rank writes its own shards), one `rank_R.pt` per rank with
 its RNG states and gradient-scaler state, and `meta.json` (step, the data position, which is
-the step, and the config). The step is also the learning-rate schedule's whole state.
+the step, the config, and the run's `ParallelPlan` with the part of it that decides keys and
+shards, `layout`). The step is also the learning-rate schedule's whole state.
+
+Keys: the trainer's state dict keys carry a shard tag where pipeline stages or tp ranks hold
+different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
+`check_layout` reads the layout record. Checkpoints are not resharded: a resume under another
+layout stops with the first key that differs.
 
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
@@ -25,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fivefold.config import ConfigError
+from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.dist import Runtime
 
 PARTIAL = ".partial"
@@ -36,6 +44,38 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def shard_tag(pp_rank: int, pp: int, tp_rank: int, tp: int) -> str:
+    """The suffix of state-dict keys that differ between pipeline stages and tp ranks: every
+    stage has a "root" unit, and tp ranks hold different shards under one name."""
+    return "".join(f".{name}{rank}of{size}"
+                   for name, rank, size in (("pp", pp_rank, pp), ("tp", tp_rank, tp))
+                   if size > 1)
+
+
+def layout_record(plan: ParallelPlan) -> dict:
+    """The meta.json entries of a plan: the whole plan, and `layout`, what decides the
+    checkpoint's keys and shards as "parallel.key": value (a resume must match it)."""
+    layout = {f"parallel.{key}": getattr(plan, key)
+              for key in ("pp", "tp", "vpp", "stage_layers", "zero_stage", "zero_group", "hpz")}
+    stages = layout["parallel.stage_layers"]
+    layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
+    layout["parallel.schedule"] = "pipedream-2bw" if plan.asynchronous else "synchronous"
+    layout["parallel.weight_prediction"] = plan.asynchronous and plan.weight_prediction
+    layout["parallel.dp"] = plan.dp
+    return {"plan": plan.to_dict(), "layout": layout}
+
+
+def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> None:
+    """ConfigError naming the first layout key in which checkpoint `path` (its meta.json
+    `meta`) differs from `plan`."""
+    saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
+    for key in saved:
+        if saved[key] != now[key]:
+            raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run "
+                                   f"has {now[key]!r}; checkpoints are not resharded: resume"
+                                   " with the same layout or use another --run-dir")
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -1,17 +1,18 @@
 """The Trainer's pipeline-parallel path (parallel.pp > 1): this rank's stage and its step.
 
-`build_stage(cfg, pp_axis, tp_axis, device, init_from)` builds pp rank r's stage
+`build_stage(cfg, plan, pp_axis, tp_axis, device, init_from)` builds pp rank r's stage
 (fivefold.parallel.pipeline.build: its blocks keep their plain names, so deterministic
 initialization gives it exactly its slice of the single-process model), loads pretrained
 weights by name, and splits it over tp (fivefold.parallel.pipeline.tensor_stage).
 
-`PipelineStep` runs one optimizer step of a synchronous schedule (GPipe, 1F1B, interleaved,
-ZB-H1, TeraPipe) as the single-process trainer does, only spread over the stages: the
-executor (`PipelineEngine.train_step`) runs the rank's action list with the data-parallel
-engine as its gradient synchronization and scales each micro-batch's summed cross-entropy by
-1 / (tokens of the global batch); the global gradient norm sums the squares over the
-engine's shards, the tp parts and the pp stages before clipping; the engine updates. The
-step's summed cross-entropy comes back the same on every pp rank. PipeDream-2BW
+`PipelineStep.forward_backward` runs the forwards and backwards of one optimizer step of a
+synchronous schedule (GPipe, 1F1B, interleaved, ZB-H1, TeraPipe) as the single-process
+trainer's micro-batch loop does, only spread over the stages: the executor
+(`PipelineEngine.train_step`) runs the rank's action list with the data-parallel engine as
+its gradient synchronization and scales each micro-batch's summed cross-entropy by
+1 / (tokens of the global batch). The update that follows is the trainer's one synchronous
+update (clipping over the plan's axes, then the engine's step). The step's summed
+cross-entropy comes back the same on every pp rank. PipeDream-2BW
 (fivefold.parallel.pipeline.pipedream_2bw) updates each stage itself, right after the
 stage's last backward of the step, with its own optimizer, data-parallel all-reduce and
 per-stage clipping; it reports no global gradient norm (NaN) and its loss reaches the first
@@ -20,7 +21,6 @@ and last pp ranks only (the first logs it).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -30,68 +30,58 @@ from fivefold.config import Config
 from fivefold.models.llama import build_model
 from fivefold.models.pretrained import load_weights_into
 from fivefold.parallel.data_parallel import DataParallelEngine
-from fivefold.parallel.pipeline.build import build_pipeline_stage, pipeline_schedules
-from fivefold.parallel.pipeline.executor import PipelineEngine, clip_grad_norm_
+from fivefold.parallel.pipeline.build import build_pipeline_stage
+from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
-from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
+from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.data import BatchSampler
 
 
-def build_stage(cfg: Config, pp_axis: Axis, tp_axis: Axis, device: torch.device,
-                init_from: Path | str | None = None) -> PipelineStage:
+def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, tp_axis: Axis,
+                device: torch.device, init_from: Path | str | None = None) -> PipelineStage:
     """This pp rank's stage: pretrained weights (taken by name from the whole model's) go
     in before the tensor-parallel split."""
-    stage = build_pipeline_stage(cfg, pp_axis.rank, device)
+    stage = build_pipeline_stage(cfg, plan, pp_axis.rank, device)
     if init_from is not None:
         plain = build_model(cfg.model, cfg.train.seed)
         load_weights_into(plain, cfg.model, init_from)
         stage.load_plain_state(plain.state_dict())
     if tp_axis.size > 1:
-        apply_tensor_parallel_to_stage(stage, tp_axis, cfg.parallel.sequence_parallel)
+        apply_tensor_parallel_to_stage(stage, tp_axis, plan.sequence_parallel)
     return stage
 
 
 class PipelineStep:
     """One optimizer step (and validation) of a pipeline-parallel rank."""
 
-    def __init__(self, cfg: Config, stage: PipelineStage, axes: dict[str, Axis],
-                 engine: DataParallelEngine | None, optimizer: torch.optim.Optimizer | None,
-                 micro_batches: int, sampler: BatchSampler, global_tokens: int, autocast):
-        self.cfg, self.engine, self.sampler = cfg, engine, sampler
-        self.pp_axis, self.tp_axis = axes["pp"], axes["tp"]
+    def __init__(self, cfg: Config, plan: ParallelPlan, stage: PipelineStage,
+                 axes: dict[str, Axis], engine: DataParallelEngine | None,
+                 optimizer: torch.optim.Optimizer | None, sampler: BatchSampler,
+                 global_tokens: int, max_norm: float, autocast):
+        self.sampler = sampler
+        self.pp_axis = axes["pp"]
         self.loss_scale = 1.0 / global_tokens
-        self.max_norm = cfg.train.grad_clip or math.inf
-        if cfg.parallel.schedule == "pipedream-2bw":
-            self.pipe = PipeDream2BWEngine(stage, self.pp_axis, micro_batches, cfg.train.steps,
-                                           optimizer, sampler.rank_batch, self.loss_scale,
-                                           self.max_norm, axes["dp"], autocast,
-                                           predict=cfg.parallel.weight_prediction)
+        if plan.asynchronous:
+            self.pipe = PipeDream2BWEngine(stage, self.pp_axis, plan.micro_batches,
+                                           cfg.train.steps, optimizer, sampler.rank_batch,
+                                           self.loss_scale, max_norm, axes["dp"], autocast,
+                                           predict=plan.weight_prediction)
         else:
-            train, evaluation = pipeline_schedules(cfg, micro_batches)
+            train, evaluation = plan.pipeline_schedules(cfg.model.tied_embeddings)
             self.pipe = PipelineEngine(stage, train, self.pp_axis, evaluation,
                                        grad_sync=engine, autocast=autocast)
 
-    @property
-    def asynchronous(self) -> bool:
-        return isinstance(self.pipe, PipeDream2BWEngine)
-
-    def step(self, step: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token cross-entropy of this dp rank's share, gradient norm) of `step`."""
-        if self.asynchronous:
-            return self.pipe.train_step(step, lr), torch.tensor(math.nan)
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """A synchronous schedule's passes of `step`: the summed token cross-entropy of this
+        dp rank's share, with the gradients reduced by the engine and not yet applied."""
         inputs, targets = self.sampler.rank_batch(step)
-        loss_sum = self.pipe.train_step(inputs, targets, self.loss_scale)
-        if self.tp_axis.size > 1:
-            grad_norm = tp_clip_grad_norm_(self.engine, self.max_norm, self.tp_axis,
-                                           self.pp_axis)
-        else:
-            grad_norm = clip_grad_norm_([m.grad for m in self.engine.masters], self.max_norm,
-                                        [self.engine.shard_axis, self.pp_axis])
-        self.engine.step(lr)
-        self.engine.zero_grad()
-        return loss_sum, grad_norm
+        return self.pipe.train_step(inputs, targets, self.loss_scale)
+
+    def asynchronous_step(self, step: int, lr: float) -> torch.Tensor:
+        """PipeDream-2BW's step, each stage updated by itself: the summed cross-entropy."""
+        return self.pipe.train_step(step, lr)
 
     def eval_sum(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy of a validation batch (forwards only)."""

@@ -49,16 +49,18 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.models.pretrained import load_weights_into
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
-from fivefold.parallel.mesh import Mesh, mesh_shape
+from fivefold.parallel.grad_clip import clip_grad_norm_
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.plan import ParallelPlan, training_plan
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
-from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
+from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.planner.hardware import detect_profile
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.recompute import apply_full_recompute
-from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
-                                       save_checkpoint)
+from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
+                                       load_checkpoint, remove_partials, save_checkpoint,
+                                       shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
@@ -66,14 +68,8 @@ from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.optim import build_optimizer, lr_at
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
-from fivefold.validate import ranks_per_node
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def resolve_precision(cfg: Config, device: torch.device) -> str:
-    """The configured precision, or bf16 on GPU and fp32 on CPU (no bf16 units there)."""
-    return cfg.parallel.precision or ("bf16" if device.type == "cuda" else "fp32")
 
 
 @dataclass
@@ -84,55 +80,59 @@ class StepResult:
 
 
 class Trainer:
+    """Trains `cfg` under `plan` (default: the plan of `cfg` on the runtime's ranks, which
+    validates it); `cfg` supplies the model, data and optimizer, `plan` the layout."""
+
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
-                 init_from: Path | str | None = None):
+                 init_from: Path | str | None = None, plan: ParallelPlan | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
-        p, m = cfg.parallel, cfg.model
+        self.plan = plan = plan or training_plan(cfg, rt.world_size, rt.device.type)
+        if plan.gpus != rt.world_size:
+            raise ConfigError("parallel", f"the plan lays out {plan.gpus} ranks but "
+                                          f"{rt.world_size} were launched; plan for the "
+                                          "launched ranks")
+        m = cfg.model
         self.ledger = Ledger()
-        self.mesh = Mesh(mesh_shape(p, rt.world_size), rt.device.type, self.ledger)
+        self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger)
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.tp_axis = self.mesh.axis("tp")
         self.pp_axis = self.mesh.axis("pp")
-        self.dp = self.dp_axis.size  # the ranks of one tp group share a batch
-        self.per_rank = p.global_batch // self.dp
-        self.micro_batch = p.micro_batch or self.per_rank
-        self.global_tokens = p.global_batch * m.seq_len
-        self.precision = resolve_precision(cfg, rt.device)
+        self.norm_axes = [self.mesh.axis(name) for name in plan.grad_norm_axes]
+        self.dp = plan.dp  # the ranks of one tp group share a batch
+        self.per_rank = plan.per_rank_batch
+        self.micro_batch = plan.micro_batch
+        self.global_tokens = plan.global_batch * m.seq_len
+        self.precision = plan.precision
         self.data = data or prepare_data(cfg, log=self.say)
-        self.train_sampler = BatchSampler(self.data.train, m.seq_len, p.global_batch,
+        self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
                                           cfg.train.seed, 0, self.dp_axis.rank, self.dp)
-        self.val_sampler = BatchSampler(self.data.val, m.seq_len, p.global_batch,
+        self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
         self.model = self._build_model(init_from)
-        if p.recompute == "full":
+        if plan.recompute == "full":
             apply_full_recompute(self.model.layers)
         if cfg.train.compile:
             for block in self.model.layers:
                 block.compile()
         self.engine, self.optimizer, self.lomo = None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
-        asynchronous = p.pp > 1 and p.schedule == "pipedream-2bw"  # updates on its own
-        if (rt.distributed or p.zero_stage > 0) and not asynchronous:
-            if self.scaler:
-                raise ConfigError("parallel.precision", "fp16 loss scaling runs on one rank only"
-                                                        " for now; use bf16 or fp32 with data "
-                                                        "parallelism")
-            reduce = DTYPES[p.reduce_dtype] if p.reduce_dtype else None
-            shard = self.mesh.shape["dp_shard"]
-            zero_pp = ZeroPP(p.qwz, p.hpz, p.qgz, ranks_per_node(cfg, shard))
-            self.engine = DataParallelEngine(self.model, p.zero_stage, self.mesh, cfg.train,
-                                             rt.device, DTYPES[self.precision], reduce, zero_pp)
-        elif cfg.train.optimizer == "lomo":  # no optimizer object: SGD fused into backward
+        if plan.update == "engine":
+            zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
+            self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
+                                             rt.device, DTYPES[self.precision],
+                                             DTYPES[plan.reduce_dtype], zero_pp)
+        elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train)
-        else:
+        else:  # plain, or each PipeDream-2BW stage's own
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         self.pipeline = None
-        if p.pp > 1:
+        if plan.pp > 1:
             axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.dp_axis}
-            self.pipeline = PipelineStep(cfg, self.model, axes, self.engine, self.optimizer,
-                                         self.per_rank // self.micro_batch, self.train_sampler,
-                                         self.global_tokens, self.autocast)
+            self.pipeline = PipelineStep(cfg, plan, self.model, axes, self.engine,
+                                         self.optimizer, self.train_sampler,
+                                         self.global_tokens, cfg.train.grad_clip or math.inf,
+                                         self.autocast)
         profile = detect_profile(rt.device, cfg.cluster.gpu)
         # MFU denominator, all ranks together: one device per rank on GPUs; on the CPU the
         # profile's rate is per core (one thread per rank), and the ranks share the cores
@@ -146,14 +146,15 @@ class Trainer:
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
         """The plain model (pretrained weights in before any wrapping, then the tensor-parallel
         split), or this rank's pipeline stage."""
-        m, p = self.cfg.model, self.cfg.parallel
-        if p.pp > 1:
-            return build_stage(self.cfg, self.pp_axis, self.tp_axis, self.rt.device, init_from)
+        m, plan = self.cfg.model, self.plan
+        if plan.pp > 1:
+            return build_stage(self.cfg, plan, self.pp_axis, self.tp_axis, self.rt.device,
+                               init_from)
         model = build_model(m, self.cfg.train.seed, self.rt.device)
         if init_from is not None:
             load_weights_into(model, m, init_from)
         if self.tp_axis.size > 1:
-            apply_tensor_parallel(model, self.tp_axis, p.sequence_parallel)
+            apply_tensor_parallel(model, self.tp_axis, plan.sequence_parallel)
         return model
 
     def say(self, text: str) -> None:
@@ -188,23 +189,19 @@ class Trainer:
         self.model.train()
         lr = lr_at(step, self.cfg.train)
         clip = self.cfg.train.grad_clip or math.inf
-        if self.pipeline:  # every micro-batch through every stage, and the update
-            loss_sum, grad_norm = self.pipeline.step(step, lr)
+        if self.plan.update == "pipedream-2bw":  # each stage updates itself, no global norm
+            loss_sum = self.pipeline.asynchronous_step(step, lr)
+            grad_norm = torch.tensor(math.nan)
         elif self.lomo:  # one micro-batch (validation), updated during its backward
             inputs, targets = self.train_sampler.rank_batch(step)
             loss_sum = self.micro_batch_loss(inputs.to(self.rt.device),
                                              targets.to(self.rt.device))
             grad_norm = self.lomo.step(loss_sum / self.global_tokens, lr, clip)
             loss_sum = loss_sum.detach()
-        else:
-            loss_sum = self._accumulate(*self.train_sampler.rank_batch(step))
-            if self.engine:
-                grad_norm = (tp_clip_grad_norm_(self.engine, clip, self.tp_axis)
-                             if self.tp_axis.size > 1 else self.engine.clip_grad_norm_(clip))
-                self.engine.step(lr)
-                self.engine.zero_grad()
-            else:
-                grad_norm = self._plain_update(lr, clip)
+        else:  # the synchronous step: every micro-batch's passes, then one update
+            loss_sum = (self.pipeline.forward_backward(step) if self.pipeline else
+                        self._accumulate(*self.train_sampler.rank_batch(step)))
+            grad_norm = self._update(lr, clip)
         C.all_reduce(loss_sum, self.dp_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
         return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
@@ -226,19 +223,31 @@ class Trainer:
             loss_sum += ce_sum.detach()
         return loss_sum
 
-    def _plain_update(self, lr: float, clip: float) -> torch.Tensor:
-        """One rank, no engine: torch's clipping and optimizer (with the fp16 scaler)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if self.scaler:
+    def _update(self, lr: float, clip: float) -> torch.Tensor:
+        """The synchronous update of every layout: clip the global gradient norm over the
+        plan's axes (fivefold.parallel.grad_clip), then step the data-parallel engine or, on
+        one plain rank, torch's optimizer (with the fp16 scaler); return the norm."""
+        if self.engine:
+            grads = [master.grad for master in self.engine.masters]
+            counted = counted_masks(self.engine.units, self.tp_axis.rank)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            grads = [q.grad for q in self.model.parameters() if q.grad is not None]
+            counted = None
+        grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
+        if self.engine:
+            self.engine.step(lr)
+            self.engine.zero_grad()
+        elif self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     @torch.no_grad()
@@ -270,19 +279,14 @@ class Trainer:
         if saved_meta.get("config", {}).get("model") != self.cfg.to_dict()["model"]:
             raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
                                        " use another --run-dir or the same model keys")
-        saved, now = saved_meta.get("layout", {}), self._layout()
-        for key in saved:
-            if saved[key] != now[key]:
-                raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run "
-                                       f"has {now[key]!r}; checkpoints are not resharded: resume"
-                                       " with the same layout or use another --run-dir")
+        check_layout(path, saved_meta, self.plan)
         state = self._checkpoint_state()
         meta, extra = load_checkpoint(self.rt, path, state)
         if self.engine:
             self.engine.after_checkpoint_load()
         else:
             set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
-                           optim_state_dict=state["optim" + self._stage_tag()])
+                           optim_state_dict=state["optim" + self._shard_tag()])
             if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
                 self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
@@ -294,9 +298,9 @@ class Trainer:
         """The torch optimizer(s) DCP saves with the model: none under LOMO."""
         return [] if self.lomo else self.optimizer
 
-    def _stage_tag(self) -> str:
-        return "".join(f".{axis.name}{axis.rank}of{axis.size}"
-                       for axis in (self.pp_axis, self.tp_axis) if axis.size > 1)
+    def _shard_tag(self) -> str:
+        return shard_tag(self.pp_axis.rank, self.pp_axis.size, self.tp_axis.rank,
+                         self.tp_axis.size)
 
     def _checkpoint_state(self) -> dict:
         """What DCP saves and loads in place: the engine's shards, or the plain state dicts
@@ -305,7 +309,7 @@ class Trainer:
         "root" unit, tp ranks hold different shards, and each 2BW stage's optimizer has its
         own parameter groups (its parameters and versions keep the whole model's names, so
         the stages' "model" entries together are the whole model's state)."""
-        tag = self._stage_tag()
+        tag = self._shard_tag()
         if self.engine:
             return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
@@ -314,20 +318,9 @@ class Trainer:
             state["versions"] = self.pipeline.pipe.checkpoint_state()
         return state
 
-    def _layout(self) -> dict:
-        """What decides the checkpoint's keys and shards, as "section.key": value (dp as
-        resolved from the world size): a resume must match it."""
-        p = self.cfg.parallel
-        layout = {f"parallel.{key}": getattr(p, key)
-                  for key in ("pp", "tp", "vpp", "stage_layers", "zero_stage", "zero_group", "hpz")}
-        asynchronous = bool(self.pipeline and self.pipeline.asynchronous)
-        layout["parallel.schedule"] = "pipedream-2bw" if asynchronous else "synchronous"
-        layout["parallel.weight_prediction"] = asynchronous and p.weight_prediction
-        layout["parallel.dp"] = self.dp
-        return layout
-
     def _save(self, step: int) -> None:
-        meta = {"data_position": step, "config": self.cfg.to_dict(), "layout": self._layout()}
+        meta = {"data_position": step, "config": self.cfg.to_dict(),
+                **layout_record(self.plan)}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
@@ -345,9 +338,9 @@ class Trainer:
                  f"{self.rt.world_size} rank(s) (pp {self.pp_axis.size}, tp {self.tp_axis.size}, "
                  f"dp {self.dp}) on "
                  f"{self.rt.device.type}, {self.precision}; "
-                 f"global batch {self.cfg.parallel.global_batch} x {m.seq_len} tokens, "
+                 f"global batch {self.plan.global_batch} x {m.seq_len} tokens, "
                  f"micro-batch {self.micro_batch}")
-        if self.pipeline and self.pipeline.asynchronous and t.optimizer == "adamw":
+        if self.plan.asynchronous and t.optimizer == "adamw":
             self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
                      "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
                      " docs/pipeline.md, 'Convergence against synchronous training')")
@@ -381,7 +374,7 @@ class Trainer:
         if t.sample_tokens and self.pipeline:
             self.say("no text sample: sampling runs the whole model, which pp > 1 splits")
         elif t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
-            model = (GatheredLogits(self.model, self.tp_axis, self.cfg.parallel.sequence_parallel)
+            model = (GatheredLogits(self.model, self.tp_axis, self.plan.sequence_parallel)
                      if self.tp_axis.size > 1 else self.model)
             text = sample_text(model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
                                self.rt.device)

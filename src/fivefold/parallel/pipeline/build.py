@@ -1,46 +1,28 @@
-"""From a validated config to this rank's pipeline pieces: its stage and its schedules.
+"""From a config and its plan to this rank's pipeline stage.
 
-`build_pipeline_stage(cfg, pp_rank, device)` cuts the blocks into `pp * vpp` virtual stages
-(`parallel.stage_layers`, or balanced by cost: fivefold.parallel.pipeline.partition) and
-builds rank `pp_rank`'s chunks. `pipeline_schedules(cfg, micro_batches)` gives the training
-and evaluation action lists of `parallel.schedule` (TeraPipe cuts sequences into
-`parallel.token_slices` slices, default pp). PipeDream-2BW's lists span the whole run and are
-built by its engine (fivefold.parallel.pipeline.pipedream_2bw).
+`build_pipeline_stage(cfg, plan, pp_rank, device)` cuts the blocks into `pp * vpp` virtual
+stages (`plan.stage_layers`, or balanced by cost: fivefold.parallel.pipeline.partition) and
+builds rank `pp_rank`'s chunks (`plan.stage_ids_of_rank`). The action lists the stage runs
+come from the same plan (`ParallelPlan.pipeline_schedules`; PipeDream-2BW's span the whole
+run and are built by its engine, fivefold.parallel.pipeline.pipedream_2bw).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fivefold.config import Config
+from fivefold.config import Config, ModelConfig
 from fivefold.parallel.pipeline.partition import stage_layer_ranges
-from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
 from fivefold.parallel.pipeline.stage import PipelineStage, build_stage
+from fivefold.parallel.plan import ParallelPlan
 
 
-def layer_ranges(cfg: Config) -> list[range]:
-    p = cfg.parallel
-    return stage_layer_ranges(cfg.model, p.pp * p.vpp, p.stage_layers)
+def layer_ranges(model: ModelConfig, plan: ParallelPlan) -> list[range]:
+    """The blocks of each of the plan's `pp * vpp` virtual stages."""
+    return stage_layer_ranges(model, plan.pp * plan.vpp, plan.stage_layers)
 
 
-def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int) -> list[int]:
-    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks)."""
-    return [pp_rank + c * pp for c in range(vpp)]
-
-
-def build_pipeline_stage(cfg: Config, pp_rank: int, device: torch.device) -> PipelineStage:
-    p = cfg.parallel
-    return build_stage(cfg.model, cfg.train.seed, stage_ids_of_rank(p.pp, p.vpp, pp_rank),
-                       layer_ranges(cfg), device)
-
-
-def token_slices(cfg: Config) -> int:
-    p = cfg.parallel
-    return (p.token_slices or p.pp) if p.schedule == "terapipe" else 1
-
-
-def pipeline_schedules(cfg: Config, micro_batches: int) -> tuple[Schedule, Schedule]:
-    """(training, evaluation) action lists of a synchronous `parallel.schedule`."""
-    p, tied = cfg.parallel, cfg.model.tied_embeddings
-    args = (p.schedule, p.pp, micro_batches, p.vpp, token_slices(cfg), tied)
-    return build_schedule(*args), build_schedule(*args, forward_only=True)
+def build_pipeline_stage(cfg: Config, plan: ParallelPlan, pp_rank: int,
+                         device: torch.device) -> PipelineStage:
+    return build_stage(cfg.model, cfg.train.seed, plan.stage_ids_of_rank(pp_rank),
+                       layer_ranges(cfg.model, plan), device)

@@ -92,23 +92,6 @@ def capture_weight_ops(stage: PipelineStage):
             handle.remove()
 
 
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, axes: list[Axis]) -> torch.Tensor:
-    """Clip gradients whose squares, summed over `axes` (pp, and the data-parallel shard axis
-    when a ZeRO engine holds shards), make the global norm; returns the norm before clipping.
-    The same coefficient as torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6))."""
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.float().pow(2).sum()
-    for axis in axes:
-        C.all_reduce(sq, axis, "grad_norm")
-    norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm
-
-
 class PipelineEngine:
     """Runs one rank's action lists: `train_step` for a step, `eval_step` for validation."""
 

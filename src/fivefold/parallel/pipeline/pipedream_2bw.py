@@ -49,7 +49,8 @@ from torch.func import functional_call
 
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
-from fivefold.parallel.pipeline.executor import PipelineEngine, clip_grad_norm_
+from fivefold.parallel.grad_clip import clip_grad_norm_
+from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.p2p_plan import Exchange, Step
 from fivefold.parallel.pipeline.schedules import (RECV_LOSS, RECV_TIED_GRAD,
                                                   RECV_TIED_WEIGHT, SEND_LOSS, SEND_TIED_GRAD,

@@ -1,0 +1,242 @@
+"""The parallel plan of a run: every degree, switch and derived count, resolved once.
+
+A `ParallelPlan` is worked out from a config and a number of ranks before any rank starts,
+and is then what everything else reads: the mesh (`mesh_shape`), `parallelize` and the
+trainer (which update path, which axes the gradient norm spans), the checkpoint metadata
+(fivefold.train.checkpoint keys a checkpoint by it), the planner's `simulate` /
+`predict_ledger` / search (each candidate of the search is a plan) and `parallel = "auto"`,
+whose winning plan is handed to the ranks as JSON instead of `--set` strings. It is frozen
+and torch-free, so the planner can score millions of them and a test can compare the plan
+a run trained with against the one the planner scored.
+
+Rank order (the mesh's axes, outermost first): pp, dp_replicate, dp_shard, cp, tp; tp ranks
+are neighbours on a node, then cp, then the data-parallel ranks. The data-parallel degree
+splits into `dp_shard = zero_group` (ZeRO / FSDP sharding, MiCS's partition group) and
+`dp_replicate = dp / zero_group`. Expert parallelism folds onto the dp x cp ranks
+(Megatron-Core's parallel folding, run_spec.md): `ep` ranks of those hold different
+experts, and each expert is data-parallel over the other dp * cp / ep.
+
+`training_plan` validates first (fivefold.validate.validate_for_training: the messages users
+see), so a plan that reaches the runtime is one it executes; `plan_from_config` is the
+planner's (a spec may describe layouts the runtime does not run yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.config import Config, ParallelConfig
+from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
+from fivefold.validate import validate_for_training
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One resolved layout. Fields mirror `ParallelConfig` (see docs/config.md for each),
+    with every default filled in; `optimizer` and `gpus_per_node` come from the train and
+    cluster sections because the update path and ZeRO++'s node groups depend on them."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    zero_group: int  # dp ranks that shard one copy of the model state (dp_shard)
+    zero_stage: int
+    vpp: int
+    schedule: str
+    stage_layers: tuple[int, ...] | None  # blocks per virtual stage; None: balanced by cost
+    token_slices: int | None  # TeraPipe's slices per sequence; None: pp
+    weight_prediction: bool
+    micro_batch: int
+    global_batch: int
+    recompute: str
+    sequence_parallel: bool
+    precision: str
+    cp_mode: str
+    reduce_dtype: str
+    qwz: bool
+    hpz: bool
+    qgz: bool
+    optimizer: str
+    gpus_per_node: int
+
+    # ------------------------------------------------------------ ranks and batches
+
+    @property
+    def gpus(self) -> int:
+        """Ranks (devices) of the layout."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.zero_group
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis sizes of the rank mesh (fivefold.parallel.mesh), outermost first."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.zero_group,
+                "cp": self.cp, "tp": self.tp}
+
+    def pp_rank_of(self, rank: int) -> int:
+        """The pipeline stage of global rank `rank` (pp is the outermost axis)."""
+        return rank // (self.gpus // self.pp)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Copies of each expert: the dp x cp ranks that ep does not split."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node
+        first): ZeRO++'s hpZ and qgZ groups."""
+        return max(1, min(self.zero_group, self.gpus_per_node // (self.tp * self.cp)))
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Sequences per data-parallel rank per optimizer step."""
+        return self.global_batch // self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per data-parallel rank per step (accumulated or pipelined)."""
+        return self.per_rank_batch // self.micro_batch
+
+    # ------------------------------------------------------------ bytes
+
+    @property
+    def act_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def param_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        return PRECISION_BYTES[self.reduce_dtype]
+
+    # ------------------------------------------------------------ how a step runs
+
+    @property
+    def asynchronous(self) -> bool:
+        """PipeDream-2BW: each stage updates itself, one step of weight staleness."""
+        return self.pp > 1 and self.schedule == "pipedream-2bw"
+
+    @property
+    def update(self) -> str:
+        """Who owns parameters, gradients and the optimizer step:
+        "engine"         fivefold.parallel.data_parallel (DDP / ZeRO, flat units), every
+                         layout with more than one rank or a ZeRO stage, pipelines included
+        "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
+        "lomo"           SGD fused into backward (fivefold.memory.lomo), one rank
+        "plain"          torch's optimizer on the plain model, one rank: the reference"""
+        if self.asynchronous:
+            return "pipedream-2bw"
+        if self.gpus > 1 or self.zero_stage > 0:
+            return "engine"
+        return "lomo" if self.optimizer == "lomo" else "plain"
+
+    @property
+    def grad_norm_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which ranks hold different parts of the gradient, so the squared
+        norm is summed over them before clipping: the ZeRO shard group (stages 1-3), the
+        tensor-parallel shards and the pipeline stages. The dp_replicate copies are equal
+        and are not summed."""
+        axes = []
+        if self.update == "engine" and self.zero_stage >= 1:
+            axes.append("dp_shard")
+        for axis in ("tp", "pp"):
+            if getattr(self, axis) > 1:
+                axes.append(axis)
+        return tuple(axes)
+
+    @property
+    def slices(self) -> int:
+        """Pieces each sequence is cut into along time: TeraPipe's token slices, else 1."""
+        return (self.token_slices or self.pp) if self.schedule == "terapipe" else 1
+
+    def stage_ids_of_rank(self, pp_rank: int) -> list[int]:
+        """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its
+        chunks, round-robin as the interleaved schedule needs)."""
+        return [pp_rank + c * self.pp for c in range(self.vpp)]
+
+    def pipeline_schedules(self, tied_embeddings: bool) -> tuple[Schedule, Schedule]:
+        """(training, evaluation) action lists of a synchronous schedule, as the executor
+        runs them and the ledger model replays them. PipeDream-2BW's lists span the whole run
+        and are built by its engine (fivefold.parallel.pipeline.pipedream_2bw)."""
+        args = (self.schedule, self.pp, self.micro_batches, self.vpp, self.slices,
+                tied_embeddings)
+        return build_schedule(*args), build_schedule(*args, forward_only=True)
+
+    # ------------------------------------------------------------ to and from configs
+
+    def parallel_config(self) -> ParallelConfig:
+        """This plan written as a config's `parallel` section, every value resolved."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)
+                  if f.name != "auto"}
+        fields["stage_layers"] = list(self.stage_layers) if self.stage_layers else None
+        return ParallelConfig(**fields)
+
+    def parallel_table(self) -> dict:
+        """The `parallel` table of simulate's output: every ParallelConfig field, resolved."""
+        return dataclasses.asdict(self.parallel_config())
+
+    def apply_to(self, cfg: Config) -> Config:
+        """`cfg` with this plan's layout written in: the config a rank trains with."""
+        return dataclasses.replace(cfg, parallel=self.parallel_config())
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelPlan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"a parallel plan has the fields {sorted(names)}; got "
+                             f"{sorted(data)}")
+        stages = data["stage_layers"]
+        return cls(**{**data, "stage_layers": tuple(stages) if stages else None})
+
+    def replace(self, **changes) -> "ParallelPlan":
+        return dataclasses.replace(self, **changes)
+
+
+def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf16"
+                     ) -> ParallelPlan:
+    """The plan a config describes on `world_size` ranks, defaults resolved (precision:
+    `default_precision` unless the config sets one; gradients reduce in the compute dtype,
+    bf16 under fp8, unless `parallel.reduce_dtype` says otherwise). No validation: the
+    planner's entry points validate what they need."""
+    p = cfg.parallel
+    dp = p.dp or world_size // (p.tp * p.pp * p.cp)
+    precision = p.precision or default_precision
+    return ParallelPlan(
+        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=dp, zero_group=p.zero_group or dp,
+        zero_stage=p.zero_stage, vpp=p.vpp, schedule=p.schedule,
+        stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
+        token_slices=p.token_slices, weight_prediction=p.weight_prediction,
+        micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
+        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
+        cp_mode=p.cp_mode,
+        reduce_dtype=p.reduce_dtype or ("bf16" if precision == "fp8" else precision),
+        qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
+        gpus_per_node=cfg.cluster.gpus_per_node)
+
+
+def device_precision(device_type: str) -> str:
+    """The precision a run gets when the config sets none: bf16 on GPU, fp32 on CPU (these
+    CPUs have no bf16 units)."""
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
+def training_plan(cfg: Config, world_size: int, device_type: str) -> ParallelPlan:
+    """The plan `fivefold train` runs on `world_size` ranks of `device_type`, after the
+    config has passed every check the runtime needs (ConfigError naming the key if not)."""
+    validate_for_training(cfg, world_size)
+    return plan_from_config(cfg, world_size, device_precision(device_type))
