@@ -313,13 +313,15 @@ def test_partition_is_optimal():
 
 
 def test_schedules_import_without_torch():
-    """The planner replays the same lists without torch (or its process groups)."""
+    """The planner replays the same lists, through the same loop, without torch (or its
+    process groups)."""
     code = ("import sys\n"
             "class NoTorch:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] == 'torch': raise ImportError(name)\n"
             "sys.meta_path.insert(0, NoTorch())\n"
             "from fivefold.parallel.pipeline import schedules, replay, partition\n"
+            "import fivefold.planner.schedules\n"
             "s = schedules.build_schedule('zb', 4, 8, tied_embeddings=True)\n"
             "print(round(replay.bubble_fraction(replay.replay(s)), 6))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
