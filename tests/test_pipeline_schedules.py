@@ -233,6 +233,16 @@ def test_interleaved_with_a_partial_group_deadlocks():
         replay(build_schedule("interleaved", 4, 5, vpp=3))
 
 
+def test_transfer_time_delays_gpipe_by_its_fill_and_drain():
+    """A message between two ranks takes `transfer_s`: GPipe's fill and drain each cross
+    p - 1 links, so its step grows by 2 (p - 1) t; the tied-embedding exchange hides behind
+    them (the planner's simulator replays with its point-to-point time this way)."""
+    for p, m in ((4, 8), (2, 5), (4, 4)):
+        schedule = build_schedule("gpipe", p, m, tied_embeddings=True)
+        events = replay(schedule, transfer_s=0.25)
+        assert max(e.end for e in events) == (m + p - 1) * 3 + 2 * (p - 1) * 0.25
+
+
 def test_replay_rejects_broken_lists():
     fwd = Action(F, 0, 0)
     lost = Schedule("lost", 2, 1, 1, 1, ((fwd, Action(SEND_ACT, 0, 0), Action(SEND_ACT, 0, 0)),
@@ -303,13 +313,15 @@ def test_partition_is_optimal():
 
 
 def test_schedules_import_without_torch():
-    """The planner replays the same lists without torch (or its process groups)."""
+    """The planner replays the same lists, through the same loop, without torch (or its
+    process groups)."""
     code = ("import sys\n"
             "class NoTorch:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] == 'torch': raise ImportError(name)\n"
             "sys.meta_path.insert(0, NoTorch())\n"
             "from fivefold.parallel.pipeline import schedules, replay, partition\n"
+            "import fivefold.planner.schedules\n"
             "s = schedules.build_schedule('zb', 4, 8, tied_embeddings=True)\n"
             "print(round(replay.bubble_fraction(replay.replay(s)), 6))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

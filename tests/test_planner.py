@@ -25,8 +25,7 @@ from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
 from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
-from fivefold.planner.replay import replay
-from fivefold.planner.schedules import actions_for, bubble_fraction
+from fivefold.planner.schedules import bubble_fraction, replay_step, runtime_schedule
 from fivefold.planner.search import candidates, search
 from fivefold.planner.simulate import model_flops_per_token, simulate
 from fivefold.planner.spec import load_spec, spec_config
@@ -210,7 +209,7 @@ def test_causal_attention_counts_half_the_square_and_cp_splits_it():
 @pytest.mark.parametrize("pp, m", [(4, 8), (8, 8), (2, 5)])
 def test_1f1b_replay_makespan(pp, m):
     times = {"F": 1.0, "B": 2.0}
-    r = replay(actions_for("1f1b", pp, 1, m), pp, lambda a: times[a.kind], 0.0)
+    r = replay_step(runtime_schedule("1f1b", pp, 1, m), lambda a: times[a.kind], 0.0)
     assert max(r.finish_s) == (m + pp - 1) * 3.0
     assert r.peak_weight == [min(pp - k, m) for k in range(pp)]
     assert 1 - sum(r.busy_s) / (pp * max(r.finish_s)) == pytest.approx(
@@ -220,11 +219,13 @@ def test_1f1b_replay_makespan(pp, m):
 def test_interleaved_and_zero_bubble_shrink_the_bubble():
     pp, m = 4, 8
     unit = {"F": 1.0, "B": 2.0, "W": 1.0}
-    one = max(replay(actions_for("1f1b", pp, 1, m), pp, lambda a: unit[a.kind], 0.0).finish_s)
-    inter = max(replay(actions_for("interleaved", pp, 2, m), 2 * pp,
-                       lambda a: unit[a.kind] / 2, 0.0).finish_s)
-    split = {"F": 1.0, "B": 1.0, "W": 1.0}
-    zb = max(replay(actions_for("zb", pp, 1, m), pp, lambda a: split[a.kind], 0.0).finish_s)
+    one = max(replay_step(runtime_schedule("1f1b", pp, 1, m), lambda a: unit[a.kind],
+                          0.0).finish_s)
+    inter = max(replay_step(runtime_schedule("interleaved", pp, 2, m),
+                            lambda a: unit[a.kind] / 2, 0.0).finish_s)
+    split = {"F": 1.0, "I": 1.0, "W": 1.0}
+    zb = max(replay_step(runtime_schedule("zb", pp, 1, m), lambda a: split[a.kind],
+                         0.0).finish_s)
     assert one == 33.0
     assert inter == pytest.approx(m * 3 + (pp - 1) * 3 / 2)  # Megatron: bubble / v
     assert zb == pytest.approx(m * 3 + (pp - 1) * 1)  # ZB-H1: (p-1) T_F

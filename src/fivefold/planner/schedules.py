@@ -1,44 +1,82 @@
-"""The pipeline schedules the simulator replays: the runtime's own action lists.
+"""The planner's side of the pipeline schedules: a layout's action lists, timed and replayed.
 
 Schedules are data (DESIGN.md): fivefold.parallel.pipeline.schedules builds, for every
 pipeline rank, the ordered list of actions the executor runs (gpipe, 1f1b, interleaved,
-zb = ZB-H1, terapipe, pipedream-2bw; torch-free). This module is the seam between that
-definition and the planner: it keeps each rank's compute actions and names them for
-fivefold.planner.replay as (kind, micro-batch, virtual stage, token slice), with kind "F"
-(forward), "B" (backward; for zero-bubble schedules the input-gradient part, the runtime's
-"I") and "W" (weight gradients). Point-to-point sends and receives are implied by the
-stage order and timed by the replay with the modelled transfer time.
+zb = ZB-H1, terapipe, pipedream-2bw; torch-free), and fivefold.parallel.pipeline.replay is
+the one event loop that replays them. What is the planner's own is here: which lists a
+layout runs (`runtime_schedule`), the simulator's stage times as action durations
+(`action_durations`), the step a replay gives the simulator (`replay_step`: per rank its
+finish time, busy time and peak activation bytes), and the closed forms the search scores
+with (`bubble_fraction`, `peak_in_flight`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable
 
+from fivefold.parallel.pipeline import replay as runtime_replay
 from fivefold.parallel.pipeline import schedules as runtime
+from fivefold.parallel.pipeline.replay import Event
+from fivefold.parallel.pipeline.schedules import B, COMPUTE, F, I, W, Action, Schedule
 
 
-class Action(NamedTuple):
-    kind: str  # "F" | "B" | "W"
-    mb: int
-    stage: int
-    slice: int = 0
-
-
-Schedule = list[list[Action]]
-
-KINDS = {runtime.F: "F", runtime.B: "B", runtime.I: "B", runtime.W: "W"}
-
-
-def actions_for(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
-                steps: int = 1) -> Schedule:
-    """Each rank's compute actions under the runtime's schedule `schedule`."""
+def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
+                     steps: int = 1) -> Schedule:
+    """The runtime's action lists for a layout's `schedule` (vpp > 1 is interleaved 1F1B;
+    `slices` counts only for TeraPipe, `steps` only for PipeDream-2BW). They carry no
+    tied-embedding exchange: the simulator times the head gradient's return itself, after
+    the replay (StepModel.estimate)."""
     if schedule == "pipedream-2bw":
-        built = runtime.pipedream_2bw_schedule(pp, m, steps)
-    else:
-        name = "interleaved" if vpp > 1 else schedule
-        built = runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1)
-    return [[Action(KINDS[a.kind], a.mb, a.stage, a.slice) for a in rank
-             if a.kind in KINDS] for rank in built.ranks]
+        return runtime.pipedream_2bw_schedule(pp, m, steps)
+    name = "interleaved" if vpp > 1 else schedule
+    return runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1)
+
+
+def action_durations(stage_times: list[tuple], slices: int) -> Callable[[Action], float]:
+    """Seconds of each compute action from the simulator's per-stage times (forward,
+    backward, its weight-gradient part, ...) of one micro-batch: a token slice takes 1/slices
+    of them, and zero-bubble's I is the backward without its weight gradients (W)."""
+    def duration(a: Action) -> float:
+        f, b, w = stage_times[a.stage][:3]
+        if a.kind == F:
+            return f / slices
+        if a.kind == B:
+            return b / slices
+        if a.kind == I:
+            return (b - w) / slices
+        if a.kind == W:
+            return w / slices
+        return 0.0
+
+    return duration
+
+
+@dataclass
+class Replay:
+    """A replayed step, per pipeline rank."""
+
+    finish_s: list[float]  # when its last action ends
+    busy_s: list[float]  # its compute seconds; the rest of finish_s is bubble
+    peak_weight: list[float]  # peak sum of `weight(stage)` over in-flight micro-batches
+    events: list[Event] = field(default_factory=list)
+
+
+def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: float,
+                weight: Callable[[int], float] = lambda stage: 1,
+                keep_events: bool = False) -> Replay:
+    """Replay `schedule` with `duration` per action and `p2p_s` per point-to-point message
+    (activations forward, gradients backward; only the receiver waits). Busy time is the sum
+    of the rank's durations, in list order, not the replay's end - start differences, so it
+    carries no rounding of the clock."""
+    events = runtime_replay.replay(schedule, duration, p2p_s)
+    finish = [0.0] * schedule.pp
+    for e in events:  # a rank's events come in its list order
+        finish[e.rank] = e.end
+    busy = [sum(duration(a) for a in actions if a.kind in COMPUTE)
+            for actions in schedule.ranks]
+    return Replay(finish, busy, runtime_replay.peak_in_flight(schedule, weight),
+                  events if keep_events else [])
 
 
 def peak_in_flight(schedule: str, pp: int, m: int, rank: int, vpp: int = 1,

@@ -7,8 +7,8 @@ The step is assembled from the models of this package:
    overlap rules below. Blocks are cut into pipeline stages by the runtime's partitioner
    (fivefold.parallel.pipeline.partition).
 2. The pipeline schedule's action lists (fivefold.planner.schedules) replayed event by event
-   with those stage durations (fivefold.planner.replay): each rank's finish time, busy time
-   and peak in-flight activations.
+   with those stage durations by the runtime's replay (fivefold.parallel.pipeline.replay):
+   each rank's finish time, busy time and peak in-flight activations.
 3. After the last backward: the data-parallel gradient synchronisation that did not hide
    behind that backward, then the optimizer step (memory bound) and, for ZeRO-1/2, the
    parameter all-gather that follows it.
@@ -62,8 +62,7 @@ from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_time
 from fivefold.planner.hardware import HardwareProfile, load_profile
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_matrix_shapes, block_params, root_params
-from fivefold.planner.replay import Replay, replay
-from fivefold.planner.schedules import Action, actions_for
+from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 
 MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "other", "total")
@@ -403,29 +402,19 @@ class StepModel:
         difference between replays of two and three optimizer steps."""
         lay = self.lay
         stages = len(self.stage_layers)
-        times = [self.stage_times(g) for g in range(stages)]
-        split = lay.schedule == "zb"
-        n = self.lay.slices
-
-        def duration(act: Action) -> float:
-            f, b, w, _, _ = times[act.stage]
-            if act.kind == "F":
-                return f / n
-            if act.kind == "W":
-                return w / n
-            return (b - w if split else b) / n
-
+        n = lay.slices
+        duration = action_durations([self.stage_times(g) for g in range(stages)], n)
         m = lay.micro_batches
         weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
         if lay.schedule == "pipedream-2bw":
-            two, three = (replay(actions_for(lay.schedule, lay.pp, 1, m, steps=k), stages,
-                                 duration, self.p2p_s, lambda g: weights[g], keep_events)
+            two, three = (replay_step(runtime_schedule(lay.schedule, lay.pp, 1, m, steps=k),
+                                      duration, self.p2p_s, lambda g: weights[g], keep_events)
                           for k in (2, 3))
             return Replay([c - b for b, c in zip(two.finish_s, three.finish_s)],
                           [c - b for b, c in zip(two.busy_s, three.busy_s)],
                           three.peak_weight, three.events)
-        sched = actions_for(lay.schedule, lay.pp, lay.vpp, m, n)
-        return replay(sched, stages, duration, self.p2p_s, lambda g: weights[g], keep_events)
+        sched = runtime_schedule(lay.schedule, lay.pp, lay.vpp, m, n)
+        return replay_step(sched, duration, self.p2p_s, lambda g: weights[g], keep_events)
 
     def stage_activation_bytes(self, g: int) -> float:
         """Bytes virtual stage g keeps per in-flight micro-batch."""

@@ -1,8 +1,8 @@
 """A Chrome / Perfetto trace of one simulated step (`fivefold simulate --trace FILE`).
 
 One process lane per pipeline rank (the ranks of one data-parallel replica; the others run
-the same timeline), two threads each: "compute" holds every replayed action of the
-schedule (F, B, W per micro-batch and virtual stage, from the runtime's action lists) and
+the same timeline), two threads each: "compute" holds every replayed compute action (F, B;
+zero-bubble's I, W) per micro-batch and virtual stage, from the runtime's action lists, and
 then the optimizer; "comm" holds, at the end of each action, the communication on its
 critical path (tensor-, context-, expert-parallel and ZeRO-3 collectives, drawn where the
 action waited for them) and, after the last backward, the exposed data-parallel gradient
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fivefold.parallel.pipeline.schedules import COMPUTE, F, W
 from fivefold.planner.simulate import Estimate
 
 
@@ -28,14 +29,18 @@ def trace_events(est: Estimate, sm) -> list[dict]:
             out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid,
                         "args": {"name": name}})
     finish = [0.0] * est.layout.pp
-    for rank, act, start, end in est.replay.events:
+    for e in est.replay.events:
+        act = e.action
+        if act.kind not in COMPUTE:  # sends, receives and 2BW's UPDATE take no time here
+            continue
         label = f"{act.kind} mb{act.mb} s{act.stage}" + (f".{act.slice}" if act.slice else "")
-        out.append(_x(label, rank, 0, start, end, {"stage_layers": sm.stage_layers[act.stage]}))
+        out.append(_x(label, e.rank, 0, e.start, e.end,
+                      {"stage_layers": sm.stage_layers[act.stage]}))
         f_comm, b_comm = times[act.stage][3] / n, times[act.stage][4] / n
-        comm = f_comm if act.kind == "F" else b_comm if act.kind == "B" else 0.0
+        comm = f_comm if act.kind == F else 0.0 if act.kind == W else b_comm
         if comm > 0:
-            out.append(_x(f"comm {label}", rank, 1, end - comm, end, {}))
-        finish[rank] = max(finish[rank], end)
+            out.append(_x(f"comm {label}", e.rank, 1, e.end - comm, e.end, {}))
+        finish[e.rank] = max(finish[e.rank], e.end)
     for r in range(est.layout.pp):
         tail = est.dp_tail_s[r] if est.dp_tail_s else 0.0
         if tail > 0:

@@ -1,11 +1,17 @@
 """Replay a schedule's action lists with modelled costs: deadlock check, timeline, bubble.
 
-Each rank runs its list in order. A compute action takes its cost; a send takes no time and
-never waits (the executor's sends are asynchronous); a receive waits until its message has
-been sent. Replaying every rank this way gives the earliest start of every action, which is
-what the runtime does when compute costs are as modelled, so the same function checks a
-schedule (every message sent once and received once, no rank waiting forever) and draws or
-scores it (fivefold.parallel.pipeline.timeline). The planner calls it with measured costs.
+The one event loop over the action lists (fivefold.parallel.pipeline.schedules): the tests,
+the pictures (fivefold.parallel.pipeline.timeline) and the planner's simulator
+(fivefold.planner.simulate) all replay the lists the executor runs through `replay`. Each
+rank runs its list in order. A compute action (and 2BW's UPDATE) takes its cost; a send takes
+no time and never waits (the executor's sends are asynchronous, on their own stream); a
+receive waits until its message has been sent and, from another rank, has crossed the link
+(`transfer_s`). Replaying every rank this way gives the earliest start of every action, which
+is what the runtime does when compute and transfer costs are as modelled, so the same function
+checks a schedule (every message sent once and received once, no rank waiting forever) and
+draws or scores it: `bubble_fraction` from its events, `peak_in_flight` (in units or, with a
+weight per stage, in bytes) from its order. Unit costs (`unit_cost`) are the papers' analyses;
+the planner passes its stage durations and point-to-point time.
 """
 
 from __future__ import annotations
@@ -39,10 +45,14 @@ def unit_cost(schedule: Schedule) -> Callable[[Action], float]:
     return lambda a: costs.get(a.kind, 0.0)
 
 
-def replay(schedule: Schedule, cost: Callable[[Action], float] | None = None) -> list[Event]:
-    """Every action's (start, end) on its rank; raises ScheduleError if the lists cannot run."""
+def replay(schedule: Schedule, cost: Callable[[Action], float] | None = None,
+           transfer_s: float = 0.0) -> list[Event]:
+    """Every action's (start, end) on its rank, with `cost` per compute action (default
+    `unit_cost`) and `transfer_s` per message between two ranks (a message to the rank itself
+    goes through the executor's mailbox at no cost). Raises ScheduleError if the lists cannot
+    run."""
     cost = cost or unit_cost(schedule)
-    n = len(schedule.ranks)
+    n, stages = len(schedule.ranks), schedule.stages
     pos, clock = [0] * n, [0.0] * n
     posted: dict[tuple, float] = {}
     received: set[tuple] = set()
@@ -55,19 +65,22 @@ def replay(schedule: Schedule, cost: Callable[[Action], float] | None = None) ->
             while pos[r] < len(actions):
                 a = actions[pos[r]]
                 if a.kind in SENDS:
-                    key = message(a, schedule.stages)
+                    key = message(a, stages)
                     if key in posted:
                         raise ScheduleError(f"rank {r}: {a} sends message {key} twice")
                     posted[key] = clock[r]
                     events.append(Event(r, a, clock[r], clock[r]))
                 elif a.kind in RECVS:
-                    key = message(a, schedule.stages)
+                    key = message(a, stages)
                     if key not in posted:
                         break  # wait for the sender
                     if key in received:
                         raise ScheduleError(f"rank {r}: {a} receives message {key} twice")
                     received.add(key)
-                    clock[r] = max(clock[r], posted[key])
+                    arrives = posted[key]
+                    if schedule.rank_of(peer_stage(a, stages)) != r:
+                        arrives += transfer_s
+                    clock[r] = max(clock[r], arrives)
                     events.append(Event(r, a, clock[r], clock[r]))
                 else:
                     start = clock[r]
@@ -183,8 +196,12 @@ def check_compute(schedule: Schedule) -> None:
         raise ScheduleError(f"{schedule.name}: backwards do not cover each unit exactly once")
 
 
-def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per rank, the most units held between their forward and their last backward action."""
+def peak_in_flight(schedule: Schedule,
+                   weight: Callable[[int], float] = lambda stage: 1) -> list[float]:
+    """Per rank, the most activations it holds at once: the sum of `weight(stage)` (default
+    1, counting (chunk, micro-batch, slice) units) over the units between their forward and
+    their last backward action (zero-bubble: their W, which still reads the inputs). It
+    depends on each rank's order only, not on the costs."""
     peaks = []
     for actions in schedule.ranks:
         split = {(a.stage, a.mb, a.slice) for a in actions if a.kind == I}
@@ -192,10 +209,10 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
         for a in actions:
             unit = (a.stage, a.mb, a.slice)
             if a.kind == F:
-                live += 1
+                live += weight(a.stage)
                 peak = max(peak, live)
             elif a.kind == W or (a.kind == B and unit not in split):
-                live -= 1
+                live -= weight(a.stage)
         peaks.append(peak)
     return peaks
 
