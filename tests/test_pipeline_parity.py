@@ -48,9 +48,10 @@ from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.build import (build_pipeline_stage, layer_ranges,
                                               pipeline_schedules)
 from fivefold.parallel.pipeline.executor import PipelineEngine, clip_grad_norm_
+from fivefold.parallel.pipeline.partition import slice_bounds
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.schedules import build_schedule
-from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
+from fivefold.parallel.pipeline.terapipe import TokenSliceCache
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler, prepare_data
 from fivefold.train.optim import build_optimizer, lr_at

@@ -186,8 +186,7 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
     """The model (pp = 1) or pipeline stage of one (pp, tp) rank, on the meta device, split
     over tp as the run split it: its parameters have the shapes and order the run's units had."""
     from fivefold.comm.collectives import Axis
-    from fivefold.parallel.pipeline.build import stage_ids_of_rank
-    from fivefold.parallel.pipeline.partition import stage_layer_ranges
+    from fivefold.parallel.pipeline.partition import stage_ids_of_rank, stage_layer_ranges
     from fivefold.parallel.pipeline.stage import PipelineStage
     from fivefold.parallel.tensor import apply_tensor_parallel
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.parallel.pipeline import schedules as S
+from fivefold.parallel.pipeline.partition import (slice_bounds, stage_ids_of_rank,
+                                                  stage_layer_ranges, token_slices)
 from fivefold.planner.layout import Layout
 
 PURPOSES = {S.SEND_ACT: "pp_activations", S.RECV_ACT: "pp_activations",
@@ -42,9 +44,6 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
     """(op, purpose, bytes) of every send and receive pp rank `pp_rank` makes in one step."""
     if lay.pp == 1:
         return []
-    from fivefold.parallel.pipeline.build import token_slices  # the runtime's own cut
-    from fivefold.parallel.pipeline.terapipe import slice_bounds
-
     m = cfg.model
     slices = token_slices(cfg)
     schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp, slices,
@@ -71,10 +70,7 @@ def pipeline_messages(cfg: Config, lay: Layout, pp_rank: int, elem_bytes: int
 
 def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
     """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
-    stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""
-    from fivefold.parallel.pipeline.build import stage_ids_of_rank
-    from fivefold.parallel.pipeline.partition import stage_layer_ranges
-
+    stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.partition)."""
     stages = lay.pp * lay.vpp
     ranges = stage_layer_ranges(cfg.model, stages, cfg.parallel.stage_layers)
     ids = stage_ids_of_rank(lay.pp, lay.vpp, pp_rank)
@@ -84,9 +80,6 @@ def stage_layers_of_rank(cfg: Config, lay: Layout, pp_rank: int) -> tuple[list[i
 def zero3_block_gathers(cfg: Config, lay: Layout, pp_rank: int) -> list[tuple[int, bool]]:
     """(position among the rank's blocks, backward) of each all-gather of block weights that
     ZeRO-3 issues on pp rank `pp_rank` in one step (fivefold.parallel.data_parallel)."""
-    from fivefold.parallel.pipeline.build import token_slices
-    from fivefold.parallel.pipeline.partition import stage_layer_ranges
-
     m = cfg.model
     schedule = S.build_schedule(lay.schedule, lay.pp, lay.micro_batches, lay.vpp,
                                 token_slices(cfg), m.tied_embeddings)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from fivefold.config import Config
-from fivefold.parallel.pipeline.partition import stage_layer_ranges
+from fivefold.parallel.pipeline.partition import (stage_ids_of_rank, stage_layer_ranges,
+                                                  token_slices)
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
 from fivefold.parallel.pipeline.stage import PipelineStage, build_stage
 
@@ -23,20 +24,10 @@ def layer_ranges(cfg: Config) -> list[range]:
     return stage_layer_ranges(cfg.model, p.pp * p.vpp, p.stage_layers)
 
 
-def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int) -> list[int]:
-    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks)."""
-    return [pp_rank + c * pp for c in range(vpp)]
-
-
 def build_pipeline_stage(cfg: Config, pp_rank: int, device: torch.device) -> PipelineStage:
     p = cfg.parallel
     return build_stage(cfg.model, cfg.train.seed, stage_ids_of_rank(p.pp, p.vpp, pp_rank),
                        layer_ranges(cfg), device)
-
-
-def token_slices(cfg: Config) -> int:
-    p = cfg.parallel
-    return (p.token_slices or p.pp) if p.schedule == "terapipe" else 1
 
 
 def pipeline_schedules(cfg: Config, micro_batches: int) -> tuple[Schedule, Schedule]:
