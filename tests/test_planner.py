@@ -16,12 +16,12 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config
+from fivefold.hardware import PROFILES, load_profile, profile_from_dict
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.parallel.pipeline.partition import balanced_counts
 from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
-from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
 from fivefold.planner.layout import PRECISION_BYTES, layout_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params

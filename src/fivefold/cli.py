@@ -76,8 +76,6 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
     cfg = train_config(args)
     if cfg.parallel.auto:  # once, before any rank trains; the ranks get the layout spelled out
-        from fivefold.planner.auto import resolve_for_training
-
         cfg, layout = resolve_for_training(cfg, world_size, os.environ.get("RANK", "0") == "0")
         argv = [*argv, *(arg for assignment in layout for arg in ("--set", assignment))]
     validate_for_training(cfg, world_size)
@@ -87,6 +85,24 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _without_nproc(argv))
     return _train_this_rank(cfg, args.run_dir, args.init_from)
+
+
+def resolve_for_training(cfg: Config, world_size: int, announce: bool = True
+                         ) -> tuple[Config, list[str]]:
+    """`fivefold train`'s step: resolve an auto config on the device `train.device` picks,
+    print the choice (when `announce`), return the resolved config and its overrides. Here,
+    not in the planner: the runtime picks the device and detects its profile."""
+    from fivefold.planner.auto import resolve_auto
+    from fivefold.train.dist import detect_profile, pick_device
+
+    try:
+        device = pick_device(cfg.train.device, 0)
+    except RuntimeError as err:
+        raise ConfigError("train.device", str(err)) from None
+    auto = resolve_auto(cfg, world_size, device.type, detect_profile(device, cfg.cluster.gpu))
+    if announce:
+        print(auto.summary(), flush=True)
+    return auto.cfg, auto.overrides
 
 
 def _train_this_rank(cfg: Config, run_dir: str, init_from: str | None = None) -> int:

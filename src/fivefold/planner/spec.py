@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from fivefold.config import Config, ConfigError, load_config
-from fivefold.planner.hardware import load_profile
+from fivefold.hardware import load_profile
 from fivefold.planner.layout import cluster_gpus
 from fivefold.validate import validate, validate_cluster, validate_model
 

@@ -54,13 +54,12 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel
 from fivefold.parallel.tensor import clip_grad_norm_ as tp_clip_grad_norm_
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
-from fivefold.planner.hardware import detect_profile
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.recompute import apply_full_recompute
 from fivefold.train.checkpoint import (latest_checkpoint, load_checkpoint, remove_partials,
                                        save_checkpoint)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
-from fivefold.train.dist import Runtime
+from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.optim import build_optimizer, lr_at
