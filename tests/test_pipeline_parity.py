@@ -43,6 +43,7 @@ from fivefold.comm import collectives as C
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
 from fivefold.models.llama import build_model
+from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.build import (build_pipeline_stage, layer_ranges,
@@ -54,7 +55,6 @@ from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.terapipe import TokenSliceCache
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler, prepare_data
-from fivefold.train.optim import build_optimizer, lr_at
 from fivefold.train.trainer import Trainer
 
 TEST_MODEL = ["model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=96",

@@ -124,7 +124,7 @@ def test_optimizer_state_matches_the_runtime(optimizer):
     import torch
 
     from fivefold.models.llama import build_model
-    from fivefold.train.optim import build_optimizer
+    from fivefold.optim import build_optimizer
 
     cfg = load_config(None, ["cluster.gpus=1", f"train.optimizer={optimizer}"])
     model = build_model(cfg.model, 0)
