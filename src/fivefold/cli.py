@@ -17,8 +17,8 @@ import argparse
 import os
 import sys
 
+from fivefold import plan_commands
 from fivefold.config import Config, ConfigError, load_config
-from fivefold.planner import commands as planner_commands
 from fivefold.validate import validate_for_training
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "else hf)")
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
-    planner_commands.add_parsers(sub)
+    plan_commands.add_parsers(sub)
     return parser
 
 
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "convert":
             return cmd_convert(args)
-        if args.command in planner_commands.COMMANDS:
-            return planner_commands.run(args)
+        if args.command in plan_commands.COMMANDS:
+            return plan_commands.run(args, main)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2
