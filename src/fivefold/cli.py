@@ -58,7 +58,7 @@ def train_config(args: argparse.Namespace) -> Config:
         overrides.append(f"train.steps={args.steps}")
     if args.init_from:
         from fivefold.config import apply_override, read_file
-        from fivefold.models.pretrained import init_from_overrides
+        from fivefold.train.model_source import init_from_overrides
 
         raw = read_file(args.config) if args.config else {}
         for assignment in overrides:
@@ -118,7 +118,7 @@ def _train_this_rank(cfg: Config, run_dir: str, init_from: str | None = None) ->
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from fivefold.models.pretrained import convert
+    from fivefold.train.model_source import convert
 
     pre, fmt = convert(args.src, args.dst, args.to, args.shard_mib * 2**20)
     m, params = pre.cfg, sum(t.numel() for t in pre.state.values())

@@ -47,7 +47,6 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.models.pretrained import load_weights_into
 from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.mesh import Mesh, mesh_shape
@@ -63,6 +62,7 @@ from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
+from fivefold.train.model_source import load_weights_into
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
 from fivefold.validate import ranks_per_node
