@@ -1,11 +1,23 @@
 """The import layering of src/fivefold, read from the source with `ast` (no fivefold import).
 
-Every Import/ImportFrom node anywhere in a file counts, function bodies included, because a
-function-level import runs as surely as a module-level one once the function is called. The
-layers, bottom to top: config/validate, models, comm and memory, parallel, train, and the
-command line (cli.py and the other top-level modules) that ties them to the planner. The
-planner's predicting modules must run where torch is not installed, so none of them may reach
-torch through any chain of imports; `planner.calibrate` measures the machine and is exempt.
+Every Import/ImportFrom node anywhere in a file counts, function bodies included: a
+function-level import runs as surely as a module-level one once the function is called.
+Importing `a.b.c` also runs the `__init__` of `a` and `a.b`, so those packages count as
+imported too. The rules:
+
+  config, validate, hardware, optim    foundations: none of parallel/, train/, planner/
+  models/                              plain PyTorch: of fivefold only config and validate
+  comm/                                none of parallel/, train/, planner/
+  memory/                              neither train/ nor planner/
+  parallel/                            applied to a model from outside: neither train/ nor
+                                       planner/
+  train/                               the runtime: not planner/
+  planner/                             predicts without torch, through no chain of imports
+                                       (calibrate, which measures the machine, may use it)
+  cli, plan_commands, __main__         the command line, which ties train/ and planner/
+                                       together; nothing else imports it
+
+and no fivefold modules import each other in a cycle.
 """
 
 import ast
@@ -13,11 +25,16 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# (importer prefix, forbidden target prefixes, the rule as a reader would say it)
+COMMAND_LINE = ("fivefold.cli", "fivefold.plan_commands", "fivefold.__main__")
+FOUNDATIONS = ("fivefold.config", "fivefold.validate", "fivefold.hardware", "fivefold.optim")
+# models/ by what it may import; the other layers by what they may not:
+# (importer prefix, the prefixes it may not import, the rule)
+MODELS_MAY_IMPORT = ("fivefold.models", "fivefold.config", "fivefold.validate")
+MODELS_RULE = "models/ is plain PyTorch; of fivefold it imports only config and validate"
 FORBIDDEN = [
-    ("fivefold.models", ("fivefold.parallel", "fivefold.train", "fivefold.planner",
-                         "fivefold.comm", "fivefold.memory"),
-     "models/ is plain PyTorch: it may import only config and validate of fivefold"),
+    *((foundation, ("fivefold.parallel", "fivefold.train", "fivefold.planner"),
+       "config, validate, hardware and optim are foundations that the layers import: they "
+       "import none of parallel/, train/, planner/") for foundation in FOUNDATIONS),
     ("fivefold.parallel", ("fivefold.train", "fivefold.planner"),
      "parallel/ is applied from outside by train/: it imports neither train/ nor planner/"),
     ("fivefold.train", ("fivefold.planner",),
@@ -26,8 +43,8 @@ FORBIDDEN = [
      "comm/ sits below parallel/: it imports none of parallel/, train/, planner/"),
     ("fivefold.memory", ("fivefold.train", "fivefold.planner"),
      "memory/ sits below train/: it imports neither train/ nor planner/"),
-    ("fivefold.planner", ("fivefold.cli", "fivefold.plan_commands"),
-     "planner/ is a library: the command line imports it, never the other way"),
+    ("fivefold", COMMAND_LINE,
+     "only the command line imports the command line (cli.py, plan_commands.py)"),
 ]
 TORCH_FREE = "fivefold.planner"
 TORCH_ALLOWED = ("fivefold.planner.calibrate",)
@@ -49,7 +66,7 @@ def module_name(path: Path, src: Path) -> tuple[str, bool]:
 def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, int]]:
     """Every absolute name an Import/ImportFrom anywhere in the tree asks for, with its line;
     `from a import b` yields both a.b (b may be a module) and a, relative imports resolved."""
-    package = module if is_package else module.rpartition(".")[0]
+    package = module.split(".") if is_package else module.split(".")[:-1]
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -57,7 +74,7 @@ def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[s
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package[:len(package) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             names.append((base, node.lineno))
             names += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
@@ -65,21 +82,23 @@ def imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[s
 
 
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
-    """Module -> {imported module: line}. Fivefold names resolve to the longest prefix that is
-    a module of the tree; anything else is the external top-level package (torch, numpy)."""
+    """Module -> {imported module: line}. A fivefold name resolves to the longest prefix that
+    is a module of the tree, plus the packages above it; anything else is its external
+    top-level package (torch, numpy)."""
     graph = {}
     for module, (text, is_package) in sources.items():
-        edges = {}
+        edges: dict[str, int] = {}
         for name, line in imported_names(ast.parse(text), module, is_package):
-            if name.split(".")[0] != "fivefold":
-                target = name.split(".")[0]
+            parts = name.split(".")
+            if parts[0] != "fivefold":
+                targets = [parts[0]]
             else:
-                parts = name.split(".")
                 while parts and ".".join(parts) not in sources:
                     parts.pop()
-                target = ".".join(parts)
-            if target and target != module:
-                edges.setdefault(target, line)
+                targets = [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+            for target in targets:
+                if target != module:
+                    edges[target] = min(line, edges.get(target, line))
         graph[module] = edges
     return graph
 
@@ -93,14 +112,23 @@ def read_sources(src: Path = SRC) -> dict[str, tuple[str, bool]]:
 
 
 def layer_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One message per forbidden import, naming its most specific module (a package whose
+    module is reported too is left out)."""
     out = []
     for module, edges in sorted(graph.items()):
-        for importer, targets, rule in FORBIDDEN:
-            if not within(module, importer):
+        bad: dict[str, str] = {}  # target -> the rule it breaks
+        for target in edges:
+            if not within(target, "fivefold") or target == "fivefold":
                 continue
-            for target, line in sorted(edges.items()):
-                if any(within(target, t) for t in targets):
-                    out.append(f"{module} (line {line}) imports {target}: {rule}")
+            if within(module, "fivefold.models") and not any(
+                    within(target, ok) for ok in MODELS_MAY_IMPORT):
+                bad[target] = MODELS_RULE
+            for importer, targets, rule in FORBIDDEN:
+                if (within(module, importer) and module not in COMMAND_LINE
+                        and any(within(target, t) for t in targets)):
+                    bad[target] = rule
+        out += [f"{module} (line {edges[t]}) imports {t}: {rule}" for t, rule in sorted(bad.items())
+                if not any(other != t and within(other, t) for other in bad)]
     return out
 
 
@@ -130,34 +158,34 @@ def torch_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
             continue
         chain = chain_to(graph, module, "torch")
         if chain:
-            out.append(f"{module} reaches torch through {' -> '.join(chain)}: the planner's "
-                       "predicting modules run without torch (only planner.calibrate may)")
+            out.append(f"{module} reaches torch through {' -> '.join(chain)} (line "
+                       f"{graph[chain[-2]]['torch']} of {chain[-2]}): the planner's predicting "
+                       "modules run without torch (only planner.calibrate may import it)")
     return out
 
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[str]:
-    """One message per strongly connected group of fivefold modules (Tarjan), with one cycle."""
+    """One message per strongly connected group of fivefold modules (Tarjan), naming one
+    cycle through the group's first module."""
     inner = {m: [t for t in sorted(e) if t in graph] for m, e in graph.items()}
-    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
 
-    def visit(node):
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        on_stack.add(node)
         for target in inner[node]:
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
-            elif target in on_stack:
+            elif target in stack:
                 low[node] = min(low[node], index[target])
         if low[node] == index[node]:
-            group = set()
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                group.add(member)
-                if member == node:
-                    break
+            group = {stack.pop()}
+            while node not in group:
+                group.add(stack.pop())
             if len(group) > 1:
                 groups.append(group)
 
@@ -168,7 +196,7 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[str]:
     for group in groups:
         first = min(group)
         sub = {m: {t: 0 for t in inner[m] if t in group} for m in group}
-        back = min(t for t in group if first in sub[t])
+        back = min(m for m in group if first in sub[m])
         chain = chain_to(sub, first, back) + [first]
         out.append(f"import cycle {' -> '.join(chain)}: fivefold modules form no cycles "
                    "(function-level imports count)")
@@ -183,6 +211,7 @@ def test_source_tree_is_read():
     graph = import_graph(read_sources())
     assert len(graph) > 50 and "fivefold.planner.simulate" in graph
     assert "torch" in graph["fivefold.models.llama"]
+    assert "fivefold.config" in graph["fivefold.planner.simulate"]
 
 
 def test_layering_rules_hold():
@@ -193,24 +222,36 @@ def test_layering_rules_hold():
 def test_checker_reports_a_synthetic_breach_of_each_rule():
     sources = {
         "fivefold": ("", True),
+        "fivefold.cli": ("from fivefold.planner import p\n", False),
         "fivefold.models": ("", True),
-        "fivefold.models.m": ("def f():\n    from fivefold.train import t\n", False),
+        "fivefold.models.m": ("import fivefold.config\ndef f():\n    from ..comm import c\n",
+                              False),
+        "fivefold.comm": ("", True),
+        "fivefold.comm.c": ("", False),
+        "fivefold.config": ("", False),
         "fivefold.train": ("", True),
-        "fivefold.train.t": ("import torch\nfrom ..planner import p\n", False),
+        "fivefold.train.t": ("import torch.nn\nfrom ..planner import p\n", False),
         "fivefold.planner": ("", True),
         "fivefold.planner.p": ("from . import q\n", False),
         "fivefold.planner.q": ("def g():\n    import fivefold.train.t\n", False),
-        "fivefold.planner.calibrate": ("import torch\n", False),
+        "fivefold.planner.calibrate": ("import torch\nfrom fivefold.cli import main\n", False),
     }
     graph = import_graph(sources)
-    assert graph["fivefold.train.t"] == {"torch": 1, "fivefold.planner.p": 2}
+    assert graph["fivefold.train.t"] == {"torch": 1, "fivefold": 2, "fivefold.planner": 2,
+                                         "fivefold.planner.p": 2}
     breaches = all_breaches(graph)
-    assert "fivefold.models.m (line 2) imports fivefold.train.t: models/" in breaches[0]
-    assert any(b.startswith("fivefold.train.t (line 2) imports fivefold.planner.p") for b in breaches)
-    assert any("fivefold.planner.q -> fivefold.train.t -> torch" in b for b in breaches)
-    assert not any(b.startswith("fivefold.planner.calibrate") for b in breaches)
-    assert any(b.startswith("import cycle fivefold.planner.p -> fivefold.planner.q -> "
-                            "fivefold.train.t -> fivefold.planner.p") for b in breaches)
+    expected = [
+        "fivefold.models.m (line 3) imports fivefold.comm.c: models/ is plain PyTorch",
+        "fivefold.planner.calibrate (line 2) imports fivefold.cli: only the command line",
+        "fivefold.train.t (line 2) imports fivefold.planner.p: train/ does not import planner/",
+        "fivefold.planner.p reaches torch through fivefold.planner.p -> fivefold.planner.q -> "
+        "fivefold.train.t -> torch (line 1 of fivefold.train.t)",
+        "fivefold.planner.q reaches torch through fivefold.planner.q -> fivefold.train.t -> torch",
+        "import cycle fivefold.planner.p -> fivefold.planner.q -> fivefold.train.t -> "
+        "fivefold.planner.p: fivefold modules form no cycles",
+    ]
+    assert [b[:len(e)] for b, e in zip(breaches, expected)] == expected
+    assert len(breaches) == len(expected)  # the command line and calibrate's torch are fine
 
 
 if __name__ == "__main__":
