@@ -22,7 +22,7 @@ runs `--warmup` untimed steps (compilation happens there), then `--steps` timed 
 two `torch.cuda.synchronize()`. tokens/s = timed steps x 8 x 2048 / seconds. MFU = model FLOPs
 per token (fivefold.models.flops: 6 x matrix parameters + 12 x layers x seq x heads x
 head_dim, the convention of ../shared/reference/h200_measured.json) x tokens/s / the GPU's
-dense bf16 peak (fivefold.planner.hardware; H200 989 TFLOP/s; `--peak-tflops` for others).
+dense bf16 peak (fivefold.hardware; H200 989 TFLOP/s; `--peak-tflops` for others).
 Reported: both sides, the ratio fivefold / transformers of tokens/s and of peak memory, the
 GPU, the torch and transformers versions. If the fivefold side fails while compiled, it is
 run once more eagerly (marked so), so that one run always yields a number.
@@ -257,7 +257,7 @@ def gpu_info(device: str) -> dict:
 def peak_flops(spec: dict, override_tflops: float | None) -> float | None:
     import torch
 
-    from fivefold.planner.hardware import detect_profile
+    from fivefold.train.dist import detect_profile
 
     if override_tflops:
         return override_tflops * 1e12

@@ -22,6 +22,7 @@ import torch
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
+from fivefold.optim import build_optimizer
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
@@ -32,7 +33,6 @@ from fivefold.parallel.pipeline.schedules import (COMPUTE, UPDATE, build_schedul
 from fivefold.parallel.pipeline.timeline import chrome_trace, plot_timeline
 from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
-from fivefold.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.layers=8", "model.hidden=256", "model.heads=8", "model.kv_heads=4",

@@ -1,4 +1,5 @@
-"""Hugging Face import and export (fivefold.models.hf, fivefold.models.pretrained).
+"""Hugging Face import and export (fivefold.models.hf, fivefold.models.pretrained,
+fivefold.train.model_source, fivefold.train.checkpoint_export).
 
 Each family's model is made here by `transformers` from a tiny random config (nothing is
 downloaded), its weights re-drawn larger than transformers' init so that every layer moves
@@ -26,10 +27,11 @@ from fivefold import cli  # noqa: E402
 from fivefold.config import ConfigError, apply_override, load_config  # noqa: E402
 from fivefold.models.hf import CheckpointError, read_hf_tensors  # noqa: E402
 from fivefold.models.llama import Transformer, build_model  # noqa: E402
-from fivefold.models.pretrained import (Pretrained, _join_flat_units, convert,  # noqa: E402
-                                        init_from_overrides, load_pretrained,
-                                        write_weights_folder)
+from fivefold.models.pretrained import Pretrained, write_weights_folder  # noqa: E402
+from fivefold.train.checkpoint_export import _join_flat_units  # noqa: E402
 from fivefold.train.dist import Runtime  # noqa: E402
+from fivefold.train.model_source import (convert, init_from_overrides,  # noqa: E402
+                                         load_pretrained)
 from fivefold.train.trainer import Trainer  # noqa: E402
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))

@@ -43,18 +43,19 @@ from fivefold.comm import collectives as C
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
 from fivefold.models.llama import build_model
+from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.build import build_pipeline_stage, layer_ranges
 from fivefold.parallel.pipeline.executor import PipelineEngine
+from fivefold.parallel.pipeline.partition import slice_bounds
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.schedules import build_schedule
-from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
+from fivefold.parallel.pipeline.terapipe import TokenSliceCache
 from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler, prepare_data
-from fivefold.train.optim import build_optimizer, lr_at
 from fivefold.train.trainer import Trainer
 
 TEST_MODEL = ["model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=96",

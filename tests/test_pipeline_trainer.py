@@ -31,13 +31,14 @@ from safetensors.torch import load_file
 
 from fivefold.config import ConfigError, load_config
 from fivefold.models.llama import build_model
-from fivefold.models.pretrained import WEIGHTS_FILE, convert, load_weights_into
+from fivefold.models.pretrained import WEIGHTS_FILE
 from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.plan import plan_from_config
 from fivefold.parallel.tensor import gather_full_state
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import prepare_data
 from fivefold.train.dist import Runtime
+from fivefold.train.model_source import convert, load_weights_into
 from fivefold.train.trainer import Trainer
 from fivefold.validate import validate_for_training
 

@@ -16,13 +16,13 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config
+from fivefold.hardware import PROFILES, load_profile, profile_from_dict
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.parallel.pipeline.partition import balanced_counts
+from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
-from fivefold.planner.hardware import PROFILES, load_profile, profile_from_dict
-from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
 from fivefold.planner.schedules import bubble_fraction, replay_step, runtime_schedule
@@ -123,7 +123,7 @@ def test_optimizer_state_matches_the_runtime(optimizer):
     import torch
 
     from fivefold.models.llama import build_model
-    from fivefold.train.optim import build_optimizer
+    from fivefold.optim import build_optimizer
 
     cfg = load_config(None, ["cluster.gpus=1", f"train.optimizer={optimizer}"])
     model = build_model(cfg.model, 0)

@@ -19,9 +19,9 @@ import os
 import sys
 from pathlib import Path
 
+from fivefold import plan_commands
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
-from fivefold.planner import commands as planner_commands
 
 DEFAULT_RUN_DIR = "runs/default"
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "else hf)")
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
-    planner_commands.add_parsers(sub)
+    plan_commands.add_parsers(sub)
     return parser
 
 
@@ -61,7 +61,7 @@ def train_config(args: argparse.Namespace) -> Config:
         overrides.append(f"train.steps={args.steps}")
     if args.init_from:
         from fivefold.config import apply_override, read_file
-        from fivefold.models.pretrained import init_from_overrides
+        from fivefold.train.model_source import init_from_overrides
 
         raw = read_file(args.config) if args.config else {}
         for assignment in overrides:
@@ -78,13 +78,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     under_launcher = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
     cfg = train_config(args)
-    device_type = _device_type(cfg)
+    device = _device(cfg)
     if cfg.parallel.auto:
-        cfg, plan = _auto_plan(cfg, world_size, device_type, args.plan)
+        cfg, plan = _auto_plan(cfg, world_size, device, args.plan)
         if world_size > 1 and not under_launcher:  # the ranks get the plan, not a search
             argv = [*argv, "--plan", str(_write_plan(plan, args.run_dir))]
     else:
-        plan = training_plan(cfg, world_size, device_type)
+        plan = training_plan(cfg, world_size, device.type)
     if world_size > 1 and not under_launcher:
         from fivefold.train.data import prepare_data
 
@@ -93,32 +93,35 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return _train_this_rank(cfg, plan, args.run_dir, args.init_from)
 
 
-def _device_type(cfg: Config) -> str:
-    """"cuda" or "cpu", as `train.device` resolves on this machine."""
+def _device(cfg: Config):
+    """The device `train.device` picks on this machine (a torch.device)."""
     from fivefold.train.dist import pick_device
 
     try:
-        return pick_device(cfg.train.device, 0).type
+        return pick_device(cfg.train.device, 0)
     except RuntimeError as err:
         raise ConfigError("train.device", str(err)) from None
 
 
-def _auto_plan(cfg: Config, world_size: int, device_type: str, plan_file: str | None
+def _auto_plan(cfg: Config, world_size: int, device, plan_file: str | None
                ) -> tuple[Config, ParallelPlan]:
     """`parallel = "auto"`: the plan the launcher chose (`--plan`, on a launched rank) or the
-    planner's choice, announced once; with the config that spells it out, whose own
-    training plan must be that plan (what is trained is what was scored)."""
+    planner's choice on this device's profile (detected here, not in the planner: the
+    runtime knows its device), announced once; with the config that spells it out, whose
+    own training plan must be that plan (what is trained is what was scored)."""
     from fivefold.planner.auto import layout_config, resolve_auto
+    from fivefold.train.dist import detect_profile
 
     if plan_file is not None:
         plan = ParallelPlan.from_dict(json.loads(Path(plan_file).read_text()))
         cfg = layout_config(cfg, plan)
     else:
-        auto = resolve_auto(cfg, world_size, device_type)
+        auto = resolve_auto(cfg, world_size, device.type,
+                            detect_profile(device, cfg.cluster.gpu))
         if os.environ.get("RANK", "0") == "0":
             print(auto.summary(), flush=True)
         cfg, plan = auto.cfg, auto.plan
-    trained = training_plan(cfg, world_size, device_type)
+    trained = training_plan(cfg, world_size, device.type)
     if trained != plan:
         raise RuntimeError(f"parallel.auto: the scored plan {plan} is not the plan of its "
                            f"spelled-out config {trained}; please report this")
@@ -146,7 +149,7 @@ def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from fivefold.models.pretrained import convert
+    from fivefold.train.model_source import convert
 
     pre, fmt = convert(args.src, args.dst, args.to, args.shard_mib * 2**20)
     m, params = pre.cfg, sum(t.numel() for t in pre.state.values())
@@ -176,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "convert":
             return cmd_convert(args)
-        if args.command in planner_commands.COMMANDS:
-            return planner_commands.run(args)
+        if args.command in plan_commands.COMMANDS:
+            return plan_commands.run(args, main)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2

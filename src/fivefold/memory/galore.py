@@ -9,7 +9,7 @@ moments then take 2 r n instead of 2 m n values, plus the projection; with the p
 rank of a quarter of the smaller side (r = D/4 in its runs) that is 2 bytes per parameter
 for the moments in fp32 (fivefold.planner.memory counts the same, projection included).
 
-`GaLoreAdamW` handles the blocks' weight matrices; fivefold.train.optim pairs it with AdamW
+`GaLoreAdamW` handles the blocks' weight matrices; fivefold.optim pairs it with AdamW
 for the embedding, head and norm gains, as for Muon. Weight decay is decoupled and
 full-rank, as AdamW's. The moments carry over when the projection is refreshed (they are
 not reset); the projection is kept in fp32.

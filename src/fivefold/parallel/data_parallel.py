@@ -52,7 +52,7 @@ backward all-gather stays inside the node, qgZ reduce-scatters gradients as int8
 all-to-all hops. Quantized units are padded so every shard holds whole quantization blocks.
 
 Muon (`train.optimizer = "muon"`, stage 0 without tensor parallelism, where every rank holds
-whole matrices): the optimizers of fivefold.train.optim step per-parameter views of the flat
+whole matrices): the optimizers of fivefold.optim step per-parameter views of the flat
 master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere.
 
 Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
@@ -71,9 +71,9 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
+from fivefold.optim import optimizer_for
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
-from fivefold.train.optim import optimizer_for
 
 
 def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
@@ -356,7 +356,7 @@ class DataParallelEngine:
     def step(self, lr: float) -> None:
         """Decoupled weight decay on matrices, AdamW on the master, then re-publish params.
         With Muon its optimizers step per-parameter views of the (whole, stage 0) master,
-        weight decay included, as fivefold.train.optim does for a plain model."""
+        weight decay included, as fivefold.optim does for a plain model."""
         wd = self.train_cfg.weight_decay
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import Config, ParallelConfig
+from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
 from fivefold.validate import validate_for_training
 
@@ -164,7 +165,7 @@ class ParallelPlan:
     def stage_ids_of_rank(self, pp_rank: int) -> list[int]:
         """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its
         chunks, round-robin as the interleaved schedule needs)."""
-        return [pp_rank + c * self.pp for c in range(self.vpp)]
+        return stage_ids_of_rank(self.pp, self.vpp, pp_rank)
 
     def pipeline_schedules(self, tied_embeddings: bool) -> tuple[Schedule, Schedule]:
         """(training, evaluation) action lists of a synchronous schedule, as the executor

@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import Config, ConfigError, ParallelConfig
-from fivefold.planner.hardware import HardwareProfile, detect_profile, load_profile
+from fivefold.hardware import PROFILES, HardwareProfile, load_profile
 from fivefold.parallel.plan import ParallelPlan, device_precision
 from fivefold.planner.report import layout_line
 from fivefold.planner.search import SearchResult, search
@@ -99,17 +99,18 @@ def layout_overrides(cfg: Config) -> list[str]:
     return out
 
 
-def local_profile(cfg: Config, device_type: str) -> HardwareProfile:
+def local_profile(cfg: Config, device_type: str,
+                  detected: HardwareProfile | None) -> HardwareProfile:
     """The profile of the device the ranks will run on: on a GPU cluster.gpu or else the
     detected GPU's; on the CPU cluster.gpu only when it is a CPU profile (a `fivefold
-    calibrate` file), else the built-in `cpu` one (a spec's GPU names another machine)."""
+    calibrate` file), else the built-in `cpu` one (a spec's GPU names another machine).
+    `detected` is what the runtime found for a GPU (fivefold.train.dist.detect_profile; None
+    when unknown): asking the device is not the planner's, which runs without torch."""
     if cfg.cluster.gpu is not None:
         named = load_profile(cfg.cluster.gpu)
         if device_type != "cpu" or named.cores:
             return named
-    import torch
-
-    prof = detect_profile(torch.device(device_type))
+    prof = PROFILES["cpu"] if device_type == "cpu" else detected
     if prof is None:
         raise ConfigError("cluster.gpu", "parallel.auto needs this device's hardware profile "
                                          "and does not know this GPU; set cluster.gpu to a "
@@ -118,9 +119,11 @@ def local_profile(cfg: Config, device_type: str) -> HardwareProfile:
     return prof
 
 
-def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoPlan:
+def resolve_auto(cfg: Config, world_size: int, device_type: str,
+                 detected: HardwareProfile | None = None) -> AutoPlan:
     """The fastest layout of `cfg` on `world_size` ranks of `device_type` that the runtime
-    executes and that fits; ConfigError naming the keys when there is none."""
+    executes and that fits; ConfigError naming the keys when there is none. `detected`: the
+    GPU's profile as the runtime found it (`local_profile`)."""
     p = cfg.parallel
     if p.stage_layers is not None:
         raise ConfigError("parallel.stage_layers", "parallel.auto cuts the blocks into stages "
@@ -129,7 +132,7 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str) -> AutoPlan:
     for check in (validate_model, validate_cluster, validate_train, validate_data):
         check(cfg)  # what no layout can fix is reported as itself
     fixed = fixed_keys(p)
-    prof = shared_machine(local_profile(cfg, device_type), world_size)
+    prof = shared_machine(local_profile(cfg, device_type, detected), world_size)
     precision = p.precision or device_precision(device_type)
     searched_defaults = {k: getattr(DEFAULTS, k) for k in SEARCHED}  # the search sets them
     plan_cfg = dataclasses.replace(

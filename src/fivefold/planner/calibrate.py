@@ -12,7 +12,7 @@ Measures, on the local device (CPU by default, or this rank's GPU):
 On a CPU the `--ranks` processes measure all at once, one thread each, so the rates are
 what each rank of a `--nproc` run gets on this machine (shared memory bus and caches); the
 profile's `cores` says for how many ranks they hold (more ranks split them evenly).
-The profile file (JSON of fivefold.planner.hardware.HardwareProfile) is accepted by
+The profile file (JSON of fivefold.hardware.HardwareProfile) is accepted by
 `--set cluster.gpu=PATH`. `fit_gemm` and `fit_attention` are also how the H200 profile's
 curves were fitted to shared/reference/h200_measured.json.
 """
@@ -25,8 +25,8 @@ import os
 import time
 from pathlib import Path
 
+from fivefold.hardware import Efficiency, HardwareProfile
 from fivefold.planner.compute import ATTN_TILE, Gemm
-from fivefold.planner.hardware import Efficiency, HardwareProfile
 
 GEMM_SHAPES_CPU = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 1024, 256),
                    (2048, 256, 704), (2048, 704, 256), (512, 256, 8192), (1024, 2048, 512)]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fivefold.planner.hardware import HardwareProfile
+from fivefold.hardware import HardwareProfile
 
 
 @dataclass(frozen=True)

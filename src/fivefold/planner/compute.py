@@ -2,7 +2,7 @@
 
 Every operator of a block is listed with its shape on one rank (after tensor, context and
 expert parallelism have split it) and timed against the hardware profile
-(fivefold.planner.hardware):
+(fivefold.hardware):
 
 - GEMM (M x K times K x N): `2MKN / (peak * gemm_eff) + operand bytes / (HBM * gemm_mem_eff)`
   plus one kernel overhead. The two terms add rather than max, which reproduces the measured
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
-from fivefold.planner.hardware import HardwareProfile
+from fivefold.hardware import HardwareProfile
 
 ATTN_TILE = 128  # FlashAttention's block size along both sequence axes
 

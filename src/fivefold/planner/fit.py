@@ -5,7 +5,7 @@
 Minimises the mean |log(predicted / published)| step time over the runs whose
 cluster.gpu is the profile, by varying the named `Efficiency` fields within physical bounds
 (`BOUNDS`), and prints the fitted values and the per-run errors. The values it prints are
-what fivefold.planner.hardware stores for the profile: one set per profile, never per run.
+what fivefold.hardware stores for the profile: one set per profile, never per run.
 Needs scipy (a fivefold dependency); the planner itself does not.
 """
 
@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import math
 
-from fivefold.planner.hardware import PROFILES, HardwareProfile
+from fivefold.hardware import PROFILES, HardwareProfile
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
 from fivefold.planner.validation import read_runs

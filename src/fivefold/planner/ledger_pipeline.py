@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.parallel.pipeline import schedules as S
-from fivefold.parallel.pipeline.partition import stage_layer_ranges
+from fivefold.parallel.pipeline.partition import slice_bounds, stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan
 
 PURPOSES = {S.SEND_ACT: "pp_activations", S.RECV_ACT: "pp_activations",
@@ -43,8 +43,6 @@ def pipeline_messages(cfg: Config, lay: ParallelPlan, pp_rank: int, elem_bytes: 
     """(op, purpose, bytes) of every send and receive pp rank `pp_rank` makes in one step."""
     if lay.pp == 1:
         return []
-    from fivefold.parallel.pipeline.terapipe import slice_bounds
-
     m = cfg.model
     schedule, _ = lay.pipeline_schedules(m.tied_embeddings)
     bounds = slice_bounds(m.seq_len, lay.slices)
@@ -70,7 +68,7 @@ def pipeline_messages(cfg: Config, lay: ParallelPlan, pp_rank: int, elem_bytes: 
 def stage_layers_of_rank(cfg: Config, lay: ParallelPlan, pp_rank: int
                          ) -> tuple[list[int], bool, bool]:
     """(blocks, holds the first stage, holds the last stage) of pp rank `pp_rank`: virtual
-    stages pp_rank, pp_rank + pp, ... (fivefold.parallel.pipeline.build)."""
+    stages pp_rank, pp_rank + pp, ... (ParallelPlan.stage_ids_of_rank)."""
     stages = lay.pp * lay.vpp
     ranges = stage_layer_ranges(cfg.model, stages, lay.stage_layers)
     ids = lay.stage_ids_of_rank(pp_rank)

@@ -48,7 +48,7 @@ def block_matrix_shapes(model: ModelConfig, layer: int, tp: int = 1) -> list[tup
 
 def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
     """The vectors of one block (two norm gains, the query/key/value biases): with Muon they
-    stay with AdamW, as everything outside the blocks' matrices (fivefold.train.optim)."""
+    stay with AdamW, as everything outside the blocks' matrices (fivefold.optim)."""
     return 2 * model.hidden + _qkv_widths(model, tp)[2]
 
 

@@ -8,7 +8,7 @@ launched with torchrun across nodes when the layout needs more than one.
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.planner.hardware import HardwareProfile
+from fivefold.hardware import HardwareProfile
 from fivefold.planner.simulate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
 
 GiB = 2**30

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 from fivefold.config import Config, ConfigError, ModelConfig, load_config
+from fivefold.hardware import load_profile
 from fivefold.parallel.plan import ParallelPlan
-from fivefold.planner.hardware import load_profile
 from fivefold.validate import validate, validate_cluster, validate_model
 
 

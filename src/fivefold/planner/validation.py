@@ -5,7 +5,7 @@ published training runs, each with a run spec (run_spec.md keys) and its measure
 `validate_runs` simulates every spec as it stands and reports, per run, the prediction, the
 publication and the absolute percentage error, and the mean (MAPE) overall and per hardware
 profile. Nothing here is tuned per run: the only knobs are the per-profile efficiencies of
-fivefold.planner.hardware.
+fivefold.hardware.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ address. The backend is NCCL when the rank has a GPU and gloo otherwise. Every c
 carries the configured timeout, so a rank that dies or hangs fails the others instead of
 leaving them waiting forever. A single process without those variables runs with no process
 group at all (world size 1).
+
+`detect_profile` asks torch which device this is and looks its hardware profile up
+(fivefold.hardware, which stays torch-free for the planner).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from fivefold.config import ConfigError
+from fivefold.hardware import HardwareProfile, device_profile, load_profile
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,19 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
             raise RuntimeError("train.device = 'cuda' but no GPU is visible; use 'auto' or 'cpu'")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def detect_profile(device: torch.device, name: str | None = None) -> HardwareProfile | None:
+    """The named profile (or profile file), or the one matching this device; None if unknown."""
+    if name is not None:
+        try:
+            return load_profile(name)
+        except ConfigError:
+            return None
+    if device.type == "cpu":
+        return device_profile("cpu")
+    return device_profile(torch.cuda.get_device_name(device),
+                          torch.cuda.get_device_properties(device).total_memory)
 
 
 def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:

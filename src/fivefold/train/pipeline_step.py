@@ -28,7 +28,6 @@ import torch
 from fivefold.comm.collectives import Axis
 from fivefold.config import Config
 from fivefold.models.llama import build_model
-from fivefold.models.pretrained import load_weights_into
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
@@ -37,6 +36,7 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.data import BatchSampler
+from fivefold.train.model_source import load_weights_into
 
 
 def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, tp_axis: Axis,

@@ -47,25 +47,24 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.models.pretrained import load_weights_into
+from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.plan import ParallelPlan, training_plan
 from fivefold.parallel.pipeline.stage import PipelineStage
+from fivefold.parallel.plan import ParallelPlan, training_plan
 from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
-from fivefold.planner.hardware import detect_profile
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.recompute import apply_full_recompute
 from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
                                        load_checkpoint, remove_partials, save_checkpoint,
                                        shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
-from fivefold.train.dist import Runtime
+from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
-from fivefold.train.optim import build_optimizer, lr_at
+from fivefold.train.model_source import load_weights_into
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
 

@@ -46,6 +46,7 @@ import torch
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.parallel.pipeline.p2p_plan import Exchange, Step, issue_plan
+from fivefold.parallel.pipeline.partition import slice_bounds
 from fivefold.parallel.pipeline.replay import Event
 from fivefold.parallel.pipeline.schedules import (B, F, GRADIENT_KINDS, I, RECV_ACT, RECV_GRAD,
                                                   RECV_TIED_GRAD, RECV_TIED_WEIGHT, SEND_ACT,
@@ -53,7 +54,7 @@ from fivefold.parallel.pipeline.schedules import (B, F, GRADIENT_KINDS, I, RECV_
                                                   SENDS, W, Action, Schedule, message,
                                                   peer_stage)
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.pipeline.terapipe import TokenSliceCache, slice_bounds
+from fivefold.parallel.pipeline.terapipe import TokenSliceCache
 
 MESSAGE_KINDS = ("act", "grad", "tied_weight", "tied_grad", "loss")
 PURPOSES = {"act": "pp_activations", "grad": "pp_grads", "tied_weight": "pp_tied_weight",

@@ -1,4 +1,4 @@
-"""Which transformer blocks each pipeline stage holds: balanced by cost, or given explicitly.
+"""How a pipeline cuts its work: blocks into stages, stages onto ranks, sequences into slices.
 
 The step time of a pipeline is set by its slowest stage, so the blocks are cut into
 `pp * vpp` contiguous runs (virtual stages, see fivefold.parallel.pipeline.schedules) that
@@ -14,7 +14,12 @@ function with modelled times and a memory bound (fivefold.planner.simulate).
 Costs are training FLOPs per token: a block 3 (2 P_block + 4 T H E) (matrix multiplies and
 attention over the full T x T square, as in fivefold.models.flops), the head 3 * 2 V D, the
 embedding 2 D (its lookup and its gradient's scatter-add move D values per token; it has no
-matrix multiply). The planner may pass measured costs instead. Pure Python: no torch.
+matrix multiply). The planner may pass measured costs instead.
+
+A pp rank holds virtual stages pp_rank, pp_rank + pp, ... (`stage_ids_of_rank`, its chunks
+under interleaving). TeraPipe cuts each sequence into `ParallelPlan.slices` near-equal slices
+(`slice_bounds`; fivefold.parallel.pipeline.terapipe runs them). Pure Python, no torch: the
+runtime and the planner (fivefold.planner.ledger_pipeline) cut by these same functions.
 """
 
 from __future__ import annotations
@@ -100,3 +105,21 @@ def stage_layer_ranges(cfg: ModelConfig, stages: int,
         ranges.append(range(start, start + c))
         start += c
     return ranges
+
+
+def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int) -> list[int]:
+    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks)."""
+    return [pp_rank + c * pp for c in range(vpp)]
+
+
+def slice_bounds(seq_len: int, slices: int) -> list[tuple[int, int]]:
+    """[start, end) of each slice: near-equal lengths, the longer ones first."""
+    if not 1 <= slices <= seq_len:
+        raise ValueError(f"cannot cut {seq_len} tokens into {slices} slices")
+    base, extra = divmod(seq_len, slices)
+    bounds, start = [], 0
+    for k in range(slices):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -16,8 +16,9 @@ own keys and values for the cache. tests/test_pipeline_parity.py checks it repro
 plain block. The cache detaches the prefix at the slice boundary: the earlier slices' keys and
 values enter a later slice as leaves, their gradients are collected after that slice's
 backward and added to the earlier slice's own backward as extra roots, so autograd never walks
-a slice's graph twice. Slices are near-equal in length (`slice_bounds`); the paper's dynamic
-programming over slice lengths, which favours shorter late slices, is not done.
+a slice's graph twice. Slices are near-equal in length (`slice_bounds` of
+fivefold.parallel.pipeline.partition); the paper's dynamic programming over slice lengths,
+which favours shorter late slices, is not done.
 
 Tensor names: B batch, T tokens of the slice, P tokens before it, D width, H heads,
 K kv heads, E head width.
@@ -29,19 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.models.llama import Attention, Block, apply_rotary
-
-
-def slice_bounds(seq_len: int, slices: int) -> list[tuple[int, int]]:
-    """[start, end) of each slice: near-equal lengths, the longer ones first."""
-    if not 1 <= slices <= seq_len:
-        raise ValueError(f"cannot cut {seq_len} tokens into {slices} slices")
-    base, extra = divmod(seq_len, slices)
-    bounds, start = [], 0
-    for k in range(slices):
-        end = start + base + (1 if k < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def attention_with_prefix(attn: Attention, x_BTD: torch.Tensor, cos: torch.Tensor,

@@ -21,7 +21,13 @@ roofline per operator (fivefold.planner.compute) and collective model
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
 `load_profile(name_or_path)` returns a named profile or reads a calibrated JSON file; a file
-that does not parse raises `ConfigError` on `cluster.gpu`.
+that does not parse raises `ConfigError` on `cluster.gpu`. `device_profile(name, memory)`
+finds the profile of a device by the name torch gives it; asking torch for that name is the
+runtime's part (fivefold.train.dist.detect_profile).
+
+Why at the top level, without torch: the planner predicts from these profiles on machines
+without torch, and the trainer divides by the same peaks for its MFU, so both layers import
+this module and neither imports the other.
 """
 
 from __future__ import annotations
@@ -208,23 +214,15 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return profile_from_dict(data, f"profile file {str(path)!r}")
 
 
-def detect_profile(device, name: str | None = None) -> HardwareProfile | None:
-    """The named profile (or profile file), or the one matching this device; None if unknown."""
-    if name is not None:
-        try:
-            return load_profile(name)
-        except ConfigError:
-            return None
-    if device.type == "cpu":
+def device_profile(device_name: str, memory_bytes: int = 0) -> HardwareProfile | None:
+    """The profile of the device torch names `device_name` ("cpu" for the CPU); a GPU's
+    memory tells the A100s apart. None for a GPU no profile describes."""
+    if device_name == "cpu":
         return PROFILES["cpu"]
-    import torch
-
-    gpu = torch.cuda.get_device_name(device)
     for key in ("H200", "H800", "H100", "GB200", "B200", "V100"):
-        if key in gpu:
+        if key in device_name:
             return PROFILES["H100-SXM" if key == "H100" else
                             "V100-32GB" if key == "V100" else key]
-    if "A100" in gpu:
-        total = torch.cuda.get_device_properties(device).total_memory
-        return PROFILES["A100-80GB" if total > 50 * GB else "A100-40GB"]
+    if "A100" in device_name:
+        return PROFILES["A100-80GB" if memory_bytes > 50 * GB else "A100-40GB"]
     return None

@@ -16,6 +16,11 @@ under 1% (docs/pipeline.md; Zmushko et al., arXiv 2606.30634, find the same).
 
 GaLore (`train.optimizer = "galore"`, fivefold.memory.galore) takes the same split: low-rank
 Adam on the blocks' matrices, AdamW on the rest.
+
+Why at the top level: the trainer builds these optimizers over a module's parameters and the
+data-parallel engine (fivefold.parallel.data_parallel) builds the same ones over views of its
+flat master weights, so both layers import this module. It sits beside config.py, below
+parallel/ and train/, and imports only config and memory/.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ SPEC is a run spec (shared/reference/run_spec.md; TOML or JSON). `--json` prints
 the fields run_spec.md lists (one object for simulate, a list best first for plan); the
 number of layouts plan scored goes to stderr then. A bad spec, an unknown key, an impossible
 layout or a profile file that does not parse raises ConfigError (exit status 2).
+
+This is command-line glue, so it sits beside cli.py rather than in planner/: no planner module
+imports the command line, and calibrate (which measures with torch) is reached from here, not
+from the torch-free predicting modules. `plan SPEC --train` builds a `fivefold train` argv and
+hands it to the `main` that cli.py passes in, so this module does not import cli.py back.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 from fivefold.config import ConfigError
 
@@ -60,7 +66,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (fields of run_spec.md)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int:
+    """Run the planner command `args` names; `train_main` is cli.main, for `plan --train`."""
     if args.command == "calibrate":
         return cmd_calibrate(args)
     if args.command == "validate-plan" or (args.command == "plan" and args.spec == "validate"):
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
                                   "takes one spec")
     if args.command == "plan" and args.train:
-        return cmd_plan_train(args)
+        return cmd_plan_train(args, train_main)
     from fivefold.planner.simulate import profile_of
     from fivefold.planner.spec import load_spec
 
@@ -111,18 +118,16 @@ def cmd_plan(cfg, prof, args) -> int:
     return 0 if result.best else 1
 
 
-def cmd_plan_train(args) -> int:
+def cmd_plan_train(args, train_main: Callable[[list[str]], int]) -> int:
     """`plan SPEC --train`: `fivefold train SPEC --set parallel=auto` on --nproc local ranks
     (fivefold.planner.auto searches the layouts the runtime executes, on this device)."""
-    from fivefold.cli import main
-
     if args.json:
         raise ConfigError("--json", "--train prints the chosen layout and trains; drop --json")
     argv = ["train", args.spec, *(a for o in args.overrides for a in ("--set", o)),
             "--set", "parallel.auto=true", "--nproc", str(args.nproc), "--run-dir", args.run_dir]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
-    return main(argv)
+    return train_main(argv)
 
 
 def cmd_validate(runs_path: str | None, as_json: bool) -> int:
