@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config import Config
+from fivefold.models.description import is_moe_layer
 from fivefold.planner import activations as A
-from fivefold.planner.compute import is_moe_layer
 from fivefold.planner.hardware import HardwareProfile
 from fivefold.planner.layout import PRECISION_BYTES, Layout, layout_from_config
 from fivefold.planner.memory import Unit, galore_state_bytes

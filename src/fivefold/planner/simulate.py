@@ -52,12 +52,12 @@ import functools
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
-                                      embedding_times, head_times, is_moe_layer,
-                                      newton_schulz_time)
+                                      embedding_times, head_times, newton_schulz_time)
 from fivefold.planner.hardware import HardwareProfile, load_profile
 from fivefold.planner.layout import (PRECISION_BYTES, Layout, check_model_fits_layout,
                                      layout_from_config)
