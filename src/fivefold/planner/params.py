@@ -9,14 +9,34 @@ fivefold.parallel.tensor.padded_vocab does; attention into whole heads, one kv h
 when tp exceeds kv_heads, as Megatron-LM replicates them; other widths evenly) and expert
 parallelism splits the routed experts' first dim, so that the planner's memory and
 communication predictions can be exact (tests/test_planner_ledger.py holds them against the
-runtime's ledger).
+runtime's ledger). A search asks for the same counts hundreds of thousands of times, so each
+count is computed once per model, degree and layer (`per_model`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from fivefold.config import ModelConfig
 from fivefold.models.description import (VOCAB_PARTS, Param, block_parameters,
                                          root_parameters)
+
+
+def per_model(count: Callable) -> Callable:
+    """`count(model, *args)`, cached by the model's field values (a ModelConfig is mutable and
+    so not hashable itself)."""
+    cache: dict[tuple, object] = {}
+
+    @functools.wraps(count)
+    def cached(model: ModelConfig, *args):
+        moe = model.moe
+        key = (*vars(model).values(), *args) if moe is None else (
+            *(v for v in vars(model).values() if v is not moe), *vars(moe).values(), *args)
+        if key not in cache:
+            cache[key] = count(model, *args)
+        return cache[key]
+    return cached
 
 
 def local_shape(model: ModelConfig, p: Param, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
@@ -50,6 +70,7 @@ def block_matrix_shapes(model: ModelConfig, layer: int, tp: int = 1) -> list[tup
             if len(p.shape) == 2]
 
 
+@per_model
 def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
     """The vectors of one block (two norm gains, the query/key/value biases): with Muon they
     stay with AdamW, as everything outside the blocks' matrices (fivefold.train.optim)."""
@@ -57,6 +78,7 @@ def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
                if len(p.shape) == 1)
 
 
+@per_model
 def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(dense, expert) parameters of block `layer` on one rank: the routed experts apart,
     since expert parallelism shards them over other ranks than the rest of the block."""
@@ -70,6 +92,7 @@ def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tu
     return dense, expert
 
 
+@per_model
 def root_params(model: ModelConfig, tp: int = 1, first: bool = True, last: bool = True) -> int:
     """Embeddings (first pipeline stage), final norm and untied head (last stage); with tied
     embeddings a last stage that is not also the first keeps its own copy of the table."""
