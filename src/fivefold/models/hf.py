@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fivefold.config import Config, ConfigError, ModelConfig, MoEConfig
+from fivefold.models.description import name_in_part, parameters
 from fivefold.validate import validate_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -48,21 +49,25 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SHARD_BYTES = 5 * 2**30  # Hugging Face's default largest shard
 
-# per-layer names, Hugging Face -> fivefold (after "model.layers.i." / "layers.i.")
+# Hugging Face -> fivefold names of the root's tensors, and of a block's after "model.layers.i."
+# / "layers.i."; which of them a model has is its description's (fivefold.models.description)
+ROOT_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight",
+              "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
 LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
     "self_attn.q_proj.weight": "attention.wq.weight",
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
     "post_attention_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate_proj.weight": "mlp.w1.weight",
+    "mlp.up_proj.weight": "mlp.w3.weight",
+    "mlp.down_proj.weight": "mlp.w2.weight",
+    "block_sparse_moe.gate.weight": "mlp.router.weight",
 }
-DENSE_MLP_NAMES = {"mlp.gate_proj.weight": "mlp.w1.weight", "mlp.up_proj.weight": "mlp.w3.weight",
-                   "mlp.down_proj.weight": "mlp.w2.weight"}
-QKV_BIAS_NAMES = {"self_attn.q_proj.bias": "attention.wq.bias",
-                  "self_attn.k_proj.bias": "attention.wk.bias",
-                  "self_attn.v_proj.bias": "attention.wv.bias"}
-ROUTER_NAMES = {"block_sparse_moe.gate.weight": "mlp.router.weight"}
 EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # a buffer that old checkpoints carry
 
@@ -219,28 +224,22 @@ def model_fields(cfg: ModelConfig) -> dict:
 
 def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
                   where: str) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to fivefold names; stack Mixtral's experts."""
+    """Rename Hugging Face tensors to the fivefold names `cfg` has; stack Mixtral's experts."""
+    parts = {p.name: p.part for p in parameters(cfg)}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    layer_names = {**LAYER_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {}),
-                   **(ROUTER_NAMES if cfg.moe else DENSE_MLP_NAMES)}
     unknown = []
     for name, tensor in hf_state.items():
-        if name == "model.embed_tokens.weight":
-            out["tok_embeddings.weight"] = tensor
-        elif name == "model.norm.weight":
-            out["norm.weight"] = tensor
-        elif name == "lm_head.weight":
-            out["output.weight"] = tensor
-        elif (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) is not None:
+        ours, expert = ROOT_NAMES.get(name), None
+        if (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) is not None:
             layer, rest = int(m.group(1)), m.group(2)
-            expert = EXPERT.fullmatch(rest) if cfg.moe else None
-            if rest in layer_names:
-                out[f"layers.{layer}.{layer_names[rest]}"] = tensor
-            elif expert is not None:
-                experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
-            elif not IGNORED.fullmatch(name):
-                unknown.append(name)
+            expert = EXPERT.fullmatch(rest)
+            ours = (f"layers.{layer}.mlp.{expert.group(2)}" if expert else
+                    f"layers.{layer}.{LAYER_NAMES[rest]}" if rest in LAYER_NAMES else None)
+        if expert is not None and parts.get(ours) == "experts":
+            experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
+        elif ours in parts or ours == "output.weight":  # a tied head is checked below
+            out[ours] = tensor
         elif not IGNORED.fullmatch(name):
             unknown.append(name)
     if unknown:
@@ -264,25 +263,21 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename fivefold tensors to Hugging Face names; cut Mixtral's experts apart."""
-    layer_names = {v: k for k, v in {**LAYER_NAMES, **QKV_BIAS_NAMES, **ROUTER_NAMES,
-                                     **DENSE_MLP_NAMES}.items()}
+    root_names = {ours: theirs for theirs, ours in ROOT_NAMES.items()}
+    layer_names = {ours: theirs for theirs, ours in LAYER_NAMES.items()}
+    params = {p.name: p for p in parameters(cfg)}
     out = {}
     for name, tensor in state.items():
-        if name == "tok_embeddings.weight":
-            out["model.embed_tokens.weight"] = tensor
-        elif name == "norm.weight":
-            out["model.norm.weight"] = tensor
-        elif name == "output.weight":
-            out["lm_head.weight"] = tensor
+        p = params[name]
+        if p.layer is None:
+            out[root_names[name]] = tensor
+        elif p.part == "experts":  # layers.i.mlp.wJ of shape (experts, ...)
+            matrix = name.rsplit(".", 1)[1]
+            for e in range(tensor.shape[0]):
+                key = f"model.layers.{p.layer}.block_sparse_moe.experts.{e}.{matrix}.weight"
+                out[key] = tensor[e].clone()
         else:
-            layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
-            if rest in layer_names:
-                out[f"model.layers.{layer}.{layer_names[rest]}"] = tensor
-            else:  # stacked experts: layers.i.mlp.wJ of shape (experts, ...)
-                matrix = rest.removeprefix("mlp.")
-                for e in range(tensor.shape[0]):
-                    key = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{matrix}.weight"
-                    out[key] = tensor[e].clone()
+            out[f"model.layers.{p.layer}.{layer_names[name_in_part(name)]}"] = tensor
     return out
 
 

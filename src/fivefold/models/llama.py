@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
+from fivefold.models.description import is_moe_layer
 from fivefold.models.init import init_model_
-from fivefold.models.moe import MoE, is_moe_layer
+from fivefold.models.moe import MoE
 
 
 class RMSNorm(nn.Module):

@@ -18,13 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Layers from `moe.dense_layers` on, every `moe.layer_freq`-th one, are MoE layers."""
-    moe = cfg.moe
-    return (moe is not None and layer >= moe.dense_layers
-            and (layer - moe.dense_layers) % moe.layer_freq == 0)
+from fivefold.models.description import expert_ffn
 
 
 class MoE(nn.Module):
@@ -36,7 +30,7 @@ class MoE(nn.Module):
         if moe.shared_experts or moe.capacity_factor is not None:
             raise ValueError("the plain MoE block is dropless with routed experts only; "
                              "set model.moe.shared_experts = 0 and leave capacity_factor unset")
-        experts, ffn = moe.experts, moe.expert_ffn_hidden or cfg.ffn_hidden
+        experts, ffn = moe.experts, expert_ffn(cfg)
         self.top_k = moe.top_k
         self.router = nn.Linear(cfg.hidden, experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(experts, ffn, cfg.hidden))

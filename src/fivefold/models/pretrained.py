@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fivefold.config import ModelConfig, load_config
+from fivefold.models.description import parameters
 from fivefold.models.hf import (SHARD_BYTES, CheckpointError, hf_config_from_model,
                                 model_config_from_hf, model_fields, read_config_json,
                                 read_hf_tensors, state_from_hf, state_to_hf, write_hf_tensors)
-from fivefold.models.llama import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.toml"
@@ -82,15 +82,9 @@ def load_folder(path: Path) -> Pretrained:
     return Pretrained(cfg, state, hf_config, path)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
 def check_state(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
     """Raise naming the first missing, unexpected or misshapen tensor."""
-    shapes = expected_shapes(cfg)
+    shapes = {p.name: p.shape for p in parameters(cfg)}
     missing = sorted(set(shapes) - set(state))
     extra = sorted(set(state) - set(shapes))
     if missing:

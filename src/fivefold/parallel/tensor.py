@@ -68,14 +68,11 @@ from torch import nn
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
+from fivefold.models.description import VOCAB_PARTS, placement
 from fivefold.models.llama import Transformer
 from fivefold.parallel.tensor_comm import (SharedRegather, all_reduced, copy_to_tp,
                                            gather_from_sp, gather_stacked, linear_regathered,
                                            reduce_from_tp, scatter_to_sp)
-
-COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "mlp.w1", "mlp.w3")
-ROW_PARALLEL = ("attention.wo", "mlp.w2")
-VOCAB_PARALLEL = ("tok_embeddings", "output")
 
 
 # ---------------------------------------------------------------- placements, as data
@@ -83,19 +80,15 @@ VOCAB_PARALLEL = ("tok_embeddings", "output")
 def split_dim(name: str) -> int | None:
     """The dim along which parameter `name` is split over the tp ranks; None: replicated.
 
-    Column-parallel weights and biases (Qwen2's q/k/v biases) split their output features,
-    row-parallel weights their input features, vocabulary matrices their rows.
+    The model description's placement (fivefold.models.description): column-parallel weights
+    and biases (Qwen2's q/k/v biases) split their output features, row-parallel weights their
+    input features, vocabulary matrices their rows.
     """
-    module, kind = name.rsplit(".", 1)
-    if module in VOCAB_PARALLEL or module.endswith(COLUMN_PARALLEL):
-        return 0
-    if module.endswith(ROW_PARALLEL) and kind == "weight":
-        return 1
-    return None
+    return placement(name).tp_dim
 
 
 def _is_vocab(name: str) -> bool:
-    return name.rsplit(".", 1)[0] in VOCAB_PARALLEL
+    return placement(name).part in VOCAB_PARTS
 
 
 def padded_vocab(vocab: int, tp: int) -> int:

@@ -28,7 +28,7 @@ the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
 from __future__ import annotations
 
 from fivefold.config import ModelConfig
-from fivefold.planner.compute import is_moe_layer
+from fivefold.models.description import is_moe_layer
 
 
 def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,

@@ -187,13 +187,6 @@ def mlp_gemms(ffn_type: str, n: int, D: int, F: int, prefix: str) -> list[Gemm]:
     return gemms
 
 
-def is_moe_layer(model: ModelConfig, i: int) -> bool:
-    """fivefold.models.moe's rule (kept here torch-free): from `dense_layers` on, every
-    `layer_freq`-th block is a mixture-of-experts block."""
-    m = model.moe
-    return m is not None and i >= m.dense_layers and (i - m.dense_layers) % m.layer_freq == 0
-
-
 # The GEMMs torchtitan's selective policy recomputes: every second matmul of the block.
 SELECTIVE_RECOMPUTED = ("wk", "wo", "w3", "expert.w3", "shared.w3")
 

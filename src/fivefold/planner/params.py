@@ -1,94 +1,106 @@
-"""Parameter counts per data-parallel unit on one rank, from the model config alone.
+"""Parameter counts per data-parallel unit on one rank, from the model description.
 
 The runtime groups parameters into flat units (fivefold.parallel.data_parallel.split_units):
 a root unit with everything outside the blocks (token embeddings, final norm, the output head
-when it is not tied) and one unit per block. These functions list the same parameters as
-fivefold.models.llama and fivefold.models.moe build them, with tensor parallelism splitting
-the head dimension and MLP width and expert parallelism splitting the experts, so that the
-planner's memory and communication predictions can be exact (tests/test_planner_ledger.py
-holds them against the runtime's ledger).
+when it is not tied) and one unit per block. These functions take the parameters
+fivefold.models.description lists and cut each as one rank holds it: tensor parallelism splits
+the dim the description names (the vocabulary rows padded to a multiple of tp, as
+fivefold.parallel.tensor.padded_vocab does; attention into whole heads, one kv head per rank
+when tp exceeds kv_heads, as Megatron-LM replicates them; other widths evenly) and expert
+parallelism splits the routed experts' first dim, so that the planner's memory and
+communication predictions can be exact (tests/test_planner_ledger.py holds them against the
+runtime's ledger). A search asks for the same counts hundreds of thousands of times, so each
+count is computed once per model, degree and layer (`per_model`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from fivefold.config import ModelConfig
-from fivefold.planner.compute import is_moe_layer
+from fivefold.models.description import (VOCAB_PARTS, Param, block_parameters,
+                                         root_parameters)
 
 
-def _qkv_widths(model: ModelConfig, tp: int) -> tuple[int, int, int]:
-    """(query width, key/value width, their biases) on one tensor-parallel rank."""
-    q = model.heads * model.d_head // tp
-    kv = max(1, model.n_kv_heads // tp) * model.d_head
-    return q, kv, (q + 2 * kv) if getattr(model, "qkv_bias", False) else 0
+def per_model(count: Callable) -> Callable:
+    """`count(model, *args)`, cached by the model's field values (a ModelConfig is mutable and
+    so not hashable itself)."""
+    cache: dict[tuple, object] = {}
+
+    @functools.wraps(count)
+    def cached(model: ModelConfig, *args):
+        moe = model.moe
+        key = (*vars(model).values(), *args) if moe is None else (
+            *(v for v in vars(model).values() if v is not moe), *vars(moe).values(), *args)
+        if key not in cache:
+            cache[key] = count(model, *args)
+        return cache[key]
+    return cached
 
 
-def attention_params(model: ModelConfig, tp: int = 1) -> int:
-    D = model.hidden
-    q, kv, bias = _qkv_widths(model, tp)
-    return D * q + 2 * D * kv + q * D + bias
+def local_shape(model: ModelConfig, p: Param, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
+    """The shape of parameter `p` on one rank of tp x ep."""
+    shape = list(p.shape)
+    if p.part == "experts":
+        shape[0] //= ep
+    d = p.tp_dim
+    if d is not None:
+        if p.part in VOCAB_PARTS:
+            shape[d] = -(-shape[d] // tp)
+        elif p.part == "attention":
+            shape[d] = max(1, shape[d] // model.d_head // tp) * model.d_head
+        else:
+            shape[d] //= tp
+    return tuple(shape)
+
+
+def local_numel(model: ModelConfig, p: Param, tp: int = 1, ep: int = 1) -> int:
+    n = 1
+    for size in local_shape(model, p, tp, ep):
+        n *= size
+    return n
 
 
 def block_matrix_shapes(model: ModelConfig, layer: int, tp: int = 1) -> list[tuple[int, int]]:
     """(rows, columns) of block `layer`'s 2-D weight matrices on one tensor-parallel rank:
     attention, then the dense MLP, or the router and shared experts of an MoE layer (routed
     experts are one 3-D tensor per projection)."""
-    D = model.hidden
-    q, kv, _ = _qkv_widths(model, tp)
-    shapes = [(q, D), (kv, D), (kv, D), (D, q)]
-    if is_moe_layer(model, layer):
-        m = model.moe
-        shapes.append((m.experts, D))
-        if m.shared_experts:
-            f = m.shared_experts * (m.expert_ffn_hidden or model.ffn_hidden) // tp
-            shapes += [(f, D), (f, D), (D, f)]
-        return shapes
-    f = model.ffn_hidden // tp
-    return shapes + ([(f, D)] * (2 if model.ffn_type == "swiglu" else 1) + [(D, f)])
+    return [local_shape(model, p, tp) for p in block_parameters(model, layer)
+            if len(p.shape) == 2]
 
 
+@per_model
 def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
     """The vectors of one block (two norm gains, the query/key/value biases): with Muon they
     stay with AdamW, as everything outside the blocks' matrices (fivefold.optim)."""
-    return 2 * model.hidden + _qkv_widths(model, tp)[2]
+    return sum(local_numel(model, p, tp) for p in block_parameters(model, 0)
+               if len(p.shape) == 1)
 
 
-def mlp_params(model: ModelConfig, tp: int = 1) -> int:
-    mats = 3 if model.ffn_type == "swiglu" else 2
-    return mats * model.hidden * model.ffn_hidden // tp
-
-
-def expert_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """Routed experts of one MoE layer held by one rank (SwiGLU experts)."""
-    m = model.moe
-    ffn = m.expert_ffn_hidden or model.ffn_hidden
-    return m.experts // ep * 3 * model.hidden * ffn // tp
-
-
-def moe_dense_params(model: ModelConfig, tp: int = 1) -> int:
-    """Router and shared experts of one MoE layer (held by every expert-parallel rank)."""
-    m = model.moe
-    ffn = m.expert_ffn_hidden or model.ffn_hidden
-    return model.hidden * m.experts + m.shared_experts * 3 * model.hidden * ffn // tp
-
-
+@per_model
 def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
-    """(dense, expert) parameters of block `layer` on one rank; norms are replicated."""
-    dense = attention_params(model, tp) + 2 * model.hidden
-    if is_moe_layer(model, layer):
-        return dense + moe_dense_params(model, tp), expert_params(model, tp, ep)
-    return dense + mlp_params(model, tp), 0
+    """(dense, expert) parameters of block `layer` on one rank: the routed experts apart,
+    since expert parallelism shards them over other ranks than the rest of the block."""
+    dense = expert = 0
+    for p in block_parameters(model, layer):
+        n = local_numel(model, p, tp, ep)
+        if p.part == "experts":
+            expert += n
+        else:
+            dense += n
+    return dense, expert
 
 
+@per_model
 def root_params(model: ModelConfig, tp: int = 1, first: bool = True, last: bool = True) -> int:
-    """Embeddings (first pipeline stage), final norm and untied head (last stage). Tensor
-    parallelism splits the vocabulary rows, padded to a multiple of tp as the runtime does
-    (fivefold.parallel.tensor.padded_vocab)."""
-    table = -(-model.vocab // tp) * model.hidden
-    n = table if first else 0
-    if last:
-        n += model.hidden + (0 if model.tied_embeddings else table)
-        if model.tied_embeddings and not first:
-            n += table  # the last stage keeps its own copy of the tied table
+    """Embeddings (first pipeline stage), final norm and untied head (last stage); with tied
+    embeddings a last stage that is not also the first keeps its own copy of the table."""
+    n = 0
+    for p in root_parameters(model):
+        held = (first or last and model.tied_embeddings) if p.part == "embedding" else last
+        if held:
+            n += local_numel(model, p, tp)
     return n
 
 
@@ -96,14 +108,3 @@ def total_params(model: ModelConfig) -> int:
     """Every parameter of the model on one device (embeddings once when tied)."""
     blocks = sum(sum(block_params(model, i)) for i in range(model.layers))
     return blocks + root_params(model)
-
-
-def active_params(model: ModelConfig) -> int:
-    """Parameters one token passes through: top-k of the routed experts."""
-    total = total_params(model)
-    if model.moe is None:
-        return total
-    m = model.moe
-    moe_layers = sum(is_moe_layer(model, i) for i in range(model.layers))
-    inactive = (m.experts - m.top_k) * expert_params(model) // m.experts
-    return total - moe_layers * inactive

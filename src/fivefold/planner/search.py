@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from fivefold.config import Config
 from fivefold.hardware import HardwareProfile
+from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.compute import is_moe_layer
 from fivefold.planner.memory import Unit, galore_state_bytes
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight

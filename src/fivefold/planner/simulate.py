@@ -53,13 +53,13 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.hardware import HardwareProfile, load_profile
+from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
-                                      embedding_times, head_times, is_moe_layer,
-                                      newton_schulz_time)
+                                      embedding_times, head_times, newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_matrix_shapes, block_params, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
