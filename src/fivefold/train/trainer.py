@@ -52,7 +52,7 @@ from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import ParallelPlan, training_plan
+from fivefold.parallel.plan import ParallelPlan, device_precision, plan_from_config
 from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
@@ -79,13 +79,16 @@ class StepResult:
 
 
 class Trainer:
-    """Trains `cfg` under `plan` (default: the plan of `cfg` on the runtime's ranks, which
-    validates it); `cfg` supplies the model, data and optimizer, `plan` the layout."""
+    """Trains `cfg` under `plan`: `cfg` supplies the model, data and optimizer, `plan` the
+    layout. `fivefold train` passes the plan `training_plan` validated before any rank
+    started; without one the plan of `cfg` on the runtime's ranks is taken as it stands (a
+    caller building a Trainer directly, as the tests and benchmarks do, owns its config)."""
 
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
                  init_from: Path | str | None = None, plan: ParallelPlan | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
-        self.plan = plan = plan or training_plan(cfg, rt.world_size, rt.device.type)
+        self.plan = plan = plan or plan_from_config(cfg, rt.world_size,
+                                                    device_precision(rt.device.type))
         if plan.gpus != rt.world_size:
             raise ConfigError("parallel", f"the plan lays out {plan.gpus} ranks but "
                                           f"{rt.world_size} were launched; plan for the "
