@@ -1,9 +1,9 @@
 """The Trainer's pipeline-parallel path (parallel.pp > 1): this rank's stage and its step.
 
-`build_stage(cfg, plan, pp_axis, tp_axis, device, init_from)` builds pp rank r's stage
+`build_stage(cfg, plan, pp_axis, device, init_from)` builds pp rank r's stage
 (fivefold.parallel.pipeline.build: its blocks keep their plain names, so deterministic
-initialization gives it exactly its slice of the single-process model), loads pretrained
-weights by name, and splits it over tp (fivefold.parallel.pipeline.tensor_stage).
+initialization gives it exactly its slice of the single-process model) and loads pretrained
+weights by name; `parallelize` (fivefold.parallel.parallelize) then splits it over tp.
 
 `PipelineStep.forward_backward` runs the forwards and backwards of one optimizer step of a
 synchronous schedule (GPipe, 1F1B, interleaved, ZB-H1, TeraPipe) as the single-process
@@ -33,23 +33,20 @@ from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.data import BatchSampler
 from fivefold.train.model_source import load_weights_into
 
 
-def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, tp_axis: Axis,
-                device: torch.device, init_from: Path | str | None = None) -> PipelineStage:
-    """This pp rank's stage: pretrained weights (taken by name from the whole model's) go
-    in before the tensor-parallel split."""
+def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, device: torch.device,
+                init_from: Path | str | None = None) -> PipelineStage:
+    """This pp rank's stage, with pretrained weights taken by name from the whole model's
+    (before `parallelize` splits it over tp)."""
     stage = build_pipeline_stage(cfg, plan, pp_axis.rank, device)
     if init_from is not None:
         plain = build_model(cfg.model, cfg.train.seed)
         load_weights_into(plain, cfg.model, init_from)
         stage.load_plain_state(plain.state_dict())
-    if tp_axis.size > 1:
-        apply_tensor_parallel_to_stage(stage, tp_axis, plan.sequence_parallel)
     return stage
 
 

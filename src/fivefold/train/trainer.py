@@ -53,10 +53,10 @@ from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.plan import ParallelPlan, device_precision, plan_from_config
-from fivefold.parallel.tensor import GatheredLogits, apply_tensor_parallel, counted_masks
+from fivefold.parallel.parallelize import parallelize
+from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
-from fivefold.memory.recompute import apply_full_recompute
 from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
                                        load_checkpoint, remove_partials, save_checkpoint,
                                        shard_tag)
@@ -111,12 +111,8 @@ class Trainer:
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
-        self.model = self._build_model(init_from)
-        if plan.recompute == "full":
-            apply_full_recompute(self.model.layers)
-        if cfg.train.compile:
-            for block in self.model.layers:
-                block.compile()
+        self.model = parallelize(self._build_model(init_from), plan, self.mesh,
+                                 cfg.train.compile)
         self.engine, self.optimizer, self.lomo = None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
@@ -146,17 +142,14 @@ class Trainer:
                            else 0)
 
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
-        """The plain model (pretrained weights in before any wrapping, then the tensor-parallel
-        split), or this rank's pipeline stage."""
-        m, plan = self.cfg.model, self.plan
-        if plan.pp > 1:
-            return build_stage(self.cfg, plan, self.pp_axis, self.tp_axis, self.rt.device,
-                               init_from)
+        """The plain model, or this rank's pipeline stage, with pretrained weights in
+        (before `parallelize` splits anything)."""
+        m = self.cfg.model
+        if self.plan.pp > 1:
+            return build_stage(self.cfg, self.plan, self.pp_axis, self.rt.device, init_from)
         model = build_model(m, self.cfg.train.seed, self.rt.device)
         if init_from is not None:
             load_weights_into(model, m, init_from)
-        if self.tp_axis.size > 1:
-            apply_tensor_parallel(model, self.tp_axis, plan.sequence_parallel)
         return model
 
     def say(self, text: str) -> None:

@@ -1,0 +1,43 @@
+"""`parallelize(model, plan, mesh)`: the one place parallelism is applied to a plain model.
+
+The model (fivefold.models.llama's Transformer, or one pipeline stage of it cut by
+fivefold.parallel.pipeline.build) knows nothing of ranks; everything the plan asks of the
+model's own modules happens here, from outside and in this order (torchtitan's
+`parallelize` habit):
+
+  1. tensor parallelism over the mesh's "tp" axis (fivefold.parallel.tensor: Megatron 1D
+     with sequence parallelism; a stage through fivefold.parallel.pipeline.tensor_stage),
+  2. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
+  3. torch.compile of each block (`compile_blocks`, the train.compile switch).
+
+What wraps the model rather than rewriting it is the trainer's to build from the same plan:
+the data-parallel engine (fivefold.parallel.data_parallel, `plan.update == "engine"`) and the
+pipeline executor (`plan.pipeline_schedules`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fivefold.memory.recompute import apply_full_recompute
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.pipeline.stage import PipelineStage
+from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
+from fivefold.parallel.plan import ParallelPlan
+from fivefold.parallel.tensor import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
+                compile_blocks: bool = False) -> nn.Module:
+    """Apply `plan` to `model` (in place) on this rank of `mesh`; returns the model."""
+    tp_axis = mesh.axis("tp")
+    if tp_axis.size > 1:
+        split = (apply_tensor_parallel_to_stage if isinstance(model, PipelineStage)
+                 else apply_tensor_parallel)
+        split(model, tp_axis, plan.sequence_parallel)
+    if plan.recompute == "full":
+        apply_full_recompute(model.layers)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+    return model
