@@ -435,7 +435,18 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "tensor parallelism splits dense MLPs only"),
     (["parallel.pp=2", "parallel.zero_stage=3", "parallel.schedule='terapipe'"], 2,
      "parallel.schedule", "TeraPipe's token slices reach back"),
-    (["parallel.cp=2"], 2, "parallel.cp", "not implemented in the runtime"),
+    (["parallel.cp=2", "parallel.cp_mode=hybrid"], 2, "parallel.cp_mode",
+     "hybrid (Ulysses x ring) mode is not in the runtime yet"),
+    (["parallel.cp=4", "model.seq_len=36"], 4, "model.seq_len",
+     "cuts each sequence into 2 x cp = 8 equal chunks, but seq_len is 36"),
+    (["parallel.cp=16", "parallel.cp_mode=ulysses", "parallel.global_batch=16"], 16,
+     "parallel.cp", "Ulysses gives each of its 16 ranks heads / cp query heads"),
+    (["parallel.cp=2", "parallel.cp_mode=ulysses", "model.heads=6", "model.kv_heads=3",
+      "model.hidden=192"], 2, "parallel.cp", "choose cp dividing or divided by model.kv_heads"),
+    (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.tp",
+     "context parallelism with tensor parallelism is not in the runtime yet"),
+    (["parallel.cp=2", "parallel.recompute=full"], 2, "parallel.recompute",
+     "rerun the attention's communication"),
     (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
     (["parallel.recompute=selective"], 1, "parallel.recompute",
@@ -468,6 +479,8 @@ def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=lomo", "parallel.micro_batch=8"), 1)
     validate_for_training(load("train.optimizer=galore"), 1)
     validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)
+    validate_for_training(load("parallel.cp=2"), 2)
+    validate_for_training(load("parallel.cp=4", "parallel.cp_mode=ulysses"), 8)
     validate_for_training(load("parallel.recompute=full", "parallel.pp=2",
                                "parallel.schedule=interleaved", "parallel.vpp=2",
                                "parallel.micro_batch=2"), 2)

@@ -13,7 +13,6 @@ block backward runs once per ring step). Ranks start once per world size.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections import Counter
 
 import pytest
@@ -22,17 +21,16 @@ import torch.distributed as dist
 
 from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
-from fivefold.parallel import context as cp_pkg
-from fivefold.parallel.context import (check_ulysses_heads, context_attention, context_layout,
-                                       context_positions, mode_degrees, shard_sequence,
-                                       ulysses_kv_heads, unshard_sequence)
-from fivefold.parallel.context.layout import check_sequence_split
+from fivefold.parallel.context import layout as cp_layout
+from fivefold.parallel.context import ring_attention as ring_mod
+from fivefold.parallel.context.attention import context_attention
+from fivefold.parallel.context.layout import (check_sequence_split, context_layout,
+                                              context_positions, mode_degrees, shard_sequence,
+                                              unshard_sequence)
+from fivefold.parallel.context.ulysses import check_ulysses_heads, ulysses_kv_heads
 from fivefold.parallel.context.zigzag import (check_zigzag, zigzag_positions, zigzag_shard,
                                               zigzag_unshard)
 from fivefold.testing import run_on_ranks
-
-# the module (the package re-exports its function under the same name)
-ring_mod = importlib.import_module("fivefold.parallel.context.ring_attention")
 
 B, E = 2, 8
 TOL = 1e-10
@@ -263,4 +261,4 @@ def test_ulysses_kv_heads_rule():
     with pytest.raises(ValueError, match="heads = 6 does not divide by 4"):
         check_ulysses_heads(6, 2, 4)
     assert check_ulysses_heads(8, 2, 4) == 4
-    assert set(cp_pkg.MODES) == {"ring", "ulysses", "hybrid"}
+    assert set(cp_layout.MODES) == {"ring", "ulysses", "hybrid"}

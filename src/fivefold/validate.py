@@ -321,17 +321,64 @@ def validate_pipeline_runtime(cfg: Config) -> None:
                                                "parallel.zero_stage = 0")
 
 
+def validate_context_parallel(cfg: Config) -> None:
+    """What the context-parallel runtime (fivefold.parallel.context) needs, and what it does
+    not compose with yet. Ring attention's zigzag split cuts each sequence into 2 cp equal
+    chunks; Ulysses gives each rank heads / cp query heads and needs the key/value heads to
+    split over cp too, or to be fewer and divide cp (each is then replicated to fit)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    if p.cp_mode == "hybrid":
+        raise ConfigError("parallel.cp_mode", "the hybrid (Ulysses x ring) mode is not in the "
+                                              "runtime yet; use 'ring' or 'ulysses'")
+    if p.cp_mode == "ring" and m.seq_len % (2 * p.cp):
+        raise ConfigError("model.seq_len", f"ring attention's balanced (zigzag) split cuts "
+                                           f"each sequence into 2 x cp = {2 * p.cp} equal "
+                                           f"chunks, but seq_len is {m.seq_len}; use a "
+                                           f"multiple of {2 * p.cp}")
+    if p.cp_mode == "ulysses":
+        if m.seq_len % p.cp:
+            raise ConfigError("model.seq_len", f"Ulysses splits each sequence into cp = {p.cp} "
+                                               f"shards, but seq_len is {m.seq_len}; use a "
+                                               f"multiple of {p.cp}")
+        if m.heads % p.cp:
+            raise ConfigError("parallel.cp", f"Ulysses gives each of its {p.cp} ranks "
+                                             f"heads / cp query heads, but model.heads = "
+                                             f"{m.heads}; choose cp among "
+                                             f"{_divisors(m.heads)}")
+        if m.n_kv_heads % p.cp and p.cp % m.n_kv_heads:
+            raise ConfigError("parallel.cp", f"Ulysses splits the {m.n_kv_heads} key/value "
+                                             f"heads over cp = {p.cp} ranks, or replicates "
+                                             "them when they are fewer and divide cp; neither "
+                                             "holds: choose cp dividing or divided by "
+                                             "model.kv_heads")
+    for key, what in (("tp", "tensor"), ("pp", "pipeline")):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}", f"context parallelism with {what} "
+                                                 "parallelism is not in the runtime yet; use "
+                                                 f"parallel.{key} = 1 with parallel.cp > 1")
+    if p.qwz or p.hpz or p.qgz:
+        raise ConfigError("parallel.cp", "ZeRO++'s node groups are not laid out over the cp "
+                                         "ranks yet; turn qwz, hpz and qgz off with "
+                                         "parallel.cp > 1")
+    if p.recompute != "none":
+        raise ConfigError("parallel.recompute", "recomputation would rerun the attention's "
+                                                "communication, which is not counted yet; use "
+                                                "'none' with parallel.cp > 1")
+
+
 def validate_for_training(cfg: Config, world_size: int) -> None:
     """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
     validate(cfg, world_size)
     p = cfg.parallel
     validate_tensor_parallel(cfg)
     validate_pipeline_runtime(cfg)
-    for key in ("cp", "ep"):
-        if getattr(p, key) != 1:
-            raise ConfigError(f"parallel.{key}", "this dimension is not implemented in the "
-                                                 "runtime yet (see README, Features); set it to "
-                                                 "1 or use `fivefold plan` to study it")
+    validate_context_parallel(cfg)
+    if p.ep != 1:
+        raise ConfigError("parallel.ep", "this dimension is not implemented in the runtime yet "
+                                         "(see README, Features); set it to 1 or use "
+                                         "`fivefold plan` to study it")
     if p.zero_group is not None and p.zero_stage == 0:
         raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
                                                  "parallel.zero_stage to 1, 2 or 3, or drop "

@@ -7,6 +7,13 @@ the layers `model.moe` names (fivefold.models.moe). `model.qkv_bias` adds learne
 the query, key and value projections, as Qwen2 has. Parallel layouts rewrite or wrap this
 module from outside (`fivefold.parallel`); nothing here knows about ranks.
 
+Two seams let parallelism be installed from outside without the model knowing of it: each
+`Attention.attend` is the attention core, q (B, H, T, E) and k, v (B, K, T, E) to the
+output (default `causal_attention`, over exactly the tokens given), and
+`Transformer.token_positions` are the positions of the tokens the model is handed (default
+0..T-1), the rows of the rotary tables; context parallelism (fivefold.parallel.context)
+sets both, so a rank computes its shard of every sequence.
+
 On CUDA, grouped-query attention hands the shared key/value heads to SDPA as they are
 (`enable_gqa`, which its flash kernel reads in place) instead of repeating them in memory; on
 the CPU they are repeated, as before, which keeps CPU results unchanged.
@@ -55,11 +62,24 @@ def apply_rotary(x_BHTE: torch.Tensor, cos_TE2: torch.Tensor, sin_TE2: torch.Ten
     return out.type_as(x_BHTE)
 
 
+def causal_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor,
+                     v_BKTE: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the given tokens through SDPA, key/value heads shared by groups."""
+    groups = q_BHTE.shape[1] // k_BKTE.shape[1]
+    gqa_in_kernel = groups > 1 and q_BHTE.is_cuda
+    if groups > 1 and not gqa_in_kernel:
+        k_BKTE = k_BKTE.repeat_interleave(groups, dim=1)
+        v_BKTE = v_BKTE.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q_BHTE, k_BKTE, v_BKTE, is_causal=True,
+                                          enable_gqa=gqa_in_kernel)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with `kv_heads` key/value heads shared by head groups."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.attend = causal_attention  # the attention core: a seam (module docstring)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.d_head
         self.wq = nn.Linear(cfg.hidden, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.hidden, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -72,13 +92,7 @@ class Attention(nn.Module):
         k_BKTE = self.wk(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         v_BKTE = self.wv(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
         q_BHTE, k_BKTE = apply_rotary(q_BHTE, cos, sin), apply_rotary(k_BKTE, cos, sin)
-        groups = q_BHTE.shape[1] // k_BKTE.shape[1]
-        gqa_in_kernel = groups > 1 and x_BTD.is_cuda
-        if groups > 1 and not gqa_in_kernel:
-            k_BKTE = k_BKTE.repeat_interleave(groups, dim=1)
-            v_BKTE = v_BKTE.repeat_interleave(groups, dim=1)
-        out_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BKTE, v_BKTE, is_causal=True,
-                                                  enable_gqa=gqa_in_kernel)
+        out_BHTE = self.attend(q_BHTE, k_BKTE, v_BKTE)
         return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -136,14 +150,20 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.seq_len, cfg.d_head, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.token_positions: torch.Tensor | None = None  # a seam (module docstring)
+
+    def rotary(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the T tokens the model is handed (at `token_positions` if set)."""
+        if self.token_positions is None:
+            return self.rope_cos[:T], self.rope_sin[:T]
+        return self.rope_cos[self.token_positions], self.rope_sin[self.token_positions]
 
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (B, T, D), before the output head."""
-        T = tokens_BT.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rotary(tokens_BT.shape[1])
         x_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos, sin)

@@ -119,15 +119,18 @@ class DataParallelEngine:
 
     def __init__(self, model: nn.Module, stage: int, mesh: Mesh, train: TrainConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP()):
+                 reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP(),
+                 shard_axes: tuple[str, ...] = ("dp_shard",)):
         self.model, self.stage, self.train_cfg, self.zero_pp = model, stage, train, zero_pp
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
         self.ledger: Ledger = mesh.ledger
+        # `shard_axes` (ParallelPlan.shard_axes): dp_shard, and cp whose ranks also hold the
+        # whole model and see other tokens
         if stage == 0:  # plain data parallel: one all-reduce over every data-parallel rank
             self.shard_axis = C.Axis("dp_shard", None, 1, 0, mesh.ledger)
-            self.replicate_axis = mesh.joint_axis("dp_replicate", "dp_shard")
+            self.replicate_axis = mesh.joint_axis("dp_replicate", *shard_axes)
         else:
-            self.shard_axis = mesh.axis("dp_shard")
+            self.shard_axis = mesh.joint_axis(*shard_axes)
             self.replicate_axis = mesh.axis("dp_replicate")
         model.to(device=device, dtype=param_dtype)
         split = split_units(model)

@@ -7,8 +7,12 @@ model's own modules happens here, from outside and in this order (torchtitan's
 
   1. tensor parallelism over the mesh's "tp" axis (fivefold.parallel.tensor: Megatron 1D
      with sequence parallelism; a stage through fivefold.parallel.pipeline.tensor_stage),
-  2. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
-  3. torch.compile of each block (`compile_blocks`, the train.compile switch).
+  2. context parallelism over the "cp" axis (fivefold.parallel.context): every block's
+     attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
+     positions are this rank's (its zigzag or contiguous part of every sequence), which the
+     trainer's samplers read to hand the rank those tokens,
+  3. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
+  4. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
 the data-parallel engine (fivefold.parallel.data_parallel, `plan.update == "engine"`) and the
@@ -17,9 +21,13 @@ pipeline executor (`plan.pipeline_schedules`).
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from fivefold.memory.recompute import apply_full_recompute
+from fivefold.parallel.context.attention import context_attention
+from fivefold.parallel.context.layout import context_positions
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
@@ -35,6 +43,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         split = (apply_tensor_parallel_to_stage if isinstance(model, PipelineStage)
                  else apply_tensor_parallel)
         split(model, tp_axis, plan.sequence_parallel)
+    cp_axis = mesh.axis("cp")
+    if cp_axis.size > 1:
+        attend = functools.partial(context_attention, mode=plan.cp_mode, cp_axis=cp_axis)
+        for block in model.layers:
+            block.attention.attend = attend
+        model.token_positions = context_positions(model.cfg.seq_len, plan.cp_mode, plan.cp,
+                                                  cp_axis.rank).to(model.rope_cos.device)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     if compile_blocks:

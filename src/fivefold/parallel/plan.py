@@ -144,17 +144,31 @@ class ParallelPlan:
         return "lomo" if self.optimizer == "lomo" else "plain"
 
     @property
-    def grad_norm_axes(self) -> tuple[str, ...]:
-        """Mesh axes over which ranks hold different parts of the gradient, so the squared
-        norm is summed over them before clipping: the ZeRO shard group (stages 1-3), the
-        tensor-parallel shards and the pipeline stages. The dp_replicate copies are equal
-        and are not summed."""
+    def shard_axes(self) -> tuple[str, ...]:
+        """The mesh axes ZeRO shards the model state over: the dp_shard group and, with
+        context parallelism, the cp ranks, which hold the same parameters and compute on
+        other tokens of the same sequences (ZeRO over dp x cp, as the planner assumes)."""
+        return ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes whose ranks compute on different tokens: gradients and the loss are
+        summed over them (dp_replicate, dp_shard and, with context parallelism, cp)."""
+        return ("dp_replicate", *self.shard_axes)
+
+    @property
+    def grad_norm_axes(self) -> tuple[tuple[str, ...], ...]:
+        """Mesh axes (each a group of adjacent axes, joined) over which ranks hold different
+        parts of the gradient, so the squared norm is summed over them before clipping: the
+        ZeRO shard group (stages 1-3), the tensor-parallel shards and the pipeline stages.
+        Copies that are equal (dp_replicate, and without ZeRO every data-parallel rank after
+        the all-reduce) are not summed."""
         axes = []
         if self.update == "engine" and self.zero_stage >= 1:
-            axes.append("dp_shard")
+            axes.append(self.shard_axes)
         for axis in ("tp", "pp"):
             if getattr(self, axis) > 1:
-                axes.append(axis)
+                axes.append((axis,))
         return tuple(axes)
 
     @property

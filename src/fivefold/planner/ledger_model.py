@@ -33,6 +33,12 @@ the runtime does):
             vocabulary rows; a zero-bubble W pass issues no collective (the executor records
             the final norm's output before Megatron's f, so f's all-reduce runs once, in I)
 
+  cp > 1    per micro-batch and block, the attention's exchanges on the cp axis
+            (fivefold.parallel.context; `_Step.context_parallel`); gradients are synced, and
+            ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size
+            zero_group * cp) and the all-reduces over every data rank on
+            "dp_replicate+dp_shard+cp"
+
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
 gradient reduce-scatter by two int8 all-to-alls (within, then across nodes). Sizes are
@@ -53,7 +59,6 @@ from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUANT_BLOCK = 256  # fivefold.comm.quantize.BLOCK
-DP = "dp_replicate+dp_shard"
 
 
 def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
@@ -89,8 +94,11 @@ class _Step:
         self.reduce = DTYPE_NAMES[lay.reduce_dtype] if lay.zero_stage >= 2 else self.param
         self.pb = 4 if lay.precision == "fp32" else 2
         self.gb = 4 if self.reduce == "float32" else 2
-        self.shard = lay.zero_group if lay.zero_stage >= 1 else 1
-        self.replicate = lay.dp // self.shard if lay.zero_stage >= 1 else 1
+        self.shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
+        self.replicate = lay.dp_replicate if lay.zero_stage >= 1 else 1
+        self.shard_dim = "+".join(lay.shard_axes)  # the mesh axes ZeRO shards over
+        self.tokens_dim = "+".join(lay.token_axes)  # every rank of other tokens
+        self.tokens_size = lay.dp * lay.cp
         self.node = lay.ranks_per_node if (self.hpz or self.qgz) else 1
 
     def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
@@ -106,13 +114,13 @@ class _Step:
             self.record("all_gather", "dp_shard", self.shard, "float32",
                         u.padded // QUANT_BLOCK * 4, "params")
         else:
-            self.record("all_gather", "dp_shard", self.shard, self.param, u.padded * self.pb,
-                        "params")
+            self.record("all_gather", self.shard_dim, self.shard, self.param,
+                        u.padded * self.pb, "params")
 
     def reduce_scatter(self, u: Unit, dtype: str, nbytes_per: int) -> None:
         if not self.qgz:
-            self.record("reduce_scatter", "dp_shard", self.shard, dtype, u.padded * nbytes_per,
-                        "grads")
+            self.record("reduce_scatter", self.shard_dim, self.shard, dtype,
+                        u.padded * nbytes_per, "grads")
             return
         g, nodes = self.node, self.shard // self.node
         for dim, size, numel in (("dp_shard.intra", g, u.padded),
@@ -153,6 +161,35 @@ class _Step:
         if self.last:
             self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
 
+    def context_parallel(self) -> None:
+        """One micro-batch's attention exchanges on the cp axis, per block of the stage.
+        Ring (fivefold.parallel.context.ring_attention, n = cp ranks): the forward passes the
+        stacked key/value block (2 x B x K x T/n x E) n - 1 times round the ring, the
+        backward passes it n - 1 times again and the accumulating dK/dV block n times, in
+        fp32 when the compute dtype has 16 bits. Ulysses (fivefold.parallel.context.ulysses):
+        four all-to-alls forward (q, k, v to head shards, the output back) and their four
+        inverses backward, key/value heads replicated up to cp when they are fewer."""
+        lay, m, n = self.lay, self.cfg.model, self.lay.cp
+        shard_tokens = lay.micro_batch * m.seq_len // n
+        if lay.cp_mode == "ring":
+            kv = 2 * shard_tokens * m.n_kv_heads * m.d_head
+            acc, acc_bytes = ("float32", 4) if self.pb == 2 else (self.param, self.pb)
+            for _ in range(self.blocks):
+                for _ in range(2 * (n - 1)):
+                    for op in ("send", "recv"):
+                        self.record(op, "cp", n, self.param, kv * self.pb, "cp_kv")
+                for _ in range(n):
+                    for op in ("send", "recv"):
+                        self.record(op, "cp", n, acc, kv * acc_bytes, "cp_dkv")
+            return
+        kv_heads = m.n_kv_heads if m.n_kv_heads % n == 0 else n  # replicated to fit
+        sizes = {"cp_q": m.heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": m.heads}
+        for _ in range(self.blocks):
+            for purpose, heads in sizes.items():
+                nbytes = shard_tokens * heads * m.d_head * self.pb
+                self.record("all_to_all", "cp", n, self.param, nbytes, purpose)
+                self.record("all_to_all", "cp", n, self.param, nbytes, purpose + "_grad")
+
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
         pipeline's 4-byte fp32 all-reduce of the summed loss over the stages."""
@@ -176,6 +213,8 @@ class _Step:
             last = j == micro - 1
             if lay.tp > 1:
                 self.tensor_parallel()
+            if lay.cp > 1:
+                self.context_parallel()
             if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)
                     self.gather(u, backward=False)
@@ -184,7 +223,8 @@ class _Step:
                     self.gather(u, backward=True)
             for u in [*reversed(blocks), *([root] if root else [])]:
                 if stage == 0 and last:
-                    self.record("all_reduce", DP, lay.dp, self.param, u.padded * self.pb, "grads")
+                    self.record("all_reduce", self.tokens_dim, self.tokens_size, self.param,
+                                u.padded * self.pb, "grads")
                 elif stage == 1 and last:
                     self.reduce_scatter(u, self.param, self.pb)
                 elif stage >= 2:
@@ -194,11 +234,11 @@ class _Step:
                     self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
                                 u.shard_numel * self.gb, "grads")
         if stage >= 1:
-            self.record("all_reduce", "dp_shard", self.shard, "float32", 4, "grad_norm")
+            self.record("all_reduce", self.shard_dim, self.shard, "float32", 4, "grad_norm")
         self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
         self.record("all_reduce", "pp", lay.pp, "float32", 4, "grad_norm")
         if stage in (1, 2):
             for u in units:
-                self.record("all_gather", "dp_shard", self.shard, self.param,
+                self.record("all_gather", self.shard_dim, self.shard, self.param,
                             u.padded * self.pb, "params")
-        self.record("all_reduce", DP, lay.dp, "float32", 4, "loss")
+        self.record("all_reduce", self.tokens_dim, self.tokens_size, "float32", 4, "loss")

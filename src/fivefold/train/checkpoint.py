@@ -58,7 +58,8 @@ def layout_record(plan: ParallelPlan) -> dict:
     """The meta.json entries of a plan: the whole plan, and `layout`, what decides the
     checkpoint's keys and shards as "parallel.key": value (a resume must match it)."""
     layout = {f"parallel.{key}": getattr(plan, key)
-              for key in ("pp", "tp", "vpp", "stage_layers", "zero_stage", "zero_group", "hpz")}
+              for key in ("pp", "tp", "cp", "vpp", "stage_layers", "zero_stage", "zero_group",
+                          "hpz")}
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
     layout["parallel.schedule"] = "pipedream-2bw" if plan.asynchronous else "synchronous"

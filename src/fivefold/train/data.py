@@ -153,25 +153,36 @@ def check_data(cfg: Config, data: TokenData) -> None:
 
 
 class BatchSampler:
-    """Sequences of `seq_len + 1` tokens at random offsets, fixed by (seed, split, step)."""
+    """Sequences of `seq_len + 1` tokens at random offsets, fixed by (seed, split, step).
+
+    With context parallelism a rank holds some positions of every sequence (`positions`,
+    fivefold.parallel.context.layout): its inputs and targets are those columns of the
+    unsplit sequences, so each token's label is the next token of the whole sequence, also
+    at the boundaries between the ranks' chunks."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 split: int = 0, dp_rank: int = 0, dp_size: int = 1):
+                 split: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                 positions: torch.Tensor | None = None):
         if global_batch % dp_size:
             raise ValueError(f"global_batch {global_batch} not divisible by dp {dp_size}")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.seed, self.split = seed, split
         self.per_rank = global_batch // dp_size
         self.first_row = dp_rank * self.per_rank
+        self.positions = None if positions is None else positions.cpu()
 
     def global_offsets(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.split, step])
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
 
     def rank_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the global batch of `step`: inputs and targets, (G/dp, T)."""
+        """This rank's share of the global batch of `step`: inputs and targets, (G/dp, T),
+        or (G/dp, T/cp) at this rank's `positions`."""
         offsets = self.global_offsets(step)[self.first_row:self.first_row + self.per_rank]
         rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
                          for o in offsets])
         rows_BT = torch.from_numpy(rows)
-        return rows_BT[:, :-1], rows_BT[:, 1:]
+        inputs_BT, targets_BT = rows_BT[:, :-1], rows_BT[:, 1:]
+        if self.positions is None:
+            return inputs_BT, targets_BT
+        return inputs_BT[:, self.positions], targets_BT[:, self.positions]

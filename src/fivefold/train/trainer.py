@@ -99,27 +99,32 @@ class Trainer:
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.tp_axis = self.mesh.axis("tp")
         self.pp_axis = self.mesh.axis("pp")
-        self.norm_axes = [self.mesh.axis(name) for name in plan.grad_norm_axes]
+        self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
+        self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
         self.micro_batch = plan.micro_batch
         self.global_tokens = plan.global_batch * m.seq_len
         self.precision = plan.precision
         self.data = data or prepare_data(cfg, log=self.say)
-        self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
-                                          cfg.train.seed, 0, self.dp_axis.rank, self.dp)
-        self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
-                                        cfg.train.seed, 1, self.dp_axis.rank, self.dp)
         torch.manual_seed(cfg.train.seed)
         self.model = parallelize(self._build_model(init_from), plan, self.mesh,
                                  cfg.train.compile)
+        positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
+        self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
+                                          cfg.train.seed, 0, self.dp_axis.rank, self.dp,
+                                          positions)
+        self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
+                                        cfg.train.seed, 1, self.dp_axis.rank, self.dp,
+                                        positions)
         self.engine, self.optimizer, self.lomo = None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
             zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.precision],
-                                             DTYPES[plan.reduce_dtype], zero_pp)
+                                             DTYPES[plan.reduce_dtype], zero_pp,
+                                             plan.shard_axes)
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train)
         else:  # plain, or each PipeDream-2BW stage's own
@@ -197,7 +202,7 @@ class Trainer:
             loss_sum = (self.pipeline.forward_backward(step) if self.pipeline else
                         self._accumulate(*self.train_sampler.rank_batch(step)))
             grad_norm = self._update(lr, clip)
-        C.all_reduce(loss_sum, self.dp_axis, "loss")
+        C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
         return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
 
@@ -259,7 +264,7 @@ class Trainer:
                 x = inputs[j:j + self.micro_batch].to(self.rt.device)
                 y = targets[j:j + self.micro_batch].to(self.rt.device)
                 total += self.micro_batch_loss(x, y).double()
-        C.all_reduce(total, self.dp_axis, "val_loss")
+        C.all_reduce(total, self.token_axis, "val_loss")
         return total.item() / (self.cfg.train.eval_batches * self.global_tokens)
 
     # ------------------------------------------------------------------ the run
@@ -366,8 +371,9 @@ class Trainer:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
-        if t.sample_tokens and self.pipeline:
-            self.say("no text sample: sampling runs the whole model, which pp > 1 splits")
+        if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
+            self.say("no text sample: sampling runs the whole model on whole sequences, which "
+                     "pp > 1 and cp > 1 split")
         elif t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
             model = (GatheredLogits(self.model, self.tp_axis, self.plan.sequence_parallel)
                      if self.tp_axis.size > 1 else self.model)
