@@ -324,8 +324,9 @@ def validate_pipeline_runtime(cfg: Config) -> None:
 def validate_context_parallel(cfg: Config) -> None:
     """What the context-parallel runtime (fivefold.parallel.context) needs, and what it does
     not compose with yet. Ring attention's zigzag split cuts each sequence into 2 cp equal
-    chunks; Ulysses gives each rank heads / cp query heads and needs the key/value heads to
-    split over cp too, or to be fewer and divide cp (each is then replicated to fit)."""
+    chunks; Ulysses gives each rank heads / (tp cp) query heads and needs a tp rank's
+    key/value heads to split over cp too, or to be fewer and divide cp (each is then
+    replicated to fit)."""
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
@@ -342,22 +343,22 @@ def validate_context_parallel(cfg: Config) -> None:
             raise ConfigError("model.seq_len", f"Ulysses splits each sequence into cp = {p.cp} "
                                                f"shards, but seq_len is {m.seq_len}; use a "
                                                f"multiple of {p.cp}")
-        if m.heads % p.cp:
+        heads, kv_heads = m.heads // p.tp, m.n_kv_heads // p.tp  # a tp rank's
+        if heads % p.cp:
             raise ConfigError("parallel.cp", f"Ulysses gives each of its {p.cp} ranks "
-                                             f"heads / cp query heads, but model.heads = "
-                                             f"{m.heads}; choose cp among "
-                                             f"{_divisors(m.heads)}")
-        if m.n_kv_heads % p.cp and p.cp % m.n_kv_heads:
-            raise ConfigError("parallel.cp", f"Ulysses splits the {m.n_kv_heads} key/value "
-                                             f"heads over cp = {p.cp} ranks, or replicates "
+                                             f"heads / cp query heads, but a tp rank holds "
+                                             f"{heads} (model.heads {m.heads} / tp {p.tp}); "
+                                             f"choose cp among {_divisors(heads)}")
+        if kv_heads % p.cp and p.cp % kv_heads:
+            raise ConfigError("parallel.cp", f"Ulysses splits a tp rank's {kv_heads} key/value"
+                                             f" heads over cp = {p.cp} ranks, or replicates "
                                              "them when they are fewer and divide cp; neither "
                                              "holds: choose cp dividing or divided by "
-                                             "model.kv_heads")
-    for key, what in (("tp", "tensor"), ("pp", "pipeline")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}", f"context parallelism with {what} "
-                                                 "parallelism is not in the runtime yet; use "
-                                                 f"parallel.{key} = 1 with parallel.cp > 1")
+                                             "model.kv_heads / parallel.tp")
+    if p.pp > 1 and p.schedule == "terapipe":
+        raise ConfigError("parallel.schedule", "TeraPipe's token slices and context "
+                                               "parallelism's token shards are not combined; "
+                                               "use another schedule with parallel.cp > 1")
     if p.qwz or p.hpz or p.qgz:
         raise ConfigError("parallel.cp", "ZeRO++'s node groups are not laid out over the cp "
                                          "ranks yet; turn qwz, hpz and qgz off with "

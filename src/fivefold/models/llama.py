@@ -55,6 +55,15 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tens
     return angles.cos().float(), angles.sin().float()
 
 
+def rotary_rows(cos_TE2: torch.Tensor, sin_TE2: torch.Tensor, T: int, start: int = 0,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables for T tokens: positions [start, start + T), or the
+    given `positions` (a context-parallel rank's tokens, see the module docstring)."""
+    if positions is None:
+        return cos_TE2[start:start + T], sin_TE2[start:start + T]
+    return cos_TE2[positions], sin_TE2[positions]
+
+
 def apply_rotary(x_BHTE: torch.Tensor, cos_TE2: torch.Tensor, sin_TE2: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :E/2], x[..., E/2:]) by the position's angle (the Llama layout)."""
     x1, x2 = x_BHTE.float().chunk(2, dim=-1)
@@ -152,18 +161,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.token_positions: torch.Tensor | None = None  # a seam (module docstring)
 
-    def rotary(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the T tokens the model is handed (at `token_positions` if set)."""
-        if self.token_positions is None:
-            return self.rope_cos[:T], self.rope_sin[:T]
-        return self.rope_cos[self.token_positions], self.rope_sin[self.token_positions]
-
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def hidden_states(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states (B, T, D), before the output head."""
-        cos, sin = self.rotary(tokens_BT.shape[1])
+        cos, sin = rotary_rows(self.rope_cos, self.rope_sin, tokens_BT.shape[1],
+                               positions=self.token_positions)
         x_BTD = self.tok_embeddings(tokens_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, cos, sin)

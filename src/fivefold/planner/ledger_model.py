@@ -141,7 +141,7 @@ class _Step:
         open the two regions and the attention's closing one run again, the MLP's closing
         one, whose output nothing in the block saves, does not."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
-        tokens = lay.micro_batch * m.seq_len
+        tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
         regions, ends = 2 * self.blocks, int(self.first) + int(self.last)
         again = self.blocks if lay.recompute == "full" else 0  # per block: attention's close
@@ -171,8 +171,9 @@ class _Step:
         inverses backward, key/value heads replicated up to cp when they are fewer."""
         lay, m, n = self.lay, self.cfg.model, self.lay.cp
         shard_tokens = lay.micro_batch * m.seq_len // n
+        heads, kv_heads = m.heads // lay.tp, m.n_kv_heads // lay.tp  # this tp rank's
         if lay.cp_mode == "ring":
-            kv = 2 * shard_tokens * m.n_kv_heads * m.d_head
+            kv = 2 * shard_tokens * kv_heads * m.d_head
             acc, acc_bytes = ("float32", 4) if self.pb == 2 else (self.param, self.pb)
             for _ in range(self.blocks):
                 for _ in range(2 * (n - 1)):
@@ -182,8 +183,8 @@ class _Step:
                     for op in ("send", "recv"):
                         self.record(op, "cp", n, acc, kv * acc_bytes, "cp_dkv")
             return
-        kv_heads = m.n_kv_heads if m.n_kv_heads % n == 0 else n  # replicated to fit
-        sizes = {"cp_q": m.heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": m.heads}
+        kv_heads = kv_heads if kv_heads % n == 0 else n  # replicated to fit
+        sizes = {"cp_q": heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": heads}
         for _ in range(self.blocks):
             for purpose, heads in sizes.items():
                 nbytes = shard_tokens * heads * m.d_head * self.pb

@@ -45,7 +45,7 @@ def pipeline_messages(cfg: Config, lay: ParallelPlan, pp_rank: int, elem_bytes: 
         return []
     m = cfg.model
     schedule, _ = lay.pipeline_schedules(m.tied_embeddings)
-    bounds = slice_bounds(m.seq_len, lay.slices)
+    bounds = slice_bounds(m.seq_len // lay.cp, lay.slices)  # this cp rank's tokens
     table = -(-m.vocab // lay.tp) * m.hidden * elem_bytes  # this tp rank's vocabulary rows
     shards = lay.tp if lay.sequence_parallel else 1
     out = []

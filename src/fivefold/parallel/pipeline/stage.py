@@ -29,7 +29,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.models.init import init_model_, init_tensor
-from fivefold.models.llama import Block, RMSNorm, rotary_tables
+from fivefold.models.llama import Block, RMSNorm, rotary_rows, rotary_tables
 
 
 def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -68,6 +68,7 @@ class PipelineStage(nn.Module):
         cos, sin = rotary_tables(cfg.seq_len, cfg.d_head, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.token_positions: torch.Tensor | None = None  # cp: this rank's tokens (llama.py)
         self.capture: list | None = None  # (output, params) of the head while capturing (ZB)
         self.token_loss_sum = cross_entropy_sum
         self.sequence_shards = 1
@@ -99,7 +100,7 @@ class PipelineStage(nn.Module):
         `block_fn(i, block, x, cos, sin)` replaces block i's plain call (TeraPipe's KV cache).
         Hidden states received from another stage may be sequence shards (B, T/n, D)."""
         T = x.shape[1] if stage == 0 else x.shape[1] * self.sequence_shards
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        cos, sin = rotary_rows(self.rope_cos, self.rope_sin, T, start, self.token_positions)
         if stage == 0:
             x = self.tok_embeddings(x)
         for i in self.layer_ranges[stage]:
