@@ -435,18 +435,24 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "tensor parallelism splits dense MLPs only"),
     (["parallel.pp=2", "parallel.zero_stage=3", "parallel.schedule='terapipe'"], 2,
      "parallel.schedule", "TeraPipe's token slices reach back"),
-    (["parallel.cp=2", "parallel.cp_mode=hybrid"], 2, "parallel.cp_mode",
-     "hybrid (Ulysses x ring) mode is not in the runtime yet"),
+    (["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=3"], 4,
+     "parallel.cp_ulysses", "set cp_ulysses to one of 1, 2, 4, got 3"),
+    (["parallel.cp=4", "parallel.cp_mode=hybrid"], 4, "parallel.cp_ulysses",
+     "runs a Ulysses degree times a ring degree on cp = 4 ranks"),
     (["parallel.cp=4", "model.seq_len=36"], 4, "model.seq_len",
-     "cuts each sequence into 2 x cp = 8 equal chunks, but seq_len is 36"),
+     "cuts each sequence into 2 x ring = 8 equal chunks, each over 1 Ulysses rank(s), but "
+     "seq_len is 36"),
     (["parallel.cp=16", "parallel.cp_mode=ulysses", "parallel.global_batch=16"], 16,
-     "parallel.cp", "Ulysses gives each of its 16 ranks heads / cp query heads"),
+     "parallel.cp", "Ulysses gives each of its 16 ranks heads / 16 query heads"),
     (["parallel.cp=2", "parallel.cp_mode=ulysses", "model.heads=6", "model.kv_heads=3",
-      "model.hidden=192"], 2, "parallel.cp", "choose cp dividing or divided by model.kv_heads"),
+      "model.hidden=192"], 2, "parallel.cp",
+     "choose a Ulysses degree dividing or divided by model.kv_heads"),
     (["parallel.cp=2", "parallel.pp=2", "parallel.schedule=terapipe"], 4, "parallel.schedule",
      "TeraPipe's token slices and context parallelism's token shards are not combined"),
     (["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.tp=4"], 16, "parallel.cp",
      "a tp rank holds 2 (model.heads 8 / tp 4)"),
+    (["parallel.cp=8", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4", "parallel.tp=4"],
+     32, "parallel.cp_ulysses", "a tp rank holds 2 (model.heads 8 / tp 4)"),
     (["parallel.cp=2", "parallel.recompute=full"], 2, "parallel.recompute",
      "rerun the attention's communication"),
     (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
@@ -483,6 +489,8 @@ def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)
     validate_for_training(load("parallel.cp=2"), 2)
     validate_for_training(load("parallel.cp=4", "parallel.cp_mode=ulysses"), 8)
+    validate_for_training(load("parallel.cp=4", "parallel.cp_mode=hybrid",
+                               "parallel.cp_ulysses=2"), 4)
     validate_for_training(load("parallel.recompute=full", "parallel.pp=2",
                                "parallel.schedule=interleaved", "parallel.vpp=2",
                                "parallel.micro_batch=2"), 2)

@@ -12,7 +12,8 @@ rounding-level gradient change moves no element by more than lr * |dg| / eps per
 
 Models are tiny (2 layers, hidden 64, 32 tokens): grouped-query attention with 2 key/value
 heads (fewer than Ulysses' 4 ranks at cp 4: replicated to fit) and with 1, tied and untied
-embeddings. Composed with tensor (and sequence) parallelism and with pipelines, up to
+embeddings. The hybrid runs Ulysses over pairs of neighbouring cp ranks and the ring across
+the pairs (cp 4 = 2 x 2; cp 8: a ring of 4 across 2-rank Ulysses groups). Composed with tensor (and sequence) parallelism and with pipelines, up to
 pp 2 x cp 2 x tp 2 on 8 ranks. Ranks start once per world size (2, 4 and 8).
 """
 
@@ -44,7 +45,12 @@ LAYOUTS_4 = [("gqa-tied", 4, "ring", 0, None, ()), ("gqa-tied", 4, "ulysses", 0,
              ("gqa-tied", 2, "ring", 0, None, SP2), ("gqa-tied", 2, "ulysses", 1, None, TP2),
              ("gqa-tied", 2, "ring", 0, 2, PP2),
              ("mqa-untied", 2, "ulysses", 1, 2, (*PP2, "parallel.schedule=gpipe"))]
-LAYOUTS_8 = [("gqa-tied", 2, "ring", 1, 2, (*PP2, *SP2))]
+HYBRID = ("parallel.cp_ulysses=2",)
+LAYOUTS_4 += [("gqa-tied", 4, "hybrid", 0, None, HYBRID),
+              ("mqa-untied", 4, "hybrid", 2, 2, HYBRID)]
+LAYOUTS_8 = [("gqa-tied", 2, "ring", 1, 2, (*PP2, *SP2)),
+             ("gqa-tied", 8, "hybrid", 3, None, HYBRID),
+             ("gqa-tied", 4, "hybrid", 0, None, (*HYBRID, *TP2))]
 
 
 def _sets(overrides, model, cp=1, mode="ring", stage=0, micro=None, other=()):

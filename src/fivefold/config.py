@@ -85,7 +85,10 @@ class ParallelConfig:
     cp: int = _doc("context-parallel degree", 1)
     ep: int = _doc("expert-parallel degree", 1)
     zero_group: int | None = _doc("shard within groups of this many dp ranks (MiCS/HSDP)", None)
-    cp_mode: str = _doc('"ulysses" | "ring" | "hybrid"', "ring")
+    cp_mode: str = _doc('"ulysses" | "ring" | "hybrid" (Ulysses inside groups of cp_ulysses '
+                        'ranks, ring across them)', "ring")
+    cp_ulysses: int | None = _doc("hybrid context parallelism: the Ulysses degree (neighbouring "
+                                  "ranks, one node); the ring degree is cp / cp_ulysses", None)
     vpp: int = _doc("virtual pipeline stages per rank (interleaved schedule)", 1)
     schedule: str = _doc('"gpipe" | "1f1b" | "interleaved" | "zb" | "pipedream-2bw" | "terapipe"',
                          "1f1b")

@@ -80,6 +80,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _positive("parallel.dp", p.dp)
     _positive("parallel.micro_batch", p.micro_batch)
     _positive("parallel.zero_group", p.zero_group)
+    _positive("parallel.cp_ulysses", p.cp_ulysses)
     _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
@@ -330,31 +331,31 @@ def validate_context_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
-    if p.cp_mode == "hybrid":
-        raise ConfigError("parallel.cp_mode", "the hybrid (Ulysses x ring) mode is not in the "
-                                              "runtime yet; use 'ring' or 'ulysses'")
-    if p.cp_mode == "ring" and m.seq_len % (2 * p.cp):
+    ring, ulysses = context_degrees(p.cp, p.cp_mode, p.cp_ulysses)
+    key = "parallel.cp_ulysses" if p.cp_mode == "hybrid" else "parallel.cp"
+    if ring > 1 and m.seq_len % (2 * p.cp):
         raise ConfigError("model.seq_len", f"ring attention's balanced (zigzag) split cuts "
-                                           f"each sequence into 2 x cp = {2 * p.cp} equal "
-                                           f"chunks, but seq_len is {m.seq_len}; use a "
-                                           f"multiple of {2 * p.cp}")
-    if p.cp_mode == "ulysses":
+                                           f"each sequence into 2 x ring = {2 * ring} equal "
+                                           f"chunks, each over {ulysses} Ulysses rank(s), "
+                                           f"but seq_len is {m.seq_len}; use a multiple of "
+                                           f"{2 * p.cp}")
+    if ulysses > 1:
         if m.seq_len % p.cp:
-            raise ConfigError("model.seq_len", f"Ulysses splits each sequence into cp = {p.cp} "
-                                               f"shards, but seq_len is {m.seq_len}; use a "
-                                               f"multiple of {p.cp}")
+            raise ConfigError("model.seq_len", f"context parallelism splits each sequence into "
+                                               f"cp = {p.cp} shards, but seq_len is "
+                                               f"{m.seq_len}; use a multiple of {p.cp}")
         heads, kv_heads = m.heads // p.tp, m.n_kv_heads // p.tp  # a tp rank's
-        if heads % p.cp:
-            raise ConfigError("parallel.cp", f"Ulysses gives each of its {p.cp} ranks "
-                                             f"heads / cp query heads, but a tp rank holds "
-                                             f"{heads} (model.heads {m.heads} / tp {p.tp}); "
-                                             f"choose cp among {_divisors(heads)}")
-        if kv_heads % p.cp and p.cp % kv_heads:
-            raise ConfigError("parallel.cp", f"Ulysses splits a tp rank's {kv_heads} key/value"
-                                             f" heads over cp = {p.cp} ranks, or replicates "
-                                             "them when they are fewer and divide cp; neither "
-                                             "holds: choose cp dividing or divided by "
-                                             "model.kv_heads / parallel.tp")
+        if heads % ulysses:
+            raise ConfigError(key, f"Ulysses gives each of its {ulysses} ranks heads / "
+                                   f"{ulysses} query heads, but a tp rank holds {heads} "
+                                   f"(model.heads {m.heads} / tp {p.tp}); choose a Ulysses "
+                                   f"degree among {_divisors(heads)}")
+        if kv_heads % ulysses and ulysses % kv_heads:
+            raise ConfigError(key, f"Ulysses splits a tp rank's {kv_heads} key/value heads "
+                                   f"over {ulysses} ranks, or replicates them when they are "
+                                   "fewer and divide the degree; neither holds: choose a "
+                                   "Ulysses degree dividing or divided by model.kv_heads / "
+                                   "parallel.tp")
     if p.pp > 1 and p.schedule == "terapipe":
         raise ConfigError("parallel.schedule", "TeraPipe's token slices and context "
                                                "parallelism's token shards are not combined; "
@@ -367,6 +368,21 @@ def validate_context_parallel(cfg: Config) -> None:
         raise ConfigError("parallel.recompute", "recomputation would rerun the attention's "
                                                 "communication, which is not counted yet; use "
                                                 "'none' with parallel.cp > 1")
+
+
+def context_degrees(cp: int, mode: str, cp_ulysses: int | None) -> tuple[int, int]:
+    """(ring degree, Ulysses degree) of `cp` context-parallel ranks in `mode`; ConfigError for
+    a hybrid whose Ulysses degree (`parallel.cp_ulysses`) is missing or does not divide cp."""
+    if mode == "ring":
+        return cp, 1
+    if mode == "ulysses":
+        return 1, cp
+    if cp_ulysses is None or cp % cp_ulysses:
+        raise ConfigError("parallel.cp_ulysses", f"the hybrid mode runs a Ulysses degree times a "
+                                                 f"ring degree on cp = {cp} ranks: set "
+                                                 f"cp_ulysses to one of {_divisors(cp)}, got "
+                                                 f"{cp_ulysses}")
+    return cp // cp_ulysses, cp_ulysses
 
 
 def validate_for_training(cfg: Config, world_size: int) -> None:

@@ -47,3 +47,20 @@ class Mesh:
         flat = self.device_mesh[names]._flatten("_".join(names))
         group = flat.get_group()
         return Axis("+".join(names), group, size, dist.get_rank(group), self.ledger)
+
+    def split_axis(self, name: str, inner: int, names: tuple[str, str]) -> tuple[Axis, Axis]:
+        """Axis `name` cut into (outer, inner) sub-axes named `names`, the inner one of
+        `inner` neighbouring ranks (hybrid context parallelism: ring across Ulysses groups).
+        The sub-axes come from a second DeviceMesh over the same ranks, in the same order."""
+        outer = self.shape[name] // inner
+        if self.device_mesh is None or self.shape[name] == 1:
+            return (Axis(names[0], None, 1, 0, self.ledger),
+                    Axis(names[1], None, 1, 0, self.ledger))
+        dims, sizes = [], []
+        for axis in MESH_AXES:
+            dims += list(names) if axis == name else [axis]
+            sizes += [outer, inner] if axis == name else [self.shape[axis]]
+        sub = init_device_mesh(self.device_mesh.device_type, tuple(sizes),
+                               mesh_dim_names=tuple(dims))
+        return tuple(Axis(n, sub.get_group(n), size, dist.get_rank(sub.get_group(n)),
+                          self.ledger) for n, size in zip(names, (outer, inner)))

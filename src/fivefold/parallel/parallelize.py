@@ -45,11 +45,18 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         split(model, tp_axis, plan.sequence_parallel)
     cp_axis = mesh.axis("cp")
     if cp_axis.size > 1:
-        attend = functools.partial(context_attention, mode=plan.cp_mode, cp_axis=cp_axis)
+        if plan.cp_mode == "hybrid":
+            ring_axis, ulysses_axis = mesh.split_axis("cp", plan.cp_ulysses,
+                                                      ("cp_ring", "cp_ulysses"))
+            attend = functools.partial(context_attention, mode="hybrid",
+                                       ulysses_axis=ulysses_axis, ring_axis=ring_axis)
+        else:
+            attend = functools.partial(context_attention, mode=plan.cp_mode, cp_axis=cp_axis)
         for block in model.layers:
             block.attention.attend = attend
         model.token_positions = context_positions(model.cfg.seq_len, plan.cp_mode, plan.cp,
-                                                  cp_axis.rank).to(model.rope_cos.device)
+                                                  cp_axis.rank, plan.cp_ulysses
+                                                  ).to(model.rope_cos.device)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     if compile_blocks:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fivefold.config import Config, ParallelConfig
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
-from fivefold.validate import validate_for_training
+from fivefold.validate import context_degrees, validate_for_training
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -59,6 +59,7 @@ class ParallelPlan:
     sequence_parallel: bool
     precision: str
     cp_mode: str
+    cp_ulysses: int | None  # hybrid: the Ulysses degree (context_degrees)
     reduce_dtype: str
     qwz: bool
     hpz: bool
@@ -142,6 +143,12 @@ class ParallelPlan:
         if self.gpus > 1 or self.zero_stage > 0:
             return "engine"
         return "lomo" if self.optimizer == "lomo" else "plain"
+
+    @property
+    def context_degrees(self) -> tuple[int, int]:
+        """(ring degree, Ulysses degree) of the cp ranks: cp x 1 for ring, 1 x cp for
+        Ulysses, cp / cp_ulysses x cp_ulysses for the hybrid (Ulysses innermost)."""
+        return context_degrees(self.cp, self.cp_mode, self.cp_ulysses)
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -238,7 +245,7 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
-        cp_mode=p.cp_mode,
+        cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
         reduce_dtype=p.reduce_dtype or ("bf16" if precision == "fp8" else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
         gpus_per_node=cfg.cluster.gpus_per_node)

@@ -162,34 +162,42 @@ class _Step:
             self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
 
     def context_parallel(self) -> None:
-        """One micro-batch's attention exchanges on the cp axis, per block of the stage.
-        Ring (fivefold.parallel.context.ring_attention, n = cp ranks): the forward passes the
-        stacked key/value block (2 x B x K x T/n x E) n - 1 times round the ring, the
-        backward passes it n - 1 times again and the accumulating dK/dV block n times, in
-        fp32 when the compute dtype has 16 bits. Ulysses (fivefold.parallel.context.ulysses):
-        four all-to-alls forward (q, k, v to head shards, the output back) and their four
-        inverses backward, key/value heads replicated up to cp when they are fewer."""
-        lay, m, n = self.lay, self.cfg.model, self.lay.cp
-        shard_tokens = lay.micro_batch * m.seq_len // n
+        """One micro-batch's attention exchanges on the cp axes, per block of the stage
+        (fivefold.parallel.context). Ulysses (degree u, the "cp" axis, or "cp_ulysses" in
+        the hybrid): four all-to-alls forward (q, k, v to head shards, the output back) of
+        this rank's T/cp tokens and their four inverses backward, key/value heads
+        replicated up to u when they are fewer. Ring (degree n, "cp", or "cp_ring" across
+        the Ulysses groups): on the T/n tokens and heads/u heads a rank then holds, the
+        forward passes the stacked key/value block (2 x B x K x T/n x E) n - 1 times round
+        the ring, the backward passes it n - 1 times again and the accumulating dK/dV
+        block n times, in fp32 when the compute dtype has 16 bits."""
+        lay, m = self.lay, self.cfg.model
+        ring, ulysses = lay.context_degrees
+        hybrid = ring > 1 and ulysses > 1
+        shard_tokens = lay.micro_batch * m.seq_len // lay.cp
         heads, kv_heads = m.heads // lay.tp, m.n_kv_heads // lay.tp  # this tp rank's
-        if lay.cp_mode == "ring":
-            kv = 2 * shard_tokens * kv_heads * m.d_head
+        if ulysses > 1:
+            kv_heads = kv_heads if kv_heads % ulysses == 0 else ulysses  # replicated to fit
+            dim = "cp_ulysses" if hybrid else "cp"
+            sizes = {"cp_q": heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": heads}
+            for _ in range(self.blocks):
+                for purpose, n_heads in sizes.items():
+                    nbytes = shard_tokens * n_heads * m.d_head * self.pb
+                    self.record("all_to_all", dim, ulysses, self.param, nbytes, purpose)
+                    self.record("all_to_all", dim, ulysses, self.param, nbytes,
+                                purpose + "_grad")
+        if ring > 1:
+            ring_tokens, ring_kv_heads = shard_tokens * ulysses, kv_heads // ulysses
+            kv = 2 * ring_tokens * ring_kv_heads * m.d_head
+            dim = "cp_ring" if hybrid else "cp"
             acc, acc_bytes = ("float32", 4) if self.pb == 2 else (self.param, self.pb)
             for _ in range(self.blocks):
-                for _ in range(2 * (n - 1)):
+                for _ in range(2 * (ring - 1)):
                     for op in ("send", "recv"):
-                        self.record(op, "cp", n, self.param, kv * self.pb, "cp_kv")
-                for _ in range(n):
+                        self.record(op, dim, ring, self.param, kv * self.pb, "cp_kv")
+                for _ in range(ring):
                     for op in ("send", "recv"):
-                        self.record(op, "cp", n, acc, kv * acc_bytes, "cp_dkv")
-            return
-        kv_heads = kv_heads if kv_heads % n == 0 else n  # replicated to fit
-        sizes = {"cp_q": heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": heads}
-        for _ in range(self.blocks):
-            for purpose, heads in sizes.items():
-                nbytes = shard_tokens * heads * m.d_head * self.pb
-                self.record("all_to_all", "cp", n, self.param, nbytes, purpose)
-                self.record("all_to_all", "cp", n, self.param, nbytes, purpose + "_grad")
+                        self.record(op, dim, ring, acc, kv * acc_bytes, "cp_dkv")
 
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
