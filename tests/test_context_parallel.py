@@ -23,7 +23,9 @@ import pytest
 from parity import CPU, STEPS, assert_params_close, resumed_losses, train_steps
 
 from fivefold.config import load_config
+from fivefold.memory.activation_count import SavedActivations
 from fivefold.parallel.plan import training_plan
+from fivefold.planner.activations import block_saved_bytes, ring_kv_heads
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
@@ -69,13 +71,33 @@ def _on_ranks(rt, overrides, layouts, tmp):
         trainer.train_step(0)
         ledgers.append((trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
                         trainer.ledger.model_state_bytes))
+    saved = [_saved_bytes(rt, load_config(None, _sets(overrides, *layout)), tmp)
+             for layout in _activation_layouts(layouts)]
     resume = None
     if rt.world_size == 4:  # cp 2 x dp 2 under ZeRO-3: stopped at step 2, resumed
         cfg = load_config(None, _sets(overrides, "gqa-tied", 2, "ring", 3))
         straight = Trainer(cfg, rt, f"{tmp}/straight")
         resume = ([straight.train_step(s).loss for s in range(4)],
                   resumed_losses(rt, cfg, f"{tmp}/resumed", save_at=2, steps=4)[0])
-    return (trained if rt.rank == 0 else None), ledgers, resume
+    return (trained if rt.rank == 0 else None), ledgers, resume, saved
+
+
+def _activation_layouts(layouts):
+    """The layouts whose blocks save only activations: cp alone (tp and pp change the
+    count, and ZeRO-3's gathered weights are saved by the matmuls that use them)."""
+    return [layout for layout in layouts if layout[5] in ((), HYBRID) and layout[3] < 3]
+
+
+def _saved_bytes(rt, cfg, tmp) -> list[int]:
+    """Bytes each block of this rank saves for backward over one micro-batch (saved-tensor
+    hooks), and the tokens of that micro-batch on this rank."""
+    trainer = Trainer(cfg, rt, tmp)
+    x, y = trainer.train_sampler.rank_batch(0)
+    x, y = x[:trainer.micro_batch], y[:trainer.micro_batch]
+    labels = {f"layers.{i}": block for i, block in enumerate(trainer.model.layers)}
+    with SavedActivations(trainer.model, labels) as acts:
+        trainer.micro_batch_loss(x, y).backward()
+    return [acts.bytes_by_label[name] for name in labels], x.numel()
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +162,23 @@ def test_resume_is_exact(ranks):
     checkpoint gives the uninterrupted run's losses bit for bit."""
     straight, resumed = ranks[4][0][2]
     assert resumed == straight
+
+
+@pytest.mark.parametrize("world, layouts", WORLDS[:2])
+def test_saved_activations_fall_as_one_over_cp(world, layouts, ranks, overrides):
+    """On every rank each block saves about 1/cp of what one process saves for the same
+    micro-batch (ring attention a little less: it keeps the key/value heads unrepeated), and
+    the planner's count of it (fivefold.planner.activations) is within 5%, as for one
+    process (tests/test_planner_ledger.py)."""
+    for rank in range(world):
+        for layout, (blocks, tokens) in zip(_activation_layouts(layouts),
+                                            ranks[world][rank][3]):
+            cfg = load_config(None, _sets(overrides, *layout))
+            cp = layout[1]
+            plan = training_plan(cfg, world, "cpu")
+            whole = block_saved_bytes(cfg.model, tokens * cp, 4)  # one process, within 5%
+            predicted = block_saved_bytes(cfg.model, tokens, 4,
+                                          kv_heads=ring_kv_heads(cfg.model, plan))
+            for saved in blocks:
+                assert saved <= whole / cp * 1.05, (layout, rank)
+                assert saved == pytest.approx(predicted, rel=0.05), (layout, rank)

@@ -16,7 +16,10 @@ activations), D width, Hd = heads x head_dim, H heads, F MLP width:
 
 This is Korthikanti et al.'s accounting (arXiv 2205.05198, Sec. 4.1) for a fused-attention
 Llama block: no s x s scores, no dropout masks. Tensor parallelism divides the Hd, H and F
-terms by tp; sequence parallelism also the D terms. Context parallelism divides the tokens.
+terms by tp; sequence parallelism also the D terms. Context parallelism divides the tokens;
+ring attention (and the hybrid's ring) saves this rank's q, output and fp32 log-sum-exp and
+the key/value heads as they are, not repeated to every head (`ring_kv_heads`: a tp rank's
+kv heads, replicated up to the Ulysses degree in the hybrid), 2a Hd + 2a K E + 4H.
 Recomputation: `full` keeps only each block's input (aD) plus, during its backward, one
 block's full set; `selective` (torchtitan's per-op policy) keeps the block input and the
 outputs of wq, wv, attention, w1 and w2 (every second matmul is recomputed).
@@ -29,11 +32,24 @@ from __future__ import annotations
 
 from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
+from fivefold.parallel.plan import ParallelPlan
+
+
+def ring_kv_heads(model: ModelConfig, lay: ParallelPlan) -> int | None:
+    """Key/value heads per token that ring attention saves for backward, or None where the
+    attention core saves them repeated to every query head (no ring: one process, Ulysses)."""
+    ring, ulysses = lay.context_degrees
+    if ring == 1:
+        return None
+    kv = model.n_kv_heads // lay.tp
+    return kv if kv % ulysses == 0 else ulysses
 
 
 def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
-                      sp: bool = False, recompute: str = "none", layer: int = 0) -> float:
-    """Bytes one block keeps for backward over `tokens` tokens of one micro-batch."""
+                      sp: bool = False, recompute: str = "none", layer: int = 0,
+                      kv_heads: int | None = None) -> float:
+    """Bytes one block keeps for backward over `tokens` tokens of one micro-batch
+    (`kv_heads`: `ring_kv_heads`, for ring attention's unrepeated keys and values)."""
     a = act_bytes
     D = model.hidden / tp if sp else model.hidden
     hd = model.heads * model.d_head / tp
@@ -47,7 +63,8 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + a * D
     else:
         norms = 2 * ((4 + a) * D + 4)
-        attention = a * D + 4 * a * hd + 4 * heads + a * hd
+        qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
+        attention = a * D + qkv_out + 4 * heads + a * hd
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D, moe)
     return tokens * per_token
 

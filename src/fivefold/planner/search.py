@@ -161,7 +161,7 @@ class FastScorer:
         optimizer = numel * state / (shard if stage >= 1 else 1)
         n = sm.shard.tokens
         per_block = A.block_saved_bytes(m, n, p, lay.tp, lay.sequence_parallel, lay.recompute,
-                                        m.layers - 1)
+                                        m.layers - 1, A.ring_kv_heads(m, lay))
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         acts = per_block * rank_layers / lay.vpp * inflight + A.root_saved_bytes(
             m, n, p, lay.tp, True, lay.pp == 1) * inflight

@@ -420,8 +420,9 @@ class StepModel:
         """Bytes virtual stage g keeps per in-flight micro-batch."""
         lay = self.lay
         n = self.shard.tokens
+        kv_heads = A.ring_kv_heads(self.model, lay)
         total = sum(A.block_saved_bytes(self.model, n, self.a, lay.tp, lay.sequence_parallel,
-                                        lay.recompute, i) for i in self.stage_ranges[g])
+                                        lay.recompute, i, kv_heads) for i in self.stage_ranges[g])
         first, last = g == 0, g == len(self.stage_layers) - 1
         return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last)
 
@@ -496,7 +497,8 @@ class StepModel:
     def block_saved_bytes(self, i: int) -> float:
         lay = self.lay
         return A.block_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp,
-                                   lay.sequence_parallel, lay.recompute, i)
+                                   lay.sequence_parallel, lay.recompute, i,
+                                   A.ring_kv_heads(self.model, lay))
 
     def rank_fixed_bytes(self, rank: int, inflight: float) -> float:
         """What pipeline rank `rank` holds besides its blocks: root parameters and their
