@@ -5,7 +5,8 @@ Torch-free: the planner prices the very schedules the executor (fivefold.comm.ex
 A `Schedule` over n ranks cuts the collective's data into chunks and lists, per step, the
 transfers (src, dst, chunk, reduce). Every transfer of a step starts from the state at the
 start of the step and lands at its end (the executor waits for the whole step), so a step is
-one `batch_isend_irecv` on every rank. `programs()` gives the same thing per rank: for each
+one `batch_isend_irecv` on every rank; a rank may receive several reductions of one chunk in
+a step (they add up), but a copied chunk at most once. `programs()` gives the same thing per rank: for each
 step the (peer, chunk) pairs it sends and receives. What a chunk is depends on the collective:
 
 - all_gather: `chunks_per_rank` = k parts of every rank's input, chunk c = part c mod k of
@@ -135,7 +136,7 @@ def _check(s: Schedule, key: str) -> None:
             if not 0 <= x.chunk < s.chunks:
                 raise ConfigError(key, f"{where}, step {t}: chunk {x.chunk} is not one of the "
                                        f"{s.chunks} chunks")
-            if (x.dst, x.chunk) in seen:
+            if (x.dst, x.chunk) in seen and not x.reduce:
                 raise ConfigError(key, f"{where}, step {t}: rank {x.dst} receives chunk "
                                        f"{x.chunk} twice in one step")
             seen.add((x.dst, x.chunk))
