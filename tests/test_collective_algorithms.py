@@ -304,3 +304,22 @@ def test_every_schedule_matches_the_builtin_collective_on_gloo_ranks():
                                    ("send", "params")]
         assert res["sends"][0] == res["sends"][1]
         assert res["plain_algorithms"] is None
+
+
+@pytest.mark.slow
+def test_measured_order_on_slowed_links_follows_the_model(tmp_path):
+    """bench/collectives.py --measure on the 2x2 topology with the slow rail: ring,
+    hierarchical and synthesized, timed with delayed sends, rank as modeled (slow: timing)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "measured.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "collectives.py"), "--measure",
+                           "--only", "2x2_slow", "--json", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = json.loads(out.read_text())["measured"]
+    assert row["order_measured"] == row["order_modeled"] == ["synthesized", "hierarchical",
+                                                             "ring"]
