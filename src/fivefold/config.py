@@ -173,12 +173,30 @@ class ClusterConfig:
 
 
 @dataclass
+class CommConfig:
+    algorithm: str | dict[str, str] = _doc(
+        'collective algorithm: "builtin" (torch.distributed\'s) | "ring" | "tree" (recursive '
+        'doubling/halving) | "hierarchical" (intra-node, then inter-node; 2D for all_to_all) | '
+        '"synthesized" (from comm.topology and comm.sketch, or comm.schedule), for every '
+        'collective, or a table by kind, e.g. {all_gather = "synthesized", all_reduce = '
+        '"ring"} (docs/collectives.md)', "builtin")
+    topology: str | None = _doc("topology file (TOML/JSON: nodes, devices, links with "
+                                "bandwidth and latency) of the ranks a synthesized collective "
+                                "runs on", None)
+    sketch: str | None = _doc("synthesis sketch file (allowed links, symmetry, chunks per rank, "
+                              "steps); default: all links, no symmetry, 1 chunk", None)
+    schedule: str | None = _doc("a schedule file (JSON, e.g. written by bench/collectives.py) "
+                                "that \"synthesized\" runs instead of synthesizing", None)
+
+
+@dataclass
 class Config:
     model: ModelConfig = _doc("model shape", factory=ModelConfig)
     parallel: ParallelConfig = _doc("parallel layout", factory=ParallelConfig)
     train: TrainConfig = _doc("optimizer and loop", factory=TrainConfig)
     data: DataConfig = _doc("corpus and tokenizer", factory=DataConfig)
     cluster: ClusterConfig = _doc("hardware", factory=ClusterConfig)
+    comm: CommConfig = _doc("collective algorithms", factory=CommConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,7 +236,15 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None:
             return None
+        tables = [a for a in args if typing.get_origin(a) is dict]
+        if tables and isinstance(value, dict):  # `str | dict[str, str]`: a name or a table
+            return _check_type(key, value, tables[0])
         return _check_type(key, value, args[0])
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table, got {value!r}")
+        return {k: _check_type(f"{key}.{k}", v, typing.get_args(hint)[1])
+                for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {value!r}; write e.g. {key}=[2, 2]")
@@ -329,6 +355,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if unknown:
         key = sorted(unknown)[0]
         raise ConfigError(key, "unknown section; sections are model, parallel, train, data, "
-                               "cluster")
+                               "cluster, comm")
     raw["model"] = resolve_preset(raw.get("model", {}))
     return _build(Config, raw, "")

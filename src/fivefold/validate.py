@@ -253,9 +253,33 @@ def validate_cluster(cfg: Config) -> None:
     _positive("cluster.inter_node_GBps", c.inter_node_GBps)
 
 
+def validate_comm(cfg: Config) -> None:
+    """The `[comm]` section: known algorithms per collective, and readable topology, sketch
+    and schedule files (a topology whose links connect every rank, a schedule that covers
+    every chunk); "synthesized" needs a topology or a schedule."""
+    from fivefold.comm.choice import algorithm_table
+    from fivefold.comm.schedule import load_schedule
+    from fivefold.comm.topology import load_topology
+
+    c = cfg.comm
+    table = algorithm_table(c.algorithm)
+    if c.topology is not None:
+        load_topology(c.topology)
+    if c.sketch is not None:
+        from fivefold.comm.synthesize import load_sketch
+        load_sketch(c.sketch)
+    if c.schedule is not None:
+        load_schedule(c.schedule)
+    if "synthesized" in table.values() and c.topology is None and c.schedule is None:
+        raise ConfigError("comm.algorithm", "\"synthesized\" needs comm.topology (and "
+                                            "optionally comm.sketch) or a comm.schedule file; "
+                                            "set one, or choose \"hierarchical\"")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every value and combination that any use of the config relies on."""
     validate_model(cfg)
+    validate_comm(cfg)
     validate_cluster(cfg)  # before parallel, which divides by cluster.gpus
     validate_parallel(cfg, world_size if world_size is not None else cfg.cluster.gpus)
     validate_train(cfg)

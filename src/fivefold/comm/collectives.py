@@ -8,6 +8,14 @@ With `async_op=True` a work handle (or None on a size-1 axis) is returned; `wait
 finishes it. `batch_send_recv` is point-to-point (pipeline stages): sends and receives
 between distinct ranks of the axis issued as one asynchronous group, recorded as op "send"
 (the buffer on the wire) and "recv" (no wire bytes).
+
+An axis may carry `algorithms` (fivefold.comm.executor.ScheduledCollectives, set by the mesh
+from the `[comm]` config section) and `per_node`, its ranks per node. all_gather, reduce_scatter,
+all_reduce and all_to_all then run the chosen algorithm's schedule through the schedule
+executor (fivefold.comm.executor): the ledger records the schedule's point-to-point messages
+("send"/"recv" under the same purpose) instead of one collective record, and the call is
+synchronous (`async_op` returns None). Without `algorithms` (the default), or for a kind left
+"builtin", the builtin torch.distributed collective runs exactly as before.
 """
 
 from __future__ import annotations
@@ -33,6 +41,13 @@ class Axis:
     size: int
     rank: int
     ledger: Ledger
+    algorithms: object = None  # fivefold.comm.executor.ScheduledCollectives; None: builtin
+    per_node: int = 1
+
+    def scheduled(self, collective: str):
+        """The executor's call that runs `collective` on this axis, or None for the builtin.
+        (Duck-typed, so this module does not import the executor, which imports it.)"""
+        return None if self.algorithms is None else self.algorithms.runner(collective, self)
 
     def record(self, op: str, tensor: torch.Tensor, purpose: str) -> None:
         self.ledger.record(op, self.name, self.size, str(tensor.dtype).removeprefix("torch."),
@@ -48,6 +63,8 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, purpose: str, async_op: bool = 
     """Sum `tensor` in place over the axis."""
     if axis.size == 1:
         return None
+    if (run := axis.scheduled("all_reduce")) is not None:
+        return run(tensor, axis, purpose)
     axis.record("all_reduce", tensor, purpose)
     return dist.all_reduce(tensor, group=axis.group, async_op=async_op)
 
@@ -58,6 +75,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: st
     if axis.size == 1:
         out.copy_(inp)
         return None
+    if (run := axis.scheduled("reduce_scatter")) is not None:
+        return run(out, inp, axis, purpose)
     axis.record("reduce_scatter", inp, purpose)
     return _reduce_scatter_flat(out, inp, group=axis.group, async_op=async_op)
 
@@ -68,6 +87,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
     if axis.size == 1:
         out.copy_(inp)
         return None
+    if (run := axis.scheduled("all_gather")) is not None:
+        return run(out, inp, axis, purpose)
     axis.record("all_gather", out, purpose)
     return _all_gather_flat(out, inp, group=axis.group, async_op=async_op)
 
@@ -78,6 +99,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
     if axis.size == 1:
         out.copy_(inp)
         return None
+    if (run := axis.scheduled("all_to_all")) is not None:
+        return run(out, inp, axis, purpose, out_splits, in_splits)
     axis.record("all_to_all", inp, purpose)
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=axis.group)
 

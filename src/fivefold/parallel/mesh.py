@@ -5,14 +5,22 @@ so that its ranks are neighbours (the same node); the data-parallel degree split
 `dp_shard` (ZeRO / FSDP sharding within a group, MiCS's partition group) and `dp_replicate`
 (copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
 torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
+
+`use_algorithms(choice, gpus_per_node)` (the `[comm]` config section, see
+fivefold.comm.choice) makes every axis handed out afterwards carry the chosen collective
+algorithms and its ranks per node; without it axes run the builtin collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from fivefold.comm.choice import CommAlgorithms, ranks_per_node
 from fivefold.comm.collectives import Axis
+from fivefold.comm.executor import ScheduledCollectives
 from fivefold.comm.ledger import Ledger
 from fivefold.parallel.plan import MESH_AXES
 
@@ -24,15 +32,32 @@ class Mesh:
         for size in shape.values():
             self.world_size *= size
         self.device_mesh = None
+        self.collectives: ScheduledCollectives | None = None
+        self.gpus_per_node = 1
         if self.world_size > 1:
             self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in MESH_AXES),
                                                 mesh_dim_names=MESH_AXES)
+
+    def use_algorithms(self, choice: CommAlgorithms | None, gpus_per_node: int) -> "Mesh":
+        """Run collectives by `choice` (None: builtin) on the axes handed out from now on;
+        call it right after building the mesh, before anything takes an axis."""
+        self.collectives = None if choice is None else ScheduledCollectives(choice)
+        self.gpus_per_node = gpus_per_node
+        return self
+
+    def _with_algorithms(self, axis: Axis) -> Axis:
+        if self.collectives is None or axis.group is None:
+            return axis
+        members = dist.get_process_group_ranks(axis.group)
+        return dataclasses.replace(axis, algorithms=self.collectives,
+                                   per_node=ranks_per_node(members, self.gpus_per_node))
 
     def axis(self, name: str) -> Axis:
         if self.device_mesh is None:
             return Axis(name, None, 1, 0, self.ledger)
         group = self.device_mesh.get_group(name)
-        return Axis(name, group, self.shape[name], dist.get_rank(group), self.ledger)
+        return self._with_algorithms(Axis(name, group, self.shape[name], dist.get_rank(group),
+                                          self.ledger))
 
     def joint_axis(self, *names: str) -> Axis:
         """Several adjacent axes flattened into one (e.g. the whole data-parallel group)."""
@@ -46,7 +71,8 @@ class Mesh:
             return self.axis(names[0])
         flat = self.device_mesh[names]._flatten("_".join(names))
         group = flat.get_group()
-        return Axis("+".join(names), group, size, dist.get_rank(group), self.ledger)
+        return self._with_algorithms(Axis("+".join(names), group, size, dist.get_rank(group),
+                                          self.ledger))
 
     def split_axis(self, name: str, inner: int, names: tuple[str, str]) -> tuple[Axis, Axis]:
         """Axis `name` cut into (outer, inner) sub-axes named `names`, the inner one of

@@ -82,11 +82,17 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
                "reduce_scatter": lambda n: (n - 1) / n}
 
 
-def collective_time(op: str, nbytes: float, group: Group, links: Links) -> float:
-    """Seconds for one collective of `nbytes` (ledger convention) over `group`."""
+def collective_time(op: str, nbytes: float, group: Group, links: Links,
+                    algorithm: str = "builtin") -> float:
+    """Seconds for one collective of `nbytes` (ledger convention) over `group`; a `[comm]`
+    algorithm other than "builtin" is priced as the very schedule the runtime runs."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if algorithm != "builtin":
+        from fivefold.comm.choice import two_level_time
+        return two_level_time(op, algorithm, nbytes, n, group.per_node, links.intra_Bps,
+                              links.inter_Bps, links.latency_intra_s, links.latency_inter_s)
     if op == "all_to_all":
         return _all_to_all(nbytes, group, links)
     if op == "send":

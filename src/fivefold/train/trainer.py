@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fivefold.comm import collectives as C
+from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
@@ -95,7 +96,8 @@ class Trainer:
                                           "launched ranks")
         m = cfg.model
         self.ledger = Ledger()
-        self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger)
+        self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger).use_algorithms(
+            CommAlgorithms.from_config(cfg), cfg.cluster.gpus_per_node)  # comm.algorithm
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
         self.tp_axis = self.mesh.axis("tp")
         self.pp_axis = self.mesh.axis("pp")
