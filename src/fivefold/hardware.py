@@ -5,18 +5,21 @@ precision, memory, HBM bandwidth, and per-device one-direction link bandwidths (
 bidirectional total halved; the network as one NIC's share per device). The efficiency part
 (`Efficiency`) says how much of those peaks real kernels reach; it is what the simulator's
 roofline per operator (fivefold.planner.compute) and collective model
-(fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run:
+(fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run,
+and describe the hardware, not the software that runs on it (that is `train.stack`,
+fivefold.planner.stack); what a long training step sustains of them is the handful of
+constants of fivefold.planner.fitted, shared by every GPU profile:
 
-- H200 (and H800, the same die at full power): GEMM, attention, fp8 and copy terms fitted to
-  one H200's measurements (shared/reference/h200_measured.json) by
+- H200 (and H800, H100-SXM, H100-96GB-500W: the same die): GEMM, attention, fp8 and copy
+  terms fitted to one H200's measurements (shared/reference/h200_measured.json) by
   fivefold.planner.calibrate.fit_h200_reference; checked against that file's measured HF
-  Llama-1B training step.
-- H100-SXM and A100-80GB / A100-40GB: fitted to the published runs of their profile in
-  shared/reference/calibration_runs.json with `python -m fivefold.planner.fit PROFILE`
-  within physical bounds (`fivefold plan validate` reports the error, docs/planner.md
-  lists it).
+  Llama-1B training step. The power-capped 96 GB HBM2e part (torchtitan's runs) differs
+  only in its datasheet figures.
+- A100-80GB / A100-40GB: GEMMs at 0.74 of peak and Megatron-LM 2021's unfused attention
+  as 3.1 ps of memory traffic per score, fitted earlier to arXiv 2104.04473's runs (the
+  only Ampere rows) and held fixed since: the least out-of-sample of the profiles.
 - V100, B200, GB200: no measurement here; the nearest calibrated generation's terms (stated
-  per profile), the least trusted.
+  per profile).
 - cpu: the development machine, measured by `fivefold calibrate` (which writes a profile file
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
@@ -124,9 +127,8 @@ HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_e
 H100 = HOPPER
 # Ampere (A100): fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of calibration_runs.json
 # (`python -m fivefold.planner.fit A100-80GB`): GEMMs at 0.74 of 312 TFLOP/s; their unfused
-# s x s attention as 3.1 ps of memory traffic per score; NVLink collectives at 0.9 of
-# 300 GB/s; and the ZeRO-3 runs (Table 2) moved their bytes at about one NIC per node
-# (nic_aggregation 0.06).
+# s x s attention as 3.1 ps of memory traffic per score. Link efficiencies, overlap and NIC
+# aggregation are now fivefold.planner.fitted's (the values here are overridden).
 AMPERE = Efficiency(gemm_eff=0.740, gemm_fp8_eff=0.740, gemm_mem_eff=1.0, attn_eff=0.25,
                     attn_score_s=3.1e-12, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
                     kernel_overhead_s=6e-6, comm_intra_eff=0.90, comm_inter_eff=0.85,

@@ -534,7 +534,10 @@ class StepModel:
         other = self.prof.eff.reserved_bytes
         if lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
             dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep)
-            other += 2 * (dense + expert) * self.a
+            live = 2 * (dense + expert)
+            if self.stack.zero3_live_params:
+                live = min(live, self.stack.zero3_live_params)
+            other += live * self.a
             other += root_params(m, lay.tp, rank == 0, rank == lay.pp - 1) * self.a
         if rank == lay.pp - 1:  # logits, their fp32 copy and gradient around the loss
             other += self.shard.tokens * m.vocab / lay.tp * self.stack.logit_bytes(self.a)

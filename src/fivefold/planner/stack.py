@@ -46,6 +46,10 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   tensor x data grid (Megatron-Core's MoE parallel folding, arXiv 2504.14960), so an
   expert group of up to a node's size stays on NVLink; and with sequence parallelism each
   tensor-parallel rank dispatches only its 1/tp of the tokens.
+- zero3_live_params: ZeRO-3 parameters held gathered at once: DeepSpeed gathers per
+  sub-module up to `stage3_max_live_parameters` (default 1e9, DeepSpeed's config
+  reference); FSDP2, Megatron-FSDP and fivefold hold the block being computed and the one
+  prefetched (0 here).
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -73,6 +77,7 @@ class Stack:
     zero3_recompute_gathers: int = 2
     expert_group_stride_1: bool = False
     selective_modules: bool = False
+    zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
     source: str = ""
 
     def logit_bytes(self, a: int) -> int:
@@ -98,7 +103,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("torchtitan", loss_logit_bytes="8", flash2_attention=True,
           source="torchtitan Dec 2024 (arXiv 2410.06511): eager blocks unless compiled, SDPA "
                  "(FlashAttention-2), torchao Float8, FSDP2 prefetch, fp32 cross-entropy"),
-    Stack("deepspeed", zero3_recompute_gathers=3,
+    Stack("deepspeed", zero3_recompute_gathers=3, zero3_live_params=10**9,
           source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
                  "ZeRO-3 parameter hooks that re-gather for the recomputed forward)"),
 ]}
