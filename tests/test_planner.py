@@ -333,12 +333,13 @@ def test_search_pipelines_a_model_that_does_not_fit_unsplit():
 
 def test_validate_against_published_runs():
     checks = validate_runs(read_runs())
-    assert len(checks) == 37
+    assert len(checks) == 68
     assert mape(checks) == pytest.approx(sum(abs(c.predicted_s / c.published_s - 1)
-                                             for c in checks) / 37)
-    assert mape(checks) < 0.10  # docs/planner.md lists the per-run errors
-    a100 = [c for c in checks if c.gpu == "A100-80GB"]
-    assert mape(a100) < 0.07
+                                             for c in checks) / 68)
+    # in-sample, with the constants `plan validate --cross` fitted (docs/planner.md lists
+    # the per-run and per-source errors and the leave-one-source-out figure)
+    assert mape(checks) < 0.14
+    assert sum(c.fits for c in checks) >= 0.95 * len(checks)
 
 
 def test_h200_profile_is_the_fit_of_its_measurements():

@@ -147,6 +147,11 @@ class TrainConfig:
     compile: bool = _doc("torch.compile each transformer block", False)
     timeout_s: float = _doc("collective timeout; a hung rank fails after this", 600.0)
     tensorboard: bool = _doc("write TensorBoard event files to RUN_DIR/tb", True)
+    stack: str = _doc('the software stack the step runs on: "fivefold" (this runtime; the only '
+                      'one `fivefold train` runs) | "megatron" (Megatron-Core / NeMo / '
+                      'Megatron-Bridge) | "torchtitan" | "deepspeed"; plan and simulate '
+                      'predict with its switches (docs/planner.md, "Software stacks")',
+                      "fivefold")
 
 
 @dataclass

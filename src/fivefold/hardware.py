@@ -5,18 +5,21 @@ precision, memory, HBM bandwidth, and per-device one-direction link bandwidths (
 bidirectional total halved; the network as one NIC's share per device). The efficiency part
 (`Efficiency`) says how much of those peaks real kernels reach; it is what the simulator's
 roofline per operator (fivefold.planner.compute) and collective model
-(fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run:
+(fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run,
+and describe the hardware, not the software that runs on it (that is `train.stack`,
+fivefold.planner.stack); what a long training step sustains of them is the handful of
+constants of fivefold.planner.fitted, shared by every GPU profile:
 
-- H200 (and H800, the same die at full power): GEMM, attention, fp8 and copy terms fitted to
-  one H200's measurements (shared/reference/h200_measured.json) by
+- H200 (and H800, H100-SXM, H100-96GB-500W: the same die): GEMM, attention, fp8 and copy
+  terms fitted to one H200's measurements (shared/reference/h200_measured.json) by
   fivefold.planner.calibrate.fit_h200_reference; checked against that file's measured HF
-  Llama-1B training step.
-- H100-SXM and A100-80GB / A100-40GB: fitted to the published runs of their profile in
-  shared/reference/calibration_runs.json with `python -m fivefold.planner.fit PROFILE`
-  within physical bounds (`fivefold plan validate` reports the error, docs/planner.md
-  lists it).
+  Llama-1B training step. The power-capped 96 GB HBM2e part (torchtitan's runs) differs
+  only in its datasheet figures.
+- A100-80GB / A100-40GB: GEMMs at 0.74 of peak and Megatron-LM 2021's unfused attention
+  as 3.1 ps of memory traffic per score, fitted earlier to arXiv 2104.04473's runs (the
+  only Ampere rows) and held fixed since: the least out-of-sample of the profiles.
 - V100, B200, GB200: no measurement here; the nearest calibrated generation's terms (stated
-  per profile), the least trusted.
+  per profile).
 - cpu: the development machine, measured by `fivefold calibrate` (which writes a profile file
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
@@ -117,16 +120,15 @@ HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_e
                     kernel_overhead_s=9.7e-6, comm_intra_eff=0.80, comm_inter_eff=0.80,
                     latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.85,
                     reserved_bytes=3 * GB)
-# H100-SXM: the same die; the 18 published H100 runs of calibration_runs.json (torchtitan, all
-# on 500 W, HBM2e parts, FlashAttention-2 through SDPA) fit lower GEMM and attention terms
-# (`python -m fivefold.planner.fit H100-SXM`, bf16 and fp8 kept at the datasheet's 1:2).
-H100 = dataclasses.replace(HOPPER, gemm_eff=0.58, gemm_fp8_eff=0.58, attn_eff=0.27,
-                           attn_row_s=0.0, eltwise_passes=3.0, comm_intra_eff=0.90)
+# H100-SXM (700 W, HBM3) and the power-capped H100-96GB-500W: the same die, so the same
+# kernel-level terms as the H200 measurement; what differs is on the datasheet (peak,
+# HBM bandwidth, memory). The software that runs on them is the spec's `train.stack`
+# (fivefold.planner.stack), not a property of the profile.
+H100 = HOPPER
 # Ampere (A100): fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of calibration_runs.json
 # (`python -m fivefold.planner.fit A100-80GB`): GEMMs at 0.74 of 312 TFLOP/s; their unfused
-# s x s attention as 3.1 ps of memory traffic per score; NVLink collectives at 0.9 of
-# 300 GB/s; and the ZeRO-3 runs (Table 2) moved their bytes at about one NIC per node
-# (nic_aggregation 0.06).
+# s x s attention as 3.1 ps of memory traffic per score. Link efficiencies, overlap and NIC
+# aggregation are now fivefold.planner.fitted's (the values here are overridden).
 AMPERE = Efficiency(gemm_eff=0.740, gemm_fp8_eff=0.740, gemm_mem_eff=1.0, attn_eff=0.25,
                     attn_score_s=3.1e-12, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
                     kernel_overhead_s=6e-6, comm_intra_eff=0.90, comm_inter_eff=0.85,
@@ -155,6 +157,12 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                     3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
                     "fp8, 3.35 TB/s HBM3, NVLink4 900 GB/s total; DGX H100: one 400 Gb/s NDR "
                     "NIC per GPU", H100),
+    HardwareProfile("H100-96GB-500W", {"bf16": 912, "fp16": 912, "fp8": 1824, "fp32": 62},
+                    96 * GB, 2400, 450, 50, "Meta Grand Teton H100 (the torchtitan paper's "
+                    "runs, arXiv 2410.06511): 96 GB HBM2e at 2.4 TB/s, TDP capped at 500 W, "
+                    "whose sustained peak the paper places between H100 SXM (989 TFLOP/s bf16 "
+                    "dense) and H100 NVL (835): taken as the midpoint, 912; NVLink4 900 GB/s "
+                    "total; one 400 Gb/s NIC per GPU", H100),
     HardwareProfile("H800", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB, 3350,
                     200, 50, "NVIDIA H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s "
                     "total; 400 Gb/s IB per GPU (DeepSeek-V3 report, arXiv 2412.19437 Sec. "

@@ -3,7 +3,7 @@
     fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE]
     fivefold plan SPEC [--set k=v]... [--top K] [--json]
     fivefold plan SPEC --train [--nproc N] [--steps N] [--run-dir DIR]   (plan, then train)
-    fivefold plan validate [RUNS.json] [--json]      (also: fivefold validate-plan)
+    fivefold plan validate [RUNS.json] [--json] [--cross]   (also: fivefold validate-plan)
     fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
 
 SPEC is a run spec (shared/reference/run_spec.md; TOML or JSON). `--json` prints exactly
@@ -42,6 +42,10 @@ def add_parsers(sub) -> None:
     plan.add_argument("runs", nargs="?", help="with `validate`: a runs file (default: the "
                                               "calibration runs shipped with fivefold)")
     _common(plan)
+    plan.add_argument("--cross", action="store_true",
+                      help="with `validate`: fit the constants of fivefold.planner.fitted to "
+                           "the runs and report in-sample and leave-one-source-out errors "
+                           "(minutes)")
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     plan.add_argument("--train", action="store_true",
                       help="train the best layout the runtime executes on --nproc local ranks "
@@ -52,6 +56,8 @@ def add_parsers(sub) -> None:
     val = sub.add_parser("validate-plan", help="predicted vs published step time, with MAPE")
     val.add_argument("runs", nargs="?", help="runs file (default: the shipped calibration runs)")
     val.add_argument("--json", action="store_true", help="print JSON")
+    val.add_argument("--cross", action="store_true",
+                     help="fit the constants and report leave-one-source-out errors")
     cal = sub.add_parser("calibrate", help="measure this machine; write a profile file")
     cal.add_argument("--out", default="profile.json", help="profile file to write")
     cal.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int
     if args.command == "calibrate":
         return cmd_calibrate(args)
     if args.command == "validate-plan" or (args.command == "plan" and args.spec == "validate"):
-        return cmd_validate(args.runs, args.json)
+        return cmd_validate(args.runs, args.json, args.cross)
     if args.command == "plan" and args.runs is not None:
         raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
                                   "takes one spec")
@@ -130,9 +136,25 @@ def cmd_plan_train(args, train_main: Callable[[list[str]], int]) -> int:
     return train_main(argv)
 
 
-def cmd_validate(runs_path: str | None, as_json: bool) -> int:
-    from fivefold.planner.validation import mape, read_runs, report, validate_runs
+def cmd_validate(runs_path: str | None, as_json: bool, cross: bool = False) -> int:
+    from fivefold.planner.validation import (cross_report, cross_validate, mape, read_runs,
+                                             report, validate_runs)
 
+    if cross:
+        cv = cross_validate(read_runs(runs_path))
+        if not as_json:
+            print(cross_report(cv))
+            return 0
+        print(json.dumps({
+            "runs": [{"id": a.id, "source": cv.sources[a.id], "published_s": a.published_s,
+                      "in_sample_s": a.predicted_s, "held_out_s": b.predicted_s}
+                     for a, b in zip(cv.in_sample, cv.held_out)],
+            "mape_in_sample": mape(cv.in_sample), "mape_held_out": mape(cv.held_out),
+            "fitted": cv.in_sample_fit.fit.as_dict(),
+            "at_bounds": list(cv.in_sample_fit.at_bounds),
+            "folds": {k: {"fitted": f.fit.as_dict(), "at_bounds": list(f.at_bounds)}
+                      for k, f in cv.fold_fits.items()}}, indent=1))
+        return 0
     checks = validate_runs(read_runs(runs_path))
     if as_json:
         print(json.dumps({"runs": [{"id": c.id, "gpu": c.gpu, "predicted_s": c.predicted_s,

@@ -17,6 +17,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
+STACKS = ("fivefold", "megatron", "torchtitan", "deepspeed")  # fivefold.planner.stack
 FFN_TYPES = ("swiglu", "gelu")
 DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -207,6 +208,7 @@ def ranks_per_node(cfg: Config, shard: int) -> int:
 def validate_train(cfg: Config) -> None:
     t = cfg.train
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _choice("train.stack", t.stack, STACKS)
     _choice("train.device", t.device, DEVICES)
     _positive("train.steps", t.steps)
     _positive("train.lr", t.lr)
@@ -413,6 +415,10 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
     validate(cfg, world_size)
     p = cfg.parallel
+    if cfg.train.stack != "fivefold":
+        raise ConfigError("train.stack", f"{cfg.train.stack!r} names another software stack, "
+                                         "which plan and simulate predict but fivefold does not"
+                                         " run; set train.stack = \"fivefold\" to train")
     validate_tensor_parallel(cfg)
     validate_pipeline_runtime(cfg)
     validate_context_parallel(cfg)

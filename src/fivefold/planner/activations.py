@@ -33,6 +33,7 @@ from __future__ import annotations
 from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.stack import FIVEFOLD, Stack
 
 
 def ring_kv_heads(model: ModelConfig, lay: ParallelPlan) -> int | None:
@@ -47,9 +48,13 @@ def ring_kv_heads(model: ModelConfig, lay: ParallelPlan) -> int | None:
 
 def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
                       sp: bool = False, recompute: str = "none", layer: int = 0,
+                      stack: Stack = FIVEFOLD, fp8: bool = False,
                       kv_heads: int | None = None) -> float:
-    """Bytes one block keeps for backward over `tokens` tokens of one micro-batch
-    (`kv_heads`: `ring_kv_heads`, for ring attention's unrepeated keys and values)."""
+    """Bytes one block keeps for backward over `tokens` tokens of one micro-batch (under
+    `stack`: fivefold's own count unless the stack saves as Transformer Engine does;
+    `kv_heads`: `ring_kv_heads`, for ring attention's unrepeated keys and values)."""
+    if stack.fp8_saved_inputs:
+        return te_block_saved_bytes(model, tokens, act_bytes, tp, sp, recompute, layer, fp8)
     a = act_bytes
     D = model.hidden / tp if sp else model.hidden
     hd = model.heads * model.d_head / tp
@@ -66,6 +71,37 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
         attention = a * D + qkv_out + 4 * heads + a * hd
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D, moe)
+    return tokens * per_token
+
+
+def te_block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                         sp: bool = False, recompute: str = "none", layer: int = 0,
+                         fp8: bool = False) -> float:
+    """What a Transformer Engine block (Megatron-Core) keeps, per token: each norm its input
+    and rsigma (aD + 4); each linear its input, in fp8 (1 byte) under fp8 training; fused
+    attention q, k and v at their own head counts (GQA not repeated), the output and the
+    fp32 log-sum-exp; the MLP the fc1 output (2F for SwiGLU) and the fc2 input. Sequence
+    parallelism keeps the D-wide tensors as 1/tp shards (re-gathered in backward).
+    `selective` (Megatron's layernorm / moe_act modules) drops the norms' linear inputs and
+    the fc2 input, which are recomputed; `full` keeps the block input."""
+    a, lin = act_bytes, (1 if fp8 else act_bytes)
+    D = model.hidden / tp if sp else model.hidden
+    hd = model.heads * model.d_head / tp
+    kv = max(1, model.n_kv_heads // tp) * model.d_head
+    if recompute == "full":
+        return tokens * a * D
+    moe = is_moe_layer(model, layer)
+    width = _expert_width(model, tp) if moe else model.ffn_hidden / tp
+    fc1_out = (2 if model.ffn_type == "swiglu" else 1) * width
+    copies = model.moe.top_k if moe else 1  # routed token copies enter the experts
+    norms = 2 * (a * D + 4)
+    attention = lin * D + a * (hd + 2 * kv) + a * hd + 4 * model.heads / tp + lin * hd
+    mlp = lin * D * copies + a * fc1_out + lin * width
+    if moe:
+        mlp += 8 * model.moe.experts
+    per_token = norms + attention + mlp
+    if recompute == "selective":
+        per_token -= lin * D + lin * D * copies + lin * width
     return tokens * per_token
 
 
@@ -93,11 +129,14 @@ def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
 
 
 def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
-                     first: bool = True, last: bool = True) -> float:
-    """Bytes saved outside the blocks: token ids; final norm, head input, loss."""
+                     first: bool = True, last: bool = True, stack: Stack = FIVEFOLD) -> float:
+    """Bytes saved outside the blocks: token ids; final norm, head input, loss (its fp32
+    log-softmax unless the stack's fused loss keeps only its logits buffer, which the
+    simulator counts with the loss's other bytes)."""
     a = act_bytes
     n = 8 * tokens if first else 0.0
     if last:
         D = model.hidden
-        n += tokens * ((4 + a) * D + 4 + a * D + 4 * model.vocab / tp + 8) + 4
+        logp = 4 * model.vocab / tp if stack.loss_saves_fp32 else 0.0
+        n += tokens * ((4 + a) * D + 4 + a * D + logp + 8) + 4
     return n

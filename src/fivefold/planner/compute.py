@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
 from fivefold.hardware import HardwareProfile
+from fivefold.planner.stack import FIVEFOLD, Stack
 
 ATTN_TILE = 128  # FlashAttention's block size along both sequence axes
 
@@ -93,13 +94,17 @@ def _compute_precision(act_bytes: int) -> str:
     return "fp32" if act_bytes == 4 else "bf16"
 
 
-def fp8_cast_bytes(g: Gemm, act_bytes: int) -> tuple[float, float]:
+def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False) -> tuple[float, float]:
     """Forward and backward bytes of torchao-style dynamic fp8 scaling around one linear.
 
     Forward: amax of input and weight (read), then cast (read, write 1 byte). Backward: the
     same for the output gradient, plus fp8 transposes of input, weight and gradient for the
-    two backward GEMMs.
+    two backward GEMMs. `fused` (Transformer Engine, fivefold.planner.stack): the casts ride
+    in the kernels that produce the activations and the weights are cast once per step, so
+    only the fp8 copies of the input (forward) and output gradient (backward) are written.
     """
+    if fused:
+        return float(g.m * g.k), float(g.m * g.n)
     cast = 2 * act_bytes + 1
     fwd = cast * (g.m * g.k + g.k * g.n)
     bwd = cast * g.m * g.n + 2 * (g.m * g.k + g.k * g.n + g.m * g.n)
@@ -107,23 +112,26 @@ def fp8_cast_bytes(g: Gemm, act_bytes: int) -> tuple[float, float]:
 
 
 def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: HardwareProfile,
-                   ring: bool = False, precision: str = "bf16") -> tuple[float, float]:
+                   ring: bool = False, precision: str = "bf16",
+                   speedup: float = 1.0) -> tuple[float, float]:
     """(forward s, backward s) of causal fused attention over `seq` tokens on one of cp
     ranks: 1/cp of the causal score tiles. Ulysses gives each rank heads/cp whole sequences
     (`heads` is then already divided); ring attention (`ring`) runs cp kernel steps, each
     over all seq/cp local queries, so the per-row cost is paid cp times, and merges each
-    step's partial output and log-sum-exp into an fp32 accumulator."""
+    step's partial output and log-sum-exp into an fp32 accumulator. `speedup`: the stack's
+    kernel's rate over the profile's measured one (fivefold.planner.stack)."""
     e = prof.eff
     tiles = seq / ATTN_TILE
     scores = b * heads * ATTN_TILE**2 * tiles * (tiles + 1) / 2 / cp
     rows = b * heads * seq / cp * (cp if ring else 1)
-    rate = prof.peak_flops("bf16" if precision == "fp8" else precision) * e.attn_eff
+    rate = prof.peak_flops("bf16" if precision == "fp8" else precision) * e.attn_eff * speedup
     merge = 0.0
     if ring and cp > 1:  # read and write the fp32 output and lse once per extra step
         merge = eltwise_time(rows / cp * (cp - 1) * (d + 1) * 4 * 3, prof, 2 * (cp - 1), 1.0)
-    fwd = (scores * (4 * d / rate + e.attn_score_s) + rows * e.attn_row_s
+    score_s, row_s = e.attn_score_s / speedup, e.attn_row_s / speedup
+    fwd = (scores * (4 * d / rate + score_s) + rows * row_s
            + e.kernel_overhead_s * (cp if ring else 1) + merge)
-    bwd = (scores * (10 * d / rate + 2 * e.attn_score_s) + 5 * rows * e.attn_row_s
+    bwd = (scores * (10 * d / rate + 2 * score_s) + 5 * rows * row_s
            + 3 * e.kernel_overhead_s * (cp if ring else 1) + 2 * merge)
     return fwd, bwd
 
@@ -147,9 +155,11 @@ class Shard:
     recompute: str
     cp_mode: str = "ring"
     compiled: bool = False  # torch.compile fuses element-wise chains into single passes
+    stack: Stack = FIVEFOLD  # the software's switches (fivefold.planner.stack)
+    flash2_rate: float = 1.0  # fivefold.planner.fitted: FA2-class attention over measured
 
     def passes(self, prof: HardwareProfile) -> float:
-        return 1.0 if self.compiled else prof.eff.eltwise_passes
+        return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
 
     @property
     def tokens(self) -> int:
@@ -204,11 +214,12 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
         if g.name in SELECTIVE_RECOMPUTED:
             selective_s += t
         if quantized:
-            cf, cb = fp8_cast_bytes(g, a)
+            cf, cb = fp8_cast_bytes(g, a, sh.stack.fp8_fused_casts)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
     at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
-                                sh.cp_mode != "ulysses", sh.precision)
+                                sh.cp_mode != "ulysses", sh.precision,
+                                sh.stack.attention_speedup(prof.name, sh.flash2_rate))
     ew_bytes = block_eltwise_bytes(model, sh, moe)
     ew_f = eltwise_time(ew_bytes, prof, 12, sh.passes(prof))
     ew_b = eltwise_time(2 * ew_bytes, prof, 24, sh.passes(prof))
@@ -216,12 +227,16 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     cast_tb = eltwise_time(cast_b, prof, 0, 1.0)
     f = gemm_s + at_f + ew_f + cast_tf
     b = 2 * gemm_s + at_b + ew_b + cast_tb
+    if sh.stack.selective_modules:  # norms and activations only, no GEMM
+        selective_s, selected = 0.0, ()
+    else:
+        selected = SELECTIVE_RECOMPUTED
     rec = {"full": f, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
            "none": 0.0}[sh.recompute]
     model_fl = 3 * (sum(g.flops for g in gemms) + 4 * sh.micro_batch * heads * model.d_head
                     * sh.seq_len * sh.seq_len / sh.cp)
     rec_fl = {"full": model_fl / 3, "none": 0.0,
-              "selective": sum(g.flops for g in gemms if g.name in SELECTIVE_RECOMPUTED)}
+              "selective": sum(g.flops for g in gemms if g.name in selected)}
     return OpTimes(f, b, gemm_s, rec, model_fl, model_fl + rec_fl[sh.recompute])
 
 

@@ -4,8 +4,10 @@
 
 Minimises the mean |log(predicted / published)| step time over the runs whose
 cluster.gpu is the profile, by varying the named `Efficiency` fields within physical bounds
-(`BOUNDS`), and prints the fitted values and the per-run errors. The values it prints are
-what fivefold.hardware stores for the profile: one set per profile, never per run.
+(`BOUNDS`), and prints the fitted values and the per-run errors: a tool to study one profile. What
+predictions use are the profile's microbenchmark-level terms (fivefold.hardware) and the
+few constants shared by every GPU profile that `fivefold plan validate --cross` fits and
+cross-validates (fivefold.planner.fitted, fivefold.planner.validation).
 Needs scipy (a fivefold dependency); the planner itself does not.
 """
 

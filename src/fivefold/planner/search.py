@@ -160,14 +160,13 @@ class FastScorer:
         state = state_bytes + (0 if p == 4 else 4)
         optimizer = numel * state / (shard if stage >= 1 else 1)
         n = sm.shard.tokens
-        per_block = A.block_saved_bytes(m, n, p, lay.tp, lay.sequence_parallel, lay.recompute,
-                                        m.layers - 1, A.ring_kv_heads(m, lay))
+        per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         acts = per_block * rank_layers / lay.vpp * inflight + A.root_saved_bytes(
-            m, n, p, lay.tp, True, lay.pp == 1) * inflight
+            m, n, p, lay.tp, True, lay.pp == 1, sm.stack) * inflight
         if lay.recompute != "none":
             acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
-        other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * (p + 8)
+        other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * sm.stack.logit_bytes(p)
         if stage == 3:
             other += 2 * sm.block_numel(m.moe is not None) * p
         return params + grads + optimizer + acts + other

@@ -64,6 +64,8 @@ from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_matrix_shapes, block_params, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
+from fivefold.planner.fitted import FITTED, Fitted, in_training
+from fivefold.planner.stack import stack_of
 
 MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "other", "total")
 BREAKDOWN_FIELDS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -125,12 +127,14 @@ def shared_machine(prof: HardwareProfile, ranks: int) -> HardwareProfile:
 
 
 def simulate(cfg: Config, prof: HardwareProfile | None = None,
-             plan: ParallelPlan | None = None, keep_events: bool = False) -> Estimate:
-    """The predicted step of `cfg` (or of `plan` on cfg's model and cluster)."""
+             plan: ParallelPlan | None = None, keep_events: bool = False,
+             fit: Fitted = FITTED) -> Estimate:
+    """The predicted step of `cfg` (or of `plan` on cfg's model and cluster); `fit`: the
+    fitted constants (fivefold.planner.fitted; the validation's fits pass their own)."""
     prof = shared_machine(prof or profile_of(cfg), cfg.cluster.gpus or 1)
     plan = plan or plan_from_config(cfg, cluster_gpus(cfg), default_precision(prof))
     check_model_fits_layout(cfg.model, plan)
-    return StepModel(cfg, prof, plan).estimate(keep_events)
+    return StepModel(cfg, prof, plan, fit=fit).estimate(keep_events)
 
 
 @dataclass(frozen=True)
@@ -157,23 +161,27 @@ class StepModel:
     """All per-layout quantities of one simulated step, computed once."""
 
     def __init__(self, cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
-                 cache: dict | None = None):
+                 cache: dict | None = None, fit: Fitted = FITTED):
+        prof = in_training(prof, fit)  # what a training step sustains (GPU profiles)
         self.cfg, self.model, self.prof, self.lay = cfg, cfg.model, prof, lay
         self.cache = {} if cache is None else cache
         c = cfg.cluster
         gpn = c.gpus_per_node
         self.links = Links.of(prof, gpn, c.intra_node_GBps, c.inter_node_GBps)
         tp, cp, dp = lay.tp, lay.cp, lay.dp
+        self.stack = stack_of(cfg.train.stack)
         self.tp_group = Group.strided(tp, 1, gpn)
         self.cp_group = Group.strided(cp, tp, gpn)
-        self.ep_group = Group.strided(lay.ep, tp, gpn)
+        self.ep_group = Group.strided(lay.ep, 1 if self.stack.expert_group_stride_1 else tp,
+                                      gpn)
         shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
         self.shard_group = Group.strided(shard, tp, gpn)
         self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
                                              gpn) if lay.zero_stage >= 1 else Group(1, 1)
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
         self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
-                           lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile)
+                           lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
+                           self.stack, fit.flash2_rate)
         self.a = PRECISION_BYTES[lay.precision]
 
     # ------------------------------------------------------------ per-block costs
@@ -195,7 +203,7 @@ class StepModel:
     def _shape_key(self) -> tuple:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, lay.micro_batch, lay.recompute,
-                lay.precision, lay.cp_mode, self.cfg.cluster.gpus_per_node)
+                lay.precision, lay.cp_mode, self.cfg.cluster.gpus_per_node, self.stack.name)
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
         """(compute times, forward comm, backward comm) of one block and micro-batch, before
@@ -218,13 +226,22 @@ class StepModel:
             regather = max(2 * ag - hide * t.wgrad, (1 - hide) * 2 * ag)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
+        tp_f = tp_b = 2 * tp_one
+        if self.stack.tp_overlap and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
+            hide = self.prof.eff.overlap_eff
+            tp_f = max(tp_f - hide * t.wgrad, (1 - hide) * tp_f)
+            tp_b = max(tp_b + regather - hide * 2 * t.wgrad, (1 - hide) * (tp_b + regather))
+            regather = 0.0
         cp_f, cp_b = self._cp_exposed(moe)
         ep = 0.0
         if moe and lay.ep > 1:
-            routed = sh.tokens * m.moe.top_k * m.hidden * self.a
+            tokens = sh.tokens
+            if self.stack.expert_group_stride_1 and lay.sequence_parallel:
+                tokens /= lay.tp  # each tp rank dispatches its sequence shard
+            routed = tokens * m.moe.top_k * m.hidden * self.a
             ep = 2 * self._coll("all_to_all", routed, self.ep_group)
-        f_comm = 2 * tp_one + cp_f + ep
-        b_comm = (2 * tp_one + regather + cp_b + ep
+        f_comm = tp_f + cp_f + ep
+        b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
         self.cache[key] = (t, f_comm, b_comm)
         return self.cache[key]
@@ -256,7 +273,8 @@ class StepModel:
             # for the backward. fivefold's runtime recomputes on the backward gather (two
             # gathers, its ledger), so this term is one gather pessimistic for it; kept for
             # the published runs the simulator is validated against (docs/planner.md)
-            bwd_ag = ag * (2 if lay.recompute == "full" else 1)
+            bwd_ag = ag * (self.stack.zero3_recompute_gathers - 1 if lay.recompute == "full"
+                           else 1)
             z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
             z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
         elif lay.zero_stage == 2:
@@ -420,11 +438,10 @@ class StepModel:
         """Bytes virtual stage g keeps per in-flight micro-batch."""
         lay = self.lay
         n = self.shard.tokens
-        kv_heads = A.ring_kv_heads(self.model, lay)
-        total = sum(A.block_saved_bytes(self.model, n, self.a, lay.tp, lay.sequence_parallel,
-                                        lay.recompute, i, kv_heads) for i in self.stage_ranges[g])
+        total = sum(self.block_saved_bytes(i) for i in self.stage_ranges[g])
         first, last = g == 0, g == len(self.stage_layers) - 1
-        return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last)
+        return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last,
+                                          self.stack)
 
     def dp_sync(self, rank: int, last_backward_s: float) -> tuple[float, float]:
         """(exposed gradient-sync seconds after the last backward, parameter re-gather after
@@ -497,8 +514,8 @@ class StepModel:
     def block_saved_bytes(self, i: int) -> float:
         lay = self.lay
         return A.block_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp,
-                                   lay.sequence_parallel, lay.recompute, i,
-                                   A.ring_kv_heads(self.model, lay))
+                                   lay.sequence_parallel, lay.recompute, i, self.stack,
+                                   lay.precision == "fp8", A.ring_kv_heads(self.model, lay))
 
     def rank_fixed_bytes(self, rank: int, inflight: float) -> float:
         """What pipeline rank `rank` holds besides its blocks: root parameters and their
@@ -507,7 +524,8 @@ class StepModel:
         first, last = rank == 0, rank == lay.pp - 1
         units = stage_units(self.model, lay, [], first, last)
         states = model_state_bytes(units, lay)["total"] if units else 0
-        root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last)
+        root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last,
+                                  self.stack)
         return states + root * inflight + self.other_bytes(rank)
 
     def other_bytes(self, rank: int) -> float:
@@ -516,18 +534,25 @@ class StepModel:
         other = self.prof.eff.reserved_bytes
         if lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
             dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep)
-            other += 2 * (dense + expert) * self.a
+            live = 2 * (dense + expert)
+            if self.stack.zero3_live_params:
+                live = min(live, self.stack.zero3_live_params)
+            other += live * self.a
             other += root_params(m, lay.tp, rank == 0, rank == lay.pp - 1) * self.a
         if rank == lay.pp - 1:  # logits, their fp32 copy and gradient around the loss
-            other += self.shard.tokens * m.vocab / lay.tp * (self.a + 8)
+            other += self.shard.tokens * m.vocab / lay.tp * self.stack.logit_bytes(self.a)
         return other
 
     def memory(self, rank: int, peak_act: float) -> dict[str, int]:
         lay, m = self.lay, self.model
         states = model_state_bytes(self.rank_units(rank), lay)
         if lay.recompute != "none":  # one block rematerialised during its backward
-            peak_act += A.full_block_bytes(m, self.shard.tokens, self.a, lay.tp,
-                                           lay.sequence_parallel)
+            peak_act += (A.full_block_bytes(m, self.shard.tokens, self.a, lay.tp,
+                                            lay.sequence_parallel)
+                         if not self.stack.fp8_saved_inputs else
+                         A.block_saved_bytes(m, self.shard.tokens, self.a, lay.tp,
+                                             lay.sequence_parallel, "none", 0, self.stack,
+                                             lay.precision == "fp8"))
         mem = {"params": states["params"], "grads": states["grads"],
                "optimizer": states["master"] + states["optimizer"],
                "activations": int(peak_act), "other": int(self.other_bytes(rank))}
@@ -537,7 +562,8 @@ class StepModel:
     @functools.cached_property
     def flops_per_sequence(self) -> tuple[float, float]:
         """(model, hardware) FLOPs of one sequence through the whole model, all ranks."""
-        one = Shard(1, self.model.seq_len, 1, 1, False, 1, "bf16", self.lay.recompute)
+        one = Shard(1, self.model.seq_len, 1, 1, False, 1, "bf16", self.lay.recompute,
+                    stack=self.stack)
         model = hw = 0.0
         for i in range(self.model.layers):
             t = block_times(self.model, one, self.prof, is_moe_layer(self.model, i))
@@ -557,6 +583,10 @@ class StepModel:
         for r in range(lay.pp):
             last_g = r  # the last backward of rank r is its first virtual stage's
             tail, regather = self.dp_sync(r, times[last_g][1])
+            if self.stack.dp_overlap and regather:  # behind the next step's first forward
+                hide = prof.eff.overlap_eff
+                window = sum(times[g][0] for g in range(r, stages, lay.pp))
+                regather = max(regather - hide * window, (1 - hide) * regather)
             opt = self.optimizer_s(r)
             tails.append(tail)
             ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather))

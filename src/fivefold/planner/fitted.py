@@ -1,0 +1,61 @@
+"""The few constants fitted to published runs, and how they enter a prediction.
+
+A hardware profile (fivefold.hardware) holds datasheet figures and microbenchmark rates; a
+software stack (fivefold.planner.stack) the switches of the software. What neither states
+is what a real training step sustains of those rates on a real cluster. That is `Fitted`:
+five numbers, one set for every GPU profile and every stack (never per run, model, source
+or profile), fitted to all rows of calibration_runs.json by `fivefold plan validate --fit`
+and cross-validated leave-one-source-out by `fivefold plan validate --cross`
+(fivefold.planner.validation). CPU profiles (`cores` > 0) are measured where they train and
+take none of them: their semantics are `fivefold calibrate`'s.
+
+- sustained: the share of a microbenchmark's GEMM and attention rate that kernels keep in
+  a long training step (clocks under sustained power, caches shared with other kernels)
+- overlap_eff: the share of a collective that hides behind concurrent compute
+- comm_eff: the share of link bandwidth NCCL's collectives reach (intra- and inter-node)
+- nic_aggregation: how many of a node's NICs one collective's ring uses together
+  (fivefold.planner.comm: per_node^a NICs; 1 = all)
+- flash2_rate: a FlashAttention-2-class kernel's rate over the measured (FlashAttention-3
+  class) SDPA on Hopper and later, for stacks that ran one (arXiv 2407.08608: 0.5-0.67)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class Fitted:
+    sustained: float = 1.0
+    overlap_eff: float = 0.85
+    comm_eff: float = 0.8
+    nic_aggregation: float = 1.0
+    flash2_rate: float = 0.625
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+BOUNDS = {"sustained": (0.6, 1.0), "overlap_eff": (0.5, 1.0), "comm_eff": (0.4, 0.95),
+          "nic_aggregation": (0.0, 1.0), "flash2_rate": (0.4, 1.0)}
+
+# fitted to the 68 rows of calibration_runs.json (`fivefold plan validate --fit`)
+FITTED = Fitted(sustained=0.9393, overlap_eff=0.5, comm_eff=0.9163, nic_aggregation=0.25,
+                flash2_rate=0.6098)
+
+
+def in_training(prof: HardwareProfile, fit: Fitted = FITTED) -> HardwareProfile:
+    """`prof` as a training step sustains it: the fitted constants over its rates (GPU
+    profiles only; a CPU profile is returned as measured)."""
+    if prof.cores:
+        return prof
+    e = prof.eff
+    s = fit.sustained
+    eff = dataclasses.replace(e, gemm_eff=e.gemm_eff * s, gemm_fp8_eff=e.gemm_fp8_eff * s,
+                              attn_eff=e.attn_eff * s, overlap_eff=fit.overlap_eff,
+                              comm_intra_eff=fit.comm_eff, comm_inter_eff=fit.comm_eff,
+                              nic_aggregation=fit.nic_aggregation)
+    return dataclasses.replace(prof, eff=eff)

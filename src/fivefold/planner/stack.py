@@ -1,0 +1,113 @@
+"""Software stacks: what the software that runs a step does with the hardware (`train.stack`).
+
+A hardware profile (fivefold.hardware) holds datasheet figures and the rates that kernels
+reach in a microbenchmark. Which kernels a step runs, what it keeps for backward and what it
+hides behind what is the software's: the same H100 runs Megatron-Core 35-57% faster than
+eager PyTorch. A spec names its software with `train.stack`; each stack is a fixed set of
+switches, every one with a physical effect and a source, and none keyed by run, model or
+published source. The simulator reads the switches; "fivefold" describes this runtime, and
+under it every prediction (memory, ledger, activations) equals fivefold's own to the byte.
+
+- fused_eltwise: element-wise chains (norms, rotary, activation, residual) run as fused
+  kernels, one HBM pass per tensor (Megatron-Core with Transformer Engine: fused RMSNorm,
+  SwiGLU, RoPE, bias-dropout-add); else the profile's eager `eltwise_passes` unless
+  `train.compile` fuses them.
+- flash2_attention: on Hopper and later the stack's attention is a FlashAttention-2-class
+  kernel (torch 2.5's SDPA, which torchtitan's Dec 2024 runs used; Transformer Engine's
+  fused attention in the NeMo 24.03-25.07 containers, FlashAttention-2 or cuDNN's
+  FA2-class kernel by default), slower than the
+  FlashAttention-3-class SDPA that the profile measured (h200_measured.json, torch 2.11):
+  the fitted `flash2_rate` of fivefold.planner.fitted (arXiv 2407.08608: FA3 1.5-2.0x FA2).
+- loss_logit_bytes: bytes per logit the loss holds beyond the saved activations: fivefold
+  upcasts the logits and keeps their fp32 copy and gradient (a + 8); torchtitan (Dec 2024)
+  deletes the bf16 logits after the loss and holds the fp32 gradient pair in backward (8);
+  Megatron-Core's fused vocabulary-parallel cross-entropy writes the gradient into the
+  logits buffer (a: no fp32 logits at all).
+- loss_saves_fp32: the loss keeps an fp32 log-softmax (4 bytes per logit) for backward;
+  Megatron's fused loss keeps nothing beyond its logits buffer.
+- tp_overlap: tensor-parallel collectives overlap the GEMMs they feed (Transformer
+  Engine's userbuffers, NeMo's tp_comm_overlap = True): only the excess over the block's
+  GEMM time and (1 - overlap_eff) of it show.
+- dp_overlap: the distributed optimizer's parameter all-gather after the step overlaps the
+  next forward (Megatron's overlap_param_gather, NeMo's performance recipes): only the
+  excess over the first micro-batch's forward shows.
+- fp8_fused_casts: fp8 scaling and casts are fused into the preceding norm / activation
+  kernels and the weights cast once per step (Transformer Engine), so the per-micro-batch
+  cast traffic is one read and one fp8 write of the activations only; else torchao's
+  separate amax / cast / transpose passes (fivefold.planner.compute.fp8_cast_bytes).
+- fp8_saved_inputs: under fp8 the linear layers keep their inputs for backward in fp8
+  (Transformer Engine saves the fp8 copy it already made); activations accounted by
+  Transformer Engine's modules (fivefold.planner.activations.te_block_saved_bytes: norms save
+  their input and rsigma, attention saves q, k, v without repeating GQA heads).
+- zero3_recompute_gathers: all-gathers of a ZeRO-3 block per step under full recomputation:
+  DeepSpeed's ZeRO-3 runs its pre-forward hook again for the recomputed forward (3);
+  FSDP2, Megatron-FSDP and fivefold gather once for backward and recompute inside it (2).
+- expert_group_stride_1: the expert-parallel group is folded onto adjacent ranks of the
+  tensor x data grid (Megatron-Core's MoE parallel folding, arXiv 2504.14960), so an
+  expert group of up to a node's size stays on NVLink; and with sequence parallelism each
+  tensor-parallel rank dispatches only its 1/tp of the tokens.
+- zero3_live_params: ZeRO-3 parameters held gathered at once: DeepSpeed gathers per
+  sub-module up to `stage3_max_live_parameters` (default 1e9, DeepSpeed's config
+  reference); FSDP2, Megatron-FSDP and fivefold hold the block being computed and the one
+  prefetched (0 here).
+- selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
+  --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
+  their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
+  (fivefold.planner.compute.SELECTIVE_RECOMPUTED).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOPPER_OR_LATER = ("H100", "H800", "H200", "B200", "GB200")
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    fused_eltwise: bool = False
+    flash2_attention: bool = False
+    loss_logit_bytes: str = "a+8"  # "a+8" | "8" | "a"
+    loss_saves_fp32: bool = True
+    tp_overlap: bool = False
+    dp_overlap: bool = False
+    fp8_fused_casts: bool = False
+    fp8_saved_inputs: bool = False
+    zero3_recompute_gathers: int = 2
+    expert_group_stride_1: bool = False
+    selective_modules: bool = False
+    zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
+    source: str = ""
+
+    def logit_bytes(self, a: int) -> int:
+        return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
+
+    def attention_speedup(self, profile_name: str, flash2_rate: float) -> float:
+        """The stack's attention rate over the profile's measured kernel."""
+        if self.flash2_attention and any(k in profile_name for k in HOPPER_OR_LATER):
+            return flash2_rate
+        return 1.0
+
+
+FIVEFOLD = Stack("fivefold", source="this runtime: eager PyTorch blocks (train.compile fuses "
+                                    "them), SDPA attention, fp32 loss, exposed TP collectives")
+STACKS: dict[str, Stack] = {s.name: s for s in [
+    FIVEFOLD,
+    Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
+          loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
+          fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
+          source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
+                 "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
+                 "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
+    Stack("torchtitan", loss_logit_bytes="8", flash2_attention=True,
+          source="torchtitan Dec 2024 (arXiv 2410.06511): eager blocks unless compiled, SDPA "
+                 "(FlashAttention-2), torchao Float8, FSDP2 prefetch, fp32 cross-entropy"),
+    Stack("deepspeed", zero3_recompute_gathers=3, zero3_live_params=10**9,
+          source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
+                 "ZeRO-3 parameter hooks that re-gather for the recomputed forward)"),
+]}
+
+
+def stack_of(name: str) -> Stack:
+    return STACKS[name]

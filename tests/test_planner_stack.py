@@ -1,0 +1,124 @@
+"""train.stack, the software switches, the fitted constants and the cross-validation.
+
+Fast: single simulations and one fit iteration over three rows; the full
+`plan validate --cross` (minutes) is docs/planner.md's table, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fivefold.config import ConfigError, load_config
+from fivefold.hardware import PROFILES
+from fivefold.planner import activations as A
+from fivefold.planner.fitted import BOUNDS, FITTED, Fitted, in_training
+from fivefold.planner.simulate import simulate
+from fivefold.planner.spec import spec_config
+from fivefold.planner.stack import FIVEFOLD, STACKS
+from fivefold.planner.validation import (SOURCES, cross_report, fit_constants, read_runs,
+                                         source_of)
+from fivefold.validate import STACKS as STACK_NAMES
+from fivefold.validate import validate, validate_for_training
+
+
+def _spec(stack: str, **parallel) -> dict:
+    return {"model": {"preset": "8B"}, "cluster": {"gpu": "H100-SXM", "gpus": 64},
+            "parallel": {"global_batch": 128, "tp": 2, "sequence_parallel": True,
+                         "zero_stage": 1, "micro_batch": 2, **parallel},
+            "train": {"stack": stack}}
+
+
+def test_every_stack_is_a_config_value_and_unknown_ones_name_the_key():
+    assert set(STACKS) == set(STACK_NAMES)
+    with pytest.raises(ConfigError, match="train.stack"):
+        validate(load_config(None, ["train.stack='nemo'"]))
+
+
+def test_fivefold_train_runs_only_its_own_stack():
+    validate_for_training(load_config(None, []), 1)
+    with pytest.raises(ConfigError, match="train.stack"):
+        validate_for_training(load_config(None, ["train.stack='megatron'"]), 1)
+
+
+def test_fivefold_stack_keeps_fivefolds_own_activation_count():
+    m = load_config(None, ["model.preset='tiny'"]).model
+    for rec in ("none", "full", "selective"):
+        assert (A.block_saved_bytes(m, 512, 2, 1, False, rec, 0, FIVEFOLD)
+                == A.block_saved_bytes(m, 512, 2, 1, False, rec, 0))
+    assert A.root_saved_bytes(m, 512, 2, stack=FIVEFOLD) == A.root_saved_bytes(m, 512, 2)
+
+
+def test_megatron_stack_holds_less_and_hides_its_collectives():
+    mine = simulate(spec_config(_spec("fivefold", precision="fp8")))
+    meg = simulate(spec_config(_spec("megatron", precision="fp8")))
+    # fp8-saved linear inputs, GQA not repeated, no fp32 logits
+    assert meg.memory_per_gpu_bytes["activations"] < mine.memory_per_gpu_bytes["activations"]
+    assert meg.memory_per_gpu_bytes["other"] < mine.memory_per_gpu_bytes["other"]
+    # fused element-wise kernels and fused casts, TP and parameter gathers overlapped
+    assert meg.breakdown_s["compute"] < mine.breakdown_s["compute"]
+    assert meg.breakdown_s["exposed_comm"] < mine.breakdown_s["exposed_comm"]
+
+
+def test_torchtitan_runs_a_flash2_class_kernel_on_hopper():
+    tt = STACKS["torchtitan"]
+    assert tt.attention_speedup("H100-SXM", FITTED.flash2_rate) == FITTED.flash2_rate
+    assert tt.attention_speedup("A100-80GB", FITTED.flash2_rate) == 1.0
+    assert FIVEFOLD.attention_speedup("H200", FITTED.flash2_rate) == 1.0
+
+
+def test_fitted_constants_leave_cpu_profiles_as_measured():
+    assert in_training(PROFILES["cpu"]) is PROFILES["cpu"]
+    h = in_training(PROFILES["H200"])
+    assert h.eff.gemm_eff == pytest.approx(PROFILES["H200"].eff.gemm_eff * FITTED.sustained)
+    for k, (lo, hi) in BOUNDS.items():
+        assert lo <= getattr(FITTED, k) <= hi, k
+
+
+def test_every_calibration_row_has_a_source_family_and_a_stack():
+    runs = read_runs()
+    assert len(runs) == 68
+    assert {source_of(r) for r in runs} == set(SOURCES)
+    assert all(r["spec"]["train"]["stack"] in STACKS for r in runs)
+
+
+def test_packaged_runs_keep_the_shared_rows():
+    shared = Path(__file__).resolve().parents[2] / "shared/reference/calibration_runs.json"
+    if not shared.is_file():
+        pytest.skip("shared/reference is not next to this checkout")
+    ours = {r["id"]: r for r in read_runs()}
+    for row in json.loads(shared.read_text())["runs"]:
+        mine = ours[row["id"]]
+        assert mine["published"] == row["published"] and mine["source"] == row["source"]
+        assert mine["spec"]["model"] == row["spec"]["model"]
+        assert mine["spec"]["parallel"] == row["spec"]["parallel"]
+        assert mine["assumption_notes"].startswith(row["assumption_notes"])
+
+
+def test_fit_lowers_the_loss_within_bounds():
+    runs = [r for r in read_runs() if r["id"] in ("torchtitan_t1_1", "megatron21_t1_1.7B",
+                                                 "nemo2403_longctx_LLAMA2-7B_4k_4gpu_cp1")]
+    configs = [spec_config(r["spec"]) for r in runs]
+    published = [r["published"]["step_time_s"] for r in runs]
+    start = Fitted()
+    result = fit_constants(configs, published, start, iterations=1)
+    import math
+    start_loss = sum(abs(math.log(simulate(c, fit=start).step_time_s / p))
+                     for c, p in zip(configs, published)) / len(runs)
+    assert result.loss <= start_loss
+    for k, (lo, hi) in BOUNDS.items():
+        assert lo <= getattr(result.fit, k) <= hi
+
+
+def test_cross_report_names_sources_constants_and_bounds():
+    from fivefold.planner.validation import CrossValidation, FitResult, RunCheck
+
+    a = RunCheck("r1", "H200", 8, 1.1, 1.0, ("torchtitan",))
+    b = RunCheck("r1", "H200", 8, 1.2, 1.0, ("torchtitan",))
+    fr = FitResult(FITTED, 0.1, ("overlap_eff",))
+    text = cross_report(CrossValidation([a], fr, [b], {"torchtitan": fr}, {"r1": "torchtitan"}))
+    assert "held-out MAPE" in text and "+20.0%" in text
+    assert f"fitted constants: {len(BOUNDS)}" in text
+    assert "at their bounds (in-sample): overlap_eff" in text
