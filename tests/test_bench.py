@@ -47,3 +47,22 @@ def test_recompute_bench_quick_writes_consistent_json(tmp_path):
     assert res["full"]["saved_bytes"]["layers.0"] * 10 < res["none"]["saved_bytes"]["layers.0"]
     assert res["ratio"]["s_per_step"] == pytest.approx(
         res["full"]["s_per_step"] / res["none"]["s_per_step"], rel=1e-12)
+
+
+def test_context_parallel_bench_quick_writes_consistent_json(tmp_path):
+    """bench/context_parallel.py: per-rank saved bytes fall with cp and stay within 5% of the
+    planner's count; each speed row's ratio is its rate over dp 4's (no timing checks)."""
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"),
+                           "--quick", "--json", str(out), "--run-dir", str(tmp_path / "runs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    measured = {(r["cp"], r["seq_len"]): r for r in res["memory"] if "seq_len" in r}
+    for (cp, seq_len), row in measured.items():
+        assert row["saved_mib"] == pytest.approx(row["predicted_mib"], rel=0.05), (cp, seq_len)
+        if cp > 1:
+            assert row["saved_mib"] < measured[(1, seq_len)]["saved_mib"] / cp * 1.05
+    base = next(r for r in res["speed"] if r["side"] == "dp 4")["tokens_per_s"]
+    for row in res["speed"]:
+        assert row["ratio_to_dp4"] == pytest.approx(row["tokens_per_s"] / base, rel=1e-12)

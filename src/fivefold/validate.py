@@ -382,10 +382,12 @@ def validate_context_parallel(cfg: Config) -> None:
                                    "fewer and divide the degree; neither holds: choose a "
                                    "Ulysses degree dividing or divided by model.kv_heads / "
                                    "parallel.tp")
-    if p.pp > 1 and p.schedule == "terapipe":
-        raise ConfigError("parallel.schedule", "TeraPipe's token slices and context "
-                                               "parallelism's token shards are not combined; "
-                                               "use another schedule with parallel.cp > 1")
+    if p.pp > 1 and p.schedule in ("terapipe", "pipedream-2bw"):
+        raise ConfigError("parallel.schedule", f"{p.schedule} with context parallelism is not "
+                                               "built (TeraPipe's token slices are not combined "
+                                               "with cp's token shards; 2BW's own update is not "
+                                               "tested with cp); use 1f1b, gpipe, interleaved "
+                                               "or zb with parallel.cp > 1")
     if p.qwz or p.hpz or p.qgz:
         raise ConfigError("parallel.cp", "ZeRO++'s node groups are not laid out over the cp "
                                          "ranks yet; turn qwz, hpz and qgz off with "

@@ -133,7 +133,7 @@ class Trainer:
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         self.pipeline = None
         if plan.pp > 1:
-            axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.token_axis}
+            axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.dp_axis}
             self.pipeline = PipelineStep(cfg, plan, self.model, axes, self.engine,
                                          self.optimizer, self.train_sampler,
                                          self.global_tokens, cfg.train.grad_clip or math.inf,
