@@ -5,8 +5,10 @@ with 2 key/value heads, fp32, the built-in corpus, one sequence per step):
 
 * memory: for cp = 1, 2 and 4 (ring attention) and sequence lengths doubling from 1,024, the
   bytes each rank's blocks and root save for backward over one step (saved-tensor hooks,
-  fivefold.memory.activation_count; the largest rank), and the longest length whose saved
-  bytes stay under `--cap-mib`, with the planner's prediction of the same bytes next to it;
+  fivefold.memory.activation_count; the largest rank) with the planner's prediction of the
+  same bytes next to it, each rank's peak resident memory, and the longest length whose saved
+  bytes stay under `--cap-mib` and that trains at all (a rank the kernel kills for memory
+  ends the column: the block attention's math path holds a block's scores while it runs);
 * speed: at `--length` tokens on 4 ranks, the median tokens/s of cp 4 in each mode (ring,
   Ulysses, the 2 x 2 hybrid) over `--rounds` rounds, and the ratio to the same global batch
   trained data-parallel (dp 4, cp 1) in the same run.
@@ -22,7 +24,7 @@ import argparse
 import statistics
 import time
 
-from harness import machine_info, write_json
+from harness import machine_info, rss_mib, write_json
 
 MODEL = ["model.layers=2", "model.hidden=128", "model.heads=8", "model.kv_heads=2",
          "model.ffn_hidden=256", "model.vocab=8192", 'parallel.precision="fp32"',
@@ -37,7 +39,7 @@ def overrides(seq_len: int, cp: int, mode: str, global_batch: int) -> list[str]:
 
 
 def _saved_bytes_on_ranks(rt, sets, run_dir):
-    """Bytes this rank saves for backward over step 0 (blocks and root)."""
+    """Bytes this rank saves for backward over step 0 (blocks and root), and its peak RSS."""
     from fivefold.config import load_config
     from fivefold.memory.activation_count import SavedActivations
     from fivefold.train.trainer import Trainer
@@ -47,7 +49,7 @@ def _saved_bytes_on_ranks(rt, sets, run_dir):
     labels = {f"layers.{i}": block for i, block in enumerate(trainer.model.layers)}
     with SavedActivations(trainer.model, labels) as acts:
         trainer.micro_batch_loss(inputs, targets).backward()
-    return acts.total_bytes
+    return acts.total_bytes, rss_mib()
 
 
 def _tokens_per_s_on_ranks(rt, sets, run_dir, steps):
@@ -77,22 +79,29 @@ def predicted_saved_bytes(sets: list[str], world: int) -> float:
 
 
 def memory_table(lengths: list[int], cap: float, run_dir: str) -> list[dict]:
-    from fivefold.testing import run_on_ranks
+    from fivefold.testing import RankFailure, run_on_ranks
 
     rows = []
     for cp in (1, 2, 4):
         longest = None
         for seq_len in lengths:
             sets = overrides(seq_len, cp, "ring", 1)
-            saved = max(run_on_ranks(_saved_bytes_on_ranks, cp, sets, f"{run_dir}/m{cp}",
-                                     timeout_s=1800)) if cp > 1 else \
-                _saved_bytes_on_ranks(_one_rank(), sets, f"{run_dir}/m1")
+            try:
+                ranks = run_on_ranks(_saved_bytes_on_ranks, cp, sets, f"{run_dir}/m{cp}",
+                                     timeout_s=1800)
+            except RankFailure as err:  # killed for memory: this length does not train
+                rows.append({"cp": cp, "seq_len": seq_len, "trained": False,
+                             "error": str(err).splitlines()[0]})
+                print(f"cp {cp}  seq_len {seq_len:6d}  did not train: {err}", flush=True)
+                break
+            saved, peak = max(r[0] for r in ranks), max(r[1] for r in ranks)
             fits = saved <= cap
-            rows.append({"cp": cp, "seq_len": seq_len, "saved_mib": saved / 2**20,
+            rows.append({"cp": cp, "seq_len": seq_len, "trained": True,
+                         "saved_mib": saved / 2**20,
                          "predicted_mib": predicted_saved_bytes(sets, cp) / 2**20,
-                         "fits": fits})
-            print(f"cp {cp}  seq_len {seq_len:6d}  saved {saved / 2**20:8.1f} MiB per rank"
-                  f"{'' if fits else '  (over the cap)'}", flush=True)
+                         "peak_rss_mib": peak, "fits": fits})
+            print(f"cp {cp}  seq_len {seq_len:6d}  saved {saved / 2**20:8.1f} MiB per rank, "
+                  f"peak RSS {peak:7.0f} MiB{'' if fits else '  (over the cap)'}", flush=True)
             if not fits:
                 break
             longest = seq_len
@@ -116,14 +125,6 @@ def speed_table(length: int, rounds: int, steps: int, run_dir: str) -> list[dict
     base = statistics.median(rates["dp 4"])
     return [{"side": name, "tokens_per_s": statistics.median(v),
              "ratio_to_dp4": statistics.median(v) / base} for name, v in rates.items()]
-
-
-def _one_rank():
-    import torch
-
-    from fivefold.train.dist import Runtime
-
-    return Runtime(0, 1, 0, torch.device("cpu"))
 
 
 def main() -> None:

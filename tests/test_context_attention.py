@@ -262,3 +262,23 @@ def test_ulysses_kv_heads_rule():
         check_ulysses_heads(6, 2, 4)
     assert check_ulysses_heads(8, 2, 4) == 4
     assert set(cp_layout.MODES) == {"ring", "ulysses", "hybrid"}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_attention_by_query_chunks_equals_one_chunk(causal, monkeypatch):
+    """The math path's query-row chunks (block_attention.QUERY_CHUNK) change nothing but the
+    memory: forward and backward with 3-row chunks (uneven: 10 rows) equal one chunk, fp64,
+    to 1e-12, with grouped-query attention."""
+    from fivefold.parallel.context import block_attention as ba
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, h, 10, E, generator=gen, dtype=torch.float64)
+                     for h in (4, 2, 2, 4))
+    runs = []
+    for chunk in (1000, 3):
+        monkeypatch.setattr(ba, "QUERY_CHUNK", chunk)
+        out, lse = ba.block_attention_forward(q, k, v, causal, 0.3)
+        runs.append((out, lse, *ba.block_attention_backward(q, k, v, out, dout, lse, causal,
+                                                            0.3)))
+    for whole, chunked in zip(*runs):
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)

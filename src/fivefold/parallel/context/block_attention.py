@@ -24,6 +24,11 @@ _backward ops take out, dout and lse), which is all these two functions need.
 
 Layout: q (B, H, Tq, E), k and v (B, K, Tk, E), H a multiple of K. `causal` masks a diagonal
 block (Tq == Tk, query i sees keys 0..i of the block); off-diagonal blocks are fully visible.
+
+Memory: the math path runs the query rows `QUERY_CHUNK` at a time (rows are independent in
+both passes; the key/value gradients add up over the chunks), so a block holds at most
+QUERY_CHUNK x Tk scores per head instead of Tq x Tk, the difference between a long sequence
+training and a rank killed for memory.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+QUERY_CHUNK = 512  # query rows whose scores the math path holds at once
 
 
 def attention_kernel(device: torch.device) -> str:
@@ -59,15 +66,21 @@ def _reduce_kv(dx_BHTE: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx_BHTE.view(B, kv_heads, H // kv_heads, T, E).sum(2)
 
 
-def _scores(q_BHTE, k_BKSE, causal: bool, scale: float, acc: torch.dtype) -> torch.Tensor:
-    s_BHTS = (q_BHTE.to(acc) @ _expand_kv(k_BKSE, q_BHTE.shape[1]).to(acc).transpose(-2, -1))
-    s_BHTS = s_BHTS * scale
+def _scores(q_BHTE, k_BHSE, causal: bool, scale: float, acc: torch.dtype,
+            first_row: int = 0) -> torch.Tensor:
+    """Scaled scores of query rows [first_row, first_row + T) of the block against its keys
+    (k already expanded to q's heads), with the causal mask of a diagonal block."""
+    s_BHTS = (q_BHTE.to(acc) @ k_BHSE.to(acc).transpose(-2, -1)) * scale
     if causal:
         T, S = s_BHTS.shape[-2:]
-        assert T == S, "a causal block is a diagonal block"
-        mask = torch.ones(T, S, dtype=torch.bool, device=s_BHTS.device).triu(1)
+        rows = torch.arange(first_row, first_row + T, device=s_BHTS.device).unsqueeze(1)
+        mask = torch.arange(S, device=s_BHTS.device).unsqueeze(0) > rows
         s_BHTS = s_BHTS.masked_fill(mask, float("-inf"))
     return s_BHTS
+
+
+def _row_chunks(T: int) -> list[slice]:
+    return [slice(i, min(i + QUERY_CHUNK, T)) for i in range(0, T, QUERY_CHUNK)]
 
 
 def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
@@ -75,10 +88,17 @@ def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: 
     """(out (B, H, T, E), lse (B, H, T)) of this block, both in the accumulation dtype."""
     assert attention_kernel(q_BHTE.device) == "math"
     acc = accumulation_dtype(q_BHTE.dtype)
-    s_BHTS = _scores(q_BHTE, k_BKSE, causal, scale, acc)
-    lse_BHT = torch.logsumexp(s_BHTS, dim=-1)
-    p_BHTS = torch.exp(s_BHTS - lse_BHT.unsqueeze(-1))
-    out_BHTE = p_BHTS @ _expand_kv(v_BKSE, q_BHTE.shape[1]).to(acc)
+    B, H, T, E = q_BHTE.shape
+    if causal:
+        assert k_BKSE.shape[2] == T, "a causal block is a diagonal block"
+    k_BHSE, v_BHSE = _expand_kv(k_BKSE, H).to(acc), _expand_kv(v_BKSE, H).to(acc)
+    out_BHTE = torch.empty(B, H, T, v_BKSE.shape[-1], dtype=acc, device=q_BHTE.device)
+    lse_BHT = torch.empty(B, H, T, dtype=acc, device=q_BHTE.device)
+    for rows in _row_chunks(T):
+        s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE, causal, scale, acc, rows.start)
+        lse_BHt = torch.logsumexp(s_BHtS, dim=-1)
+        out_BHTE[:, :, rows] = torch.exp(s_BHtS - lse_BHt.unsqueeze(-1)) @ v_BHSE
+        lse_BHT[:, :, rows] = lse_BHt
     return out_BHTE, lse_BHT
 
 
@@ -90,15 +110,19 @@ def block_attention_backward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE:
     `out` and `lse` are the final (merged over all blocks) output and log-sum-exp."""
     assert attention_kernel(q_BHTE.device) == "math"
     acc = accumulation_dtype(q_BHTE.dtype)
-    H, K = q_BHTE.shape[1], k_BKSE.shape[1]
-    s_BHTS = _scores(q_BHTE, k_BKSE, causal, scale, acc)
-    p_BHTS = torch.exp(s_BHTS - lse_BHT.to(acc).unsqueeze(-1))
-    dout = dout_BHTE.to(acc)
-    d_BHT1 = (dout * out_BHTE.to(acc)).sum(-1, keepdim=True)
-    dv_BHSE = p_BHTS.transpose(-2, -1) @ dout
-    ds_BHTS = p_BHTS * (dout @ _expand_kv(v_BKSE, H).to(acc).transpose(-2, -1) - d_BHT1)
-    dq_BHTE = (ds_BHTS @ _expand_kv(k_BKSE, H).to(acc)) * scale
-    dk_BHSE = (ds_BHTS.transpose(-2, -1) @ q_BHTE.to(acc)) * scale
+    H, K, T = q_BHTE.shape[1], k_BKSE.shape[1], q_BHTE.shape[2]
+    k_BHSE, v_BHSE = _expand_kv(k_BKSE, H).to(acc), _expand_kv(v_BKSE, H).to(acc)
+    dq_BHTE = torch.empty(q_BHTE.shape, dtype=acc, device=q_BHTE.device)
+    dk_BHSE, dv_BHSE = torch.zeros_like(k_BHSE), torch.zeros_like(v_BHSE)
+    for rows in _row_chunks(T):
+        q, dout = q_BHTE[:, :, rows].to(acc), dout_BHTE[:, :, rows].to(acc)
+        s_BHtS = _scores(q, k_BHSE, causal, scale, acc, rows.start)
+        p_BHtS = torch.exp(s_BHtS - lse_BHT[:, :, rows].to(acc).unsqueeze(-1))
+        d_BHt1 = (dout * out_BHTE[:, :, rows].to(acc)).sum(-1, keepdim=True)
+        dv_BHSE += p_BHtS.transpose(-2, -1) @ dout
+        ds_BHtS = p_BHtS * (dout @ v_BHSE.transpose(-2, -1) - d_BHt1)
+        dq_BHTE[:, :, rows] = (ds_BHtS @ k_BHSE) * scale
+        dk_BHSE += (ds_BHtS.transpose(-2, -1) @ q) * scale
     return dq_BHTE, _reduce_kv(dk_BHSE, K), _reduce_kv(dv_BHSE, K)
 
 
