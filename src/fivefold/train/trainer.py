@@ -26,6 +26,9 @@ the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carr
 version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
 was in flight, and continues exactly as the uninterrupted run. The closing text sample is
 skipped with pp > 1.
+
+Every collective's ledger entry also lands in the flight recorder
+(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class Trainer:
                                           "launched ranks")
         m = cfg.model
         self.ledger = Ledger()
+        self.ledger.recorder.directory = self.run_dir / "flight_recorder"
         self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger).use_algorithms(
             CommAlgorithms.from_config(cfg), cfg.cluster.gpus_per_node)  # comm.algorithm
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
@@ -187,7 +191,7 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         start = time.perf_counter()
-        self.ledger.start_step()
+        self.ledger.start_step(step)
         self.model.train()
         lr = lr_at(step, self.cfg.train)
         clip = self.cfg.train.grad_clip or math.inf
@@ -215,6 +219,7 @@ class Trainer:
         for j in range(n_micro):
             rows = slice(j * self.micro_batch, (j + 1) * self.micro_batch)
             x, y = inputs[rows].to(self.rt.device), targets[rows].to(self.rt.device)
+            self.ledger.recorder.micro_batch = j
             if self.engine:
                 self.engine.prepare_backward(last=j == n_micro - 1)
             ce_sum = self.micro_batch_loss(x, y)
