@@ -145,7 +145,13 @@ class TrainConfig:
     sample_tokens: int = _doc("tokens of text sampled at the end; 0 disables", 64)
     device: str = _doc('"auto" (cuda if available) | "cpu" | "cuda"', "auto")
     compile: bool = _doc("torch.compile each transformer block", False)
-    timeout_s: float = _doc("collective timeout; a hung rank fails after this", 600.0)
+    timeout_s: float = _doc("collective timeout; a hung rank fails after this, and each rank "
+                            "writes RUN_DIR/flight_recorder/rank_R.json", 600.0)
+    on_nonfinite: str = _doc('a step whose loss or global gradient norm is NaN or infinite: '
+                             '"stop" (raise, naming the step and the first parameter with a '
+                             'non-finite gradient) | "skip" (drop its update, counted as '
+                             'skipped_steps in the metrics); not with PipeDream-2BW, nor LOMO '
+                             'without grad_clip', "stop")
     tensorboard: bool = _doc("write TensorBoard event files to RUN_DIR/tb", True)
     stack: str = _doc('the software stack the step runs on: "fivefold" (this runtime; the only '
                       'one `fivefold train` runs) | "megatron" (Megatron-Core / NeMo / '

@@ -210,6 +210,7 @@ def validate_train(cfg: Config) -> None:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.stack", t.stack, STACKS)
     _choice("train.device", t.device, DEVICES)
+    _choice("train.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     _positive("train.steps", t.steps)
     _positive("train.lr", t.lr)
     _positive("train.eps", t.eps)
@@ -450,6 +451,18 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                              "parallel.zero_stage = 0 (its per-matrix subspaces "
                                              "are not built for data-parallel shards or "
                                              "pipeline stages); use 'adamw' or 'muon' here")
+    if cfg.train.on_nonfinite == "skip":
+        if p.pp > 1 and p.schedule == "pipedream-2bw":
+            raise ConfigError("train.on_nonfinite", "PipeDream-2BW updates each stage inside "
+                                                    "its schedule, before any global norm is "
+                                                    "known, so a step cannot be skipped: use "
+                                                    "'stop', or a synchronous schedule")
+        if cfg.train.optimizer == "lomo" and not cfg.train.grad_clip:
+            raise ConfigError("train.on_nonfinite", "LOMO without clipping applies each "
+                                                    "gradient inside its only backward, before "
+                                                    "the norm is known: set train.grad_clip > 0"
+                                                    " (two passes, the first measures) or use "
+                                                    "'stop'")
     if cfg.train.optimizer == "lomo":
         if world_size > 1 or p.zero_stage > 0:
             raise ConfigError("train.optimizer", "LOMO updates each parameter inside backward "

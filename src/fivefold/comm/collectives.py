@@ -16,6 +16,12 @@ executor (fivefold.comm.executor): the ledger records the schedule's point-to-po
 ("send"/"recv" under the same purpose) instead of one collective record, and the call is
 synchronous (`async_op` returns None). Without `algorithms` (the default), or for a kind left
 "builtin", the builtin torch.distributed collective runs exactly as before.
+
+A builtin collective or point-to-point batch that raises (gloo's timeout after
+`train.timeout_s`, a peer that closed its connection), when issued or when its handle is
+waited on, is reported through the ledger's flight recorder (fivefold.comm.flight_recorder):
+each rank writes its recorder and stack, and `CollectiveError` names the operation, the axis
+and the ranks that never reached it. Asynchronous handles come back wrapped for that (`Work`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fivefold.comm.flight_recorder import CollectiveError
 from fivefold.comm.ledger import Ledger
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 and 2.12 only have the old names.
@@ -54,6 +61,45 @@ class Axis:
                            tensor.numel() * tensor.element_size(), purpose)
 
 
+def _group_ranks(axis: Axis) -> list[int]:
+    if axis.group is not None:
+        return dist.get_process_group_ranks(axis.group)
+    return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+
+
+def _report(axis: Axis, entry: dict | None, err: BaseException) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return axis.ledger.recorder.failed(rank, _group_ranks(axis), entry, err)
+
+
+class Work:
+    """A torch.distributed work handle whose failure is reported like a synchronous call's."""
+
+    def __init__(self, work, axis: Axis, entry: dict | None):
+        self.work, self.axis, self.entry = work, axis, entry
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            raise _report(self.axis, self.entry, err) from err
+
+    def __getattr__(self, name):  # is_completed, ...
+        return getattr(self.work, name)
+
+
+def _issue(axis: Axis, call, async_op: bool = False):
+    """Run the builtin collective `call()` just recorded on `axis`; report a failure."""
+    entry = axis.ledger.recorder.last
+    try:
+        work = call()
+    except RuntimeError as err:
+        raise _report(axis, entry, err) from err
+    return Work(work, axis, entry) if async_op and work is not None else work
+
+
 def wait(handle) -> None:
     if handle is not None:
         handle.wait()
@@ -66,7 +112,8 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, purpose: str, async_op: bool = 
     if (run := axis.scheduled("all_reduce")) is not None:
         return run(tensor, axis, purpose)
     axis.record("all_reduce", tensor, purpose)
-    return dist.all_reduce(tensor, group=axis.group, async_op=async_op)
+    return _issue(axis, lambda: dist.all_reduce(tensor, group=axis.group, async_op=async_op),
+                  async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
@@ -78,7 +125,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: st
     if (run := axis.scheduled("reduce_scatter")) is not None:
         return run(out, inp, axis, purpose)
     axis.record("reduce_scatter", inp, purpose)
-    return _reduce_scatter_flat(out, inp, group=axis.group, async_op=async_op)
+    return _issue(axis, lambda: _reduce_scatter_flat(out, inp, group=axis.group,
+                                                     async_op=async_op), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
@@ -90,7 +138,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
     if (run := axis.scheduled("all_gather")) is not None:
         return run(out, inp, axis, purpose)
     axis.record("all_gather", out, purpose)
-    return _all_gather_flat(out, inp, group=axis.group, async_op=async_op)
+    return _issue(axis, lambda: _all_gather_flat(out, inp, group=axis.group,
+                                                 async_op=async_op), async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
@@ -102,7 +151,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
     if (run := axis.scheduled("all_to_all")) is not None:
         return run(out, inp, axis, purpose, out_splits, in_splits)
     axis.record("all_to_all", inp, purpose)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=axis.group)
+    return _issue(axis, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits,
+                                                       group=axis.group))
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str):
@@ -111,7 +161,7 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src_index: int, purpose: str):
         return None
     axis.record("broadcast", tensor, purpose)
     src = dist.get_global_rank(axis.group, src_index) if axis.group is not None else src_index
-    return dist.broadcast(tensor, src=src, group=axis.group)
+    return _issue(axis, lambda: dist.broadcast(tensor, src=src, group=axis.group))
 
 
 def batch_send_recv(ops: list[tuple[bool, torch.Tensor, int, str, int]], axis: Axis) -> list:
@@ -122,11 +172,16 @@ def batch_send_recv(ops: list[tuple[bool, torch.Tensor, int, str, int]], axis: A
     handle before a tensor is reused or read.
     NCCL runs the batch as one group (a pair of ranks that both send and receive cannot
     block each other) and returns one handle for all of it; gloo returns one per op."""
-    batch = []
+    batch, entries = [], []
     for is_send, tensor, peer_index, purpose, tag in ops:
         axis.record("send" if is_send else "recv", tensor, purpose)
+        entries.append(axis.ledger.recorder.last)
         peer = (dist.get_global_rank(axis.group, peer_index) if axis.group is not None
                 else peer_index)
         batch.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer,
                                 axis.group, tag))
-    return dist.batch_isend_irecv(batch) if batch else []
+    if not batch:
+        return []
+    handles = _issue(axis, lambda: dist.batch_isend_irecv(batch))
+    return [Work(h, axis, entries[i] if len(handles) == len(entries) else entries[0])
+            for i, h in enumerate(handles)]

@@ -11,12 +11,18 @@ tag says why the collective ran ("grads", "params", "grad_norm", "loss", ...).
 The model-state bytes per rank (parameters, gradients, optimizer states, fp32 master copies)
 are recorded by the engine that owns those tensors, as the sum of their `nbytes`. The planner
 predicts both from the configuration alone, and the tests hold prediction against record.
+
+Every record also goes to the ledger's flight recorder (fivefold.comm.flight_recorder), which
+keeps the last entries across steps, with the step and micro-batch, for the report a failed
+collective writes.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+
+from fivefold.comm.flight_recorder import FlightRecorder
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,18 @@ class Ledger:
 
     records: list[CommRecord] = field(default_factory=list)
     model_state_bytes: dict[str, int] = field(default_factory=dict)
+    recorder: FlightRecorder = field(default_factory=FlightRecorder)
 
     def record(self, op: str, mesh_dim: str, group_size: int, dtype: str, nbytes: int,
                purpose: str) -> None:
         self.records.append(CommRecord(op, mesh_dim, group_size, dtype, nbytes,
                                        wire_bytes(op, nbytes, group_size), purpose))
+        self.recorder.note(op, mesh_dim, nbytes, purpose)
 
-    def start_step(self) -> None:
+    def start_step(self, step: int | None = None) -> None:
+        """Forget the last step's records; the flight recorder keeps its ring, tagged `step`."""
         self.records.clear()
+        self.recorder.step, self.recorder.micro_batch = step, None
 
     def totals(self, key: str = "bytes", by: tuple[str, ...] = ("op", "mesh_dim", "purpose")
                ) -> dict[tuple, int]:

@@ -17,6 +17,7 @@ SGD applies it), so a LOMO step equals that step (tests/test_train.py).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -53,17 +54,28 @@ class FusedSGD:
         """The global gradient norm, summed in parameter order as clip_grad_norm_ does."""
         return torch.linalg.vector_norm(torch.stack([self.norms[i] for i in sorted(self.norms)]))
 
-    def step(self, loss: torch.Tensor, lr: float, max_norm: float) -> torch.Tensor:
+    def step(self, loss: torch.Tensor, lr: float, max_norm: float,
+             check: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
         """Backward of `loss` with the update fused in; the gradient norm before clipping.
-        With a finite `max_norm` a first backward measures the norm (two passes)."""
+        With a finite `max_norm` a first backward measures the norm (two passes), and
+        `check(norm)` (the trainer's non-finite guard) decides before any update whether
+        the second pass runs at all; with one pass `check` sees the norm after the update."""
         self.norms, self.lr, self.coef = {}, lr, torch.ones(())
         two_pass = math.isfinite(max_norm)
         if two_pass:
             self.measure, self.apply = True, False
             loss.backward(retain_graph=True)
             norm = self._norm()
+            self.measure = False
+            if check is not None and not check(norm):
+                return norm  # nothing applied; the retained graph goes with `loss`
             self.coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self.measure, self.apply = not two_pass, True
         loss.backward()
         self.measure = self.apply = False
-        return norm if two_pass else self._norm()
+        if two_pass:
+            return norm
+        norm = self._norm()
+        if check is not None:
+            check(norm)
+        return norm

@@ -8,7 +8,8 @@ rank's sum of squares, all-reduced over `ParallelPlan.grad_norm_axes` (each axis
 fp32 all-reduce, which the ledger model predicts), and every gradient is scaled by
 torch.nn.utils.clip_grad_norm_'s coefficient, min(1, max_norm / (norm + 1e-6)). The local
 norm is torch's, a norm of per-tensor norms, so on one rank with no axes this is exactly
-torch's clipping (LOMO's fused clipping, fivefold.memory.lomo, matches it bit for bit).
+torch's clipping (LOMO's fused clipping, fivefold.memory.lomo, matches it bit for bit) for
+every finite norm; a non-finite norm scales nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, axes: list[Axis]
             C.all_reduce(sq, axis, "grad_norm")
         norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # a non-finite norm leaves the gradients as they are (torch would scale them all by NaN):
+    # the step is then skipped or stopped (fivefold.train.nonfinite), naming the culprit
+    coef = torch.where(torch.isfinite(norm), coef, 1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return norm

@@ -14,12 +14,20 @@ layout stops with the first key that differs.
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
 crash at any moment leaves either the old set of checkpoints or the old set plus the new one,
-never a half-written "latest". Leftover `.partial` folders are ignored and removed.
+never a half-written "latest". Leftover `.partial` folders are ignored and removed. A save
+that fails (a full disk: OSError ENOSPC, or DCP's CheckpointException around it) removes its
+`.partial` folder and raises `CheckpointWriteError` naming the checkpoint that stays the
+latest one, which a rerun resumes from (tests/test_reliability.py).
+
+Loading unpickles nothing but tensors and plain values: `rank_R.pt` is read with
+`torch.load(weights_only=True)`, so its RNG states are saved as tensors, ints, floats and
+tuples (numpy's Mersenne Twister key as an int64 tensor, converted back on load).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 import warnings
@@ -30,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import ConfigError
 from fivefold.parallel.plan import ParallelPlan
@@ -99,8 +108,15 @@ def _barrier(rt: Runtime) -> None:
         dist.barrier()
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a lost mount); the previous one stands."""
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    """This rank's RNG states as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -109,7 +125,9 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos,
+                         has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -125,8 +143,16 @@ def save_checkpoint(rt: Runtime, run_dir: Path, step: int, state: dict, meta: di
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier(rt)
-    dcp.save(state, checkpoint_id=partial)
-    torch.save({"rng": rng_state(rt.device), **extra}, partial / f"rank_{rt.rank}.pt")
+    try:
+        dcp.save(state, checkpoint_id=partial)
+        torch.save({"rng": rng_state(rt.device), **extra}, partial / f"rank_{rt.rank}.pt")
+    except (OSError, CheckpointException) as err:
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back
+        previous = latest_checkpoint(run_dir)
+        kept = (f"the latest complete checkpoint, {previous}, is intact and a rerun resumes "
+                "from it" if previous else "there is no earlier checkpoint")
+        raise CheckpointWriteError(f"rank {rt.rank} could not write checkpoint {final.name} "
+                                   f"({err}); {kept}") from err
     _barrier(rt)
     if rt.is_main:
         (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
@@ -143,7 +169,13 @@ def load_checkpoint(rt: Runtime, path: Path, state: dict) -> tuple[dict, dict]:
     """Load `state` in place, restore this rank's RNG; return (meta, this rank's extra)."""
     dcp.load(state, checkpoint_id=path)
     extra_path = path / f"rank_{rt.rank}.pt"
-    extra = torch.load(extra_path, weights_only=False) if extra_path.exists() else {}
+    try:
+        extra = torch.load(extra_path, weights_only=True) if extra_path.exists() else {}
+    except pickle.UnpicklingError as err:
+        raise ConfigError("--run-dir", f"{extra_path} holds objects other than tensors and "
+                                       "plain values (written before checkpoints loaded with "
+                                       "weights_only); it is not unpickled: resume from a "
+                                       "newer checkpoint or use another --run-dir") from err
     if "rng" in extra:
         set_rng_state(extra["rng"], rt.device)
     return json.loads((path / "meta.json").read_text()), extra

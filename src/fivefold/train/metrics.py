@@ -1,7 +1,8 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard, and the terminal progress bar.
 
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per optimizer step (step, loss, lr,
-grad_norm, tokens_per_s, mfu, peak_mem_bytes, and val_loss on validation steps). On resume,
+grad_norm, tokens_per_s, mfu, peak_mem_bytes, skipped_steps (updates the non-finite guard has
+dropped so far) and val_loss on validation steps). On resume,
 lines for steps after the checkpoint are dropped first, so the file always describes one
 consistent run. The progress bar (rich) shows loss and throughput; every `log_every` steps a
 plain line is printed too, which is what a log file or CI output keeps.
@@ -68,9 +69,11 @@ class MetricsLog:
         if step % self.log_every == 0 or "val_loss" in record:
             val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
             mfu = f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+            skipped = (f"  skipped {record['skipped_steps']} non-finite"
+                       if record.get("skipped_steps") else "")
             self.print(f"step {step:>6}  loss {record['loss']:.4f}{val}  lr {record['lr']:.2e}"
                        f"  grad_norm {record['grad_norm']:.3f}  "
-                       f"{record['tokens_per_s']:,.0f} tok/s{mfu}")
+                       f"{record['tokens_per_s']:,.0f} tok/s{mfu}{skipped}")
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -26,6 +26,12 @@ the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carr
 version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
 was in flight, and continues exactly as the uninterrupted run. The closing text sample is
 skipped with pp > 1.
+
+A step whose loss or gradient norm is not finite is skipped or stops the run
+(`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
+every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
+checkpoint. Every collective's ledger entry also lands in the flight recorder
+(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
+from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
 
@@ -96,6 +103,8 @@ class Trainer:
                                           "launched ranks")
         m = cfg.model
         self.ledger = Ledger()
+        self.ledger.recorder.directory = self.run_dir / "flight_recorder"
+        self.skipped_steps = 0  # updates dropped by the non-finite guard
         self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger).use_algorithms(
             CommAlgorithms.from_config(cfg), cfg.cluster.gpus_per_node)  # comm.algorithm
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
@@ -187,7 +196,7 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         start = time.perf_counter()
-        self.ledger.start_step()
+        self.ledger.start_step(step)
         self.model.train()
         lr = lr_at(step, self.cfg.train)
         clip = self.cfg.train.grad_clip or math.inf
@@ -198,13 +207,16 @@ class Trainer:
             inputs, targets = self.train_sampler.rank_batch(step)
             loss_sum = self.micro_batch_loss(inputs.to(self.rt.device),
                                              targets.to(self.rt.device))
-            grad_norm = self.lomo.step(loss_sum / self.global_tokens, lr, clip)
+            grad_norm = self.lomo.step(loss_sum / self.global_tokens, lr, clip,
+                                       lambda norm: self._keep_update(step, loss_sum, norm))
             loss_sum = loss_sum.detach()
         else:  # the synchronous step: every micro-batch's passes, then one update
             loss_sum = (self.pipeline.forward_backward(step) if self.pipeline else
                         self._accumulate(*self.train_sampler.rank_batch(step)))
-            grad_norm = self._update(lr, clip)
-        C.all_reduce(loss_sum, self.token_axis, "loss")
+            C.all_reduce(loss_sum, self.token_axis, "loss")  # before the update: guarded
+            grad_norm = self._update(lr, clip, step, loss_sum)
+        if self.plan.update == "pipedream-2bw" or self.lomo:
+            C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
         return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
 
@@ -215,6 +227,7 @@ class Trainer:
         for j in range(n_micro):
             rows = slice(j * self.micro_batch, (j + 1) * self.micro_batch)
             x, y = inputs[rows].to(self.rt.device), targets[rows].to(self.rt.device)
+            self.ledger.recorder.micro_batch = j
             if self.engine:
                 self.engine.prepare_backward(last=j == n_micro - 1)
             ce_sum = self.micro_batch_loss(x, y)
@@ -225,10 +238,12 @@ class Trainer:
             loss_sum += ce_sum.detach()
         return loss_sum
 
-    def _update(self, lr: float, clip: float) -> torch.Tensor:
+    def _update(self, lr: float, clip: float, step: int, loss_sum: torch.Tensor
+                ) -> torch.Tensor:
         """The synchronous update of every layout: clip the global gradient norm over the
-        plan's axes (fivefold.parallel.grad_clip), then step the data-parallel engine or, on
-        one plain rank, torch's optimizer (with the fp16 scaler); return the norm."""
+        plan's axes (fivefold.parallel.grad_clip), then, unless the non-finite guard drops
+        the update, step the data-parallel engine or, on one plain rank, torch's optimizer
+        (with the fp16 scaler); return the norm."""
         if self.engine:
             grads = [master.grad for master in self.engine.masters]
             counted = counted_masks(self.engine.units, self.tp_axis.rank)
@@ -240,6 +255,14 @@ class Trainer:
             grads = [q.grad for q in self.model.parameters() if q.grad is not None]
             counted = None
         grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
+        if not self._keep_update(step, loss_sum, grad_norm):
+            if self.engine:
+                self.engine.zero_grad()
+            else:
+                if self.scaler:  # it has unscaled this step's gradients: close the step
+                    self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
         if self.engine:
             self.engine.step(lr)
             self.engine.zero_grad()
@@ -251,6 +274,29 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _keep_update(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """The non-finite guard (fivefold.train.nonfinite), one decision for every update
+        path from values all ranks share: False (and counted) when the update is skipped;
+        NonFiniteError under "stop". With the fp16 scaler only the loss is checked."""
+        keep = keep_step(self.cfg.train.on_nonfinite, step, loss_sum.item(), grad_norm.item(),
+                         self.rt.rank, self._first_nonfinite_grad, check_norm=not self.scaler)
+        if not keep:
+            self.skipped_steps += 1
+            self.say(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
+                     f"({self.skipped_steps} skipped so far)")
+        return keep
+
+    def _first_nonfinite_grad(self) -> str | None:
+        """The name of this rank's first parameter whose gradient is not finite."""
+        if self.engine:
+            return first_nonfinite(flat_unit_grads(self.engine.units,
+                                                   [m.grad for m in self.engine.masters]))
+        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        if self.lomo:  # gradients are gone: their norms, measured in backward, remain
+            return first_nonfinite((named[i][0], norm) for i, norm in
+                                   sorted(self.lomo.norms.items()))
+        return first_nonfinite((n, q.grad) for n, q in named)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -293,6 +339,7 @@ class Trainer:
                 self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        self.skipped_steps = meta.get("skipped_steps", 0)
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
 
@@ -322,6 +369,7 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         meta = {"data_position": step, "config": self.cfg.to_dict(),
+                "skipped_steps": self.skipped_steps,
                 **layout_record(self.plan)}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
@@ -363,6 +411,7 @@ class Trainer:
                                   self.peak_flops
                                   if self.peak_flops else None),
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
+                          "skipped_steps": self.skipped_steps,
                           "ledger": self.ledger.summary()}
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
