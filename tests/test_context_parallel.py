@@ -13,14 +13,16 @@ rounding-level gradient change moves no element by more than lr * |dg| / eps per
 Models are tiny (2 layers, hidden 64, 32 tokens): grouped-query attention with 2 key/value
 heads (fewer than Ulysses' 4 ranks at cp 4: replicated to fit) and with 1, tied and untied
 embeddings. The hybrid runs Ulysses over pairs of neighbouring cp ranks and the ring across
-the pairs (cp 4 = 2 x 2; cp 8: a ring of 4 across 2-rank Ulysses groups). Composed with tensor (and sequence) parallelism and with pipelines, up to
-pp 2 x cp 2 x tp 2 on 8 ranks. Ranks start once per world size (2, 4 and 8).
+the pairs (cp 4 = 2 x 2; cp 8: a ring of 4 across 2-rank Ulysses groups). Composed with
+tensor (and sequence) parallelism and with pipelines, up to pp 2 x cp 2 x tp 2 on 8 ranks.
+Ranks start once per world size (2, 4 and 8).
 """
 
 from __future__ import annotations
 
 import pytest
-from parity import CPU, STEPS, assert_params_close, resumed_losses, train_steps
+import torch
+from parity import CPU, STEPS, assert_params_close, full_parameters, resumed_losses, train_steps
 
 from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
@@ -79,6 +81,8 @@ def _on_ranks(rt, overrides, layouts, tmp):
         straight = Trainer(cfg, rt, f"{tmp}/straight")
         resume = ([straight.train_step(s).loss for s in range(4)],
                   resumed_losses(rt, cfg, f"{tmp}/resumed", save_at=2, steps=4)[0])
+        straight._save(4)
+        resume += (full_parameters(straight), f"{tmp}/straight")
     return (trained if rt.rank == 0 else None), ledgers, resume, saved
 
 
@@ -160,8 +164,20 @@ def test_ledger_prediction_equals_runtime(world, layouts, ranks, overrides):
 def test_resume_is_exact(ranks):
     """cp 2 x dp 2, ZeRO-3, ring: a run stopped after 2 steps and resumed from its
     checkpoint gives the uninterrupted run's losses bit for bit."""
-    straight, resumed = ranks[4][0][2]
+    straight, resumed, _, _ = ranks[4][0][2]
     assert resumed == straight
+
+
+def test_checkpoint_exports_the_whole_model(ranks):
+    """`fivefold convert`'s reader (fivefold.train.checkpoint_export) joins the ZeRO-3 shards
+    that span dp x cp back into the whole model's tensors, equal to the trained ones."""
+    from fivefold.train.checkpoint_export import read_checkpoint
+
+    _, _, params, run_dir = ranks[4][0][2]
+    exported = read_checkpoint(run_dir).state
+    assert exported.keys() == params.keys()
+    for name, value in params.items():
+        assert torch.equal(exported[name], value), name
 
 
 @pytest.mark.parametrize("world, layouts", WORLDS[:2])
