@@ -27,7 +27,7 @@ from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import (check_sequence_split, context_layout,
                                               context_positions, mode_degrees, shard_sequence,
                                               unshard_sequence)
-from fivefold.parallel.context.ulysses import check_ulysses_heads, ulysses_kv_heads
+from fivefold.parallel.context.heads import check_ulysses_heads, ulysses_kv_heads
 from fivefold.parallel.context.zigzag import (check_zigzag, zigzag_positions, zigzag_shard,
                                               zigzag_unshard)
 from fivefold.testing import run_on_ranks

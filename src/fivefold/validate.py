@@ -125,7 +125,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                           "gradients; set parallel.zero_stage to 1, 2 or 3")
     if p.hpz or p.qgz:
         shard = p.zero_group or dp
-        per_node = ranks_per_node(cfg, shard)
+        per_node = ranks_per_node(cfg.cluster.gpus_per_node, p.tp, p.cp, shard)
         if shard % per_node:
             raise ConfigError("cluster.gpus_per_node", f"{per_node} data-parallel ranks per node"
                                                        f" do not divide the shard group of "
@@ -200,9 +200,10 @@ def validate_pipeline(cfg: Config, dp: int) -> None:
                                                   "lower parallel.micro_batch")
 
 
-def ranks_per_node(cfg: Config, shard: int) -> int:
-    """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node first)."""
-    return max(1, min(shard, cfg.cluster.gpus_per_node // (cfg.parallel.tp * cfg.parallel.cp)))
+def ranks_per_node(gpus_per_node: int, tp: int, cp: int, shard: int) -> int:
+    """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node first):
+    ZeRO++'s hpZ and qgZ groups."""
+    return max(1, min(shard, gpus_per_node // (tp * cp)))
 
 
 def validate_train(cfg: Config) -> None:

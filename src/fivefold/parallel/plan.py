@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fivefold.config import Config, ParallelConfig
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
-from fivefold.validate import context_degrees, validate_for_training
+from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -95,9 +95,8 @@ class ParallelPlan:
 
     @property
     def ranks_per_node(self) -> int:
-        """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node
-        first): ZeRO++'s hpZ and qgZ groups."""
-        return max(1, min(self.zero_group, self.gpus_per_node // (self.tp * self.cp)))
+        """Ranks of one data-parallel shard group on a node (validate.ranks_per_node)."""
+        return ranks_per_node(self.gpus_per_node, self.tp, self.cp, self.zero_group)
 
     @property
     def per_rank_batch(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
+from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.stack import FIVEFOLD, Stack
 
@@ -42,8 +43,7 @@ def ring_kv_heads(model: ModelConfig, lay: ParallelPlan) -> int | None:
     ring, ulysses = lay.context_degrees
     if ring == 1:
         return None
-    kv = model.n_kv_heads // lay.tp
-    return kv if kv % ulysses == 0 else ulysses
+    return ulysses_kv_heads(model.n_kv_heads // lay.tp, ulysses)
 
 
 def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,

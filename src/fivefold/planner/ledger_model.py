@@ -52,6 +52,7 @@ import dataclasses
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
+from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
                                                zero3_block_gathers)
@@ -177,7 +178,7 @@ class _Step:
         shard_tokens = lay.micro_batch * m.seq_len // lay.cp
         heads, kv_heads = m.heads // lay.tp, m.n_kv_heads // lay.tp  # this tp rank's
         if ulysses > 1:
-            kv_heads = kv_heads if kv_heads % ulysses == 0 else ulysses  # replicated to fit
+            kv_heads = ulysses_kv_heads(kv_heads, ulysses)  # replicated to fit when fewer
             dim = "cp_ulysses" if hybrid else "cp"
             sizes = {"cp_q": heads, "cp_k": kv_heads, "cp_v": kv_heads, "cp_out": heads}
             for _ in range(self.blocks):

@@ -13,7 +13,7 @@ needs no causal balancing: after the all-to-all every rank attends over the whol
 In the hybrid (fivefold.parallel.context.hybrid) the shards are contiguous pieces of a ring
 rank's zigzag part, and the all-to-all rebuilds that part (see .layout).
 
-Grouped-query attention (`ulysses_kv_heads`): the key/value heads are split over the axis
+Grouped-query attention (`heads.ulysses_kv_heads`): the key/value heads are split over the axis
 like the query heads when u divides them; when there are fewer than u and they divide u,
 each is replicated u/K times (the replicas' gradients are summed back by the replication's
 own backward) so every rank gets the one key/value head its query heads share; otherwise the
@@ -37,31 +37,7 @@ import torch.nn.functional as F
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.parallel.context.block_attention import default_scale
-
-
-def ulysses_kv_heads(kv_heads: int, degree: int) -> int:
-    """Key/value heads that enter the Ulysses all-to-all on `degree` ranks: `kv_heads` when
-    the degree divides them, else `degree` (each head replicated) when they divide the
-    degree; ValueError otherwise."""
-    if kv_heads % degree == 0:
-        return kv_heads
-    if degree % kv_heads == 0:
-        return degree
-    raise ValueError(f"Ulysses splits the key/value heads over its {degree} ranks: "
-                     f"kv_heads = {kv_heads} neither divides by {degree} nor divides it (so "
-                     f"the heads cannot be replicated to fit); choose kv_heads or the Ulysses "
-                     f"degree so that one divides the other")
-
-
-def check_ulysses_heads(heads: int, kv_heads: int, degree: int) -> int:
-    """ValueError unless Ulysses on `degree` ranks can split these heads; the kv heads it
-    moves (see `ulysses_kv_heads`)."""
-    if heads % degree:
-        raise ValueError(f"Ulysses splits the attention heads over its {degree} ranks, and "
-                         f"heads = {heads} does not divide by {degree}")
-    if heads % kv_heads:
-        raise ValueError(f"heads = {heads} is not a multiple of kv_heads = {kv_heads}")
-    return ulysses_kv_heads(kv_heads, degree)
+from fivefold.parallel.context.heads import check_ulysses_heads
 
 
 def _seq_to_heads(x_BHSE: torch.Tensor, axis: Axis, purpose: str) -> torch.Tensor:
