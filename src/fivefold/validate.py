@@ -434,12 +434,9 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
                                                  "parallel.zero_stage to 1, 2 or 3, or drop "
                                                  "zero_group")
-    if p.recompute == "selective":
-        raise ConfigError("parallel.recompute", "selective recomputation (a per-operator "
-                                                "policy) is not implemented in the runtime yet;"
-                                                " use 'full' or 'none'")
-    if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "terapipe", "pipedream-2bw"):
-        raise ConfigError("parallel.schedule", f"parallel.recompute = 'full' is not supported "
+    if p.recompute != "none" and p.pp > 1 and p.schedule in ("zb", "terapipe", "pipedream-2bw"):
+        raise ConfigError("parallel.schedule", f"parallel.recompute = '{p.recompute}' is not "
+                                               f"supported "
                                                f"with {p.schedule}: it keeps per-pass state "
                                                "(split backward, key/value caches or weight "
                                                "versions) that recomputation would bypass; use "

@@ -6,7 +6,9 @@ saved tensor's storage once, so a tensor saved by several operations (the input 
 wv) counts once, and skips the storages of parameters and buffers (model state, not
 activations; a weight's transposed view shares its storage). Each storage is charged to the
 module named by `label_modules` that was running when it was first saved; anything saved
-outside them (embedding, final norm, output head, loss) is charged to "root".
+outside them (embedding, final norm, output head, loss) is charged to "root". Under
+selective recomputation the tensors torch's checkpoint cache keeps are counted too, as the
+policy keeps them (fivefold.memory.recompute.observe_selective_saves).
 
     with SavedActivations(model, {f"layers.{i}": b for i, b in enumerate(model.layers)}) as acts:
         loss = compute_loss(model, batch)
@@ -23,6 +25,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from fivefold.memory.recompute import observe_selective_saves
+
 
 class SavedActivations:
     def __init__(self, model: nn.Module, label_modules: dict[str, nn.Module] | None = None):
@@ -35,6 +39,7 @@ class SavedActivations:
         self._label = ["root"]
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._selective = observe_selective_saves(self._pack)
 
     @property
     def total_bytes(self) -> int:
@@ -55,9 +60,11 @@ class SavedActivations:
             self._handles.append(module.register_forward_hook(
                 lambda m, args, out: self._label.__setitem__(0, "root")))
         self._hooks.__enter__()
+        self._selective.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._selective.__exit__(*exc)
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
