@@ -61,6 +61,8 @@ engine records its model-state bytes per rank there too.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -407,7 +409,8 @@ class DataParallelEngine:
         """Tensors to save or load in place: master weights and Adam moments of this rank.
 
         Keys name the shard (`.shard{r}of{n}`), so DCP stores every shard once (replicas
-        hold identical ones); resuming needs the same data-parallel layout. With Muon the
+        hold identical ones); loading them in place needs the same data-parallel layout,
+        another layout takes them through `load_whole_state`. With Muon the
         states are per parameter: Muon's momentum, or AdamW's moments and step.
         """
         n, r = self.shard_axis.size, self.shard_axis.rank
@@ -416,20 +419,50 @@ class DataParallelEngine:
                        for unit, master in zip(self.units, self.masters)},
                     **{f"{key}.{name}.shard{r}of{n}": value
                        for name, state in self._view_states() for key, value in state.items()}}
-        for master in self.masters:  # make the moments exist so that a load can fill them
-            state = self.optimizer.state[master]
-            if not state:
-                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
-                             exp_avg_sq=torch.zeros_like(master))
         out = {}
-        for unit, master in zip(self.units, self.masters):
+        for unit, master, state in zip(self.units, self.masters, self._adam_states()):
             tag = f"{unit.name}.shard{r}of{n}"
-            state = self.optimizer.state[master]
             out[f"master.{tag}"] = master.data
             out[f"exp_avg.{tag}"] = state["exp_avg"]
             out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
             out[f"step.{tag}"] = state["step"]
         return out
+
+    def _adam_states(self) -> list[dict[str, torch.Tensor]]:
+        """AdamW's state of each master, created empty where no step has run yet, so that a
+        checkpoint load can fill it."""
+        for master in self.masters:
+            state = self.optimizer.state[master]
+            if not state:
+                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+        return [self.optimizer.state[master] for master in self.masters]
+
+    @torch.no_grad()
+    def load_whole_state(self, whole: dict[str, dict[str, torch.Tensor]], step: torch.Tensor,
+                         local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Set this rank's master weights and AdamW moments from whole-model tensors by
+        parameter name, `whole["master" | "exp_avg" | "exp_avg_sq"][name]`, and every
+        master's step count to `step`: a checkpoint written under another layout
+        (fivefold.train.reshard). `local(name, tensor)` is this rank's part of a whole
+        parameter (its tensor-parallel shard); each unit is then laid out flat and padded as
+        at construction (fivefold.parallel.flat_unit) and this rank keeps its shard of the
+        buffer, the moments exactly like the weights they belong to. AdamW only: Muon's
+        per-matrix states are not resharded (fivefold.train.checkpoint refuses it first)."""
+        assert not self.views, "resharding carries AdamW states only"
+        for unit, master, state in zip(self.units, self.masters, self._adam_states()):
+            for kind, target in (("master", master.data), ("exp_avg", state["exp_avg"]),
+                                 ("exp_avg_sq", state["exp_avg_sq"])):
+                flat = torch.zeros(unit.padded, dtype=target.dtype, device=target.device)
+                for name, view in zip(unit.names, unit.views(flat)):
+                    part = local(name, whole[kind][name])
+                    if part.shape != view.shape:
+                        raise ValueError(f"{kind} of {name}: this rank's part has shape "
+                                         f"{tuple(part.shape)}, its unit {tuple(view.shape)}")
+                    view.copy_(part)
+                target.copy_(flat if self.stage == 0 else flat[unit.shard_slice])
+            state["step"].copy_(step)
+        self.after_checkpoint_load()
 
     def _view_states(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """(name, optimizer state) of every Muon-path view, created empty where no step has
