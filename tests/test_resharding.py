@@ -1,6 +1,6 @@
 """A checkpoint written under one layout resumes under another (fivefold.train.reshard).
 
-Four changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
+Five changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
 new layout resumes from that checkpoint and trains steps 3-4; the reference is the new
 layout trained straight through 4 steps from the same initial state (and, for every run, the
 single-process Trainer, the reference of all parity tests):
@@ -9,6 +9,8 @@ single-process Trainer, the reference of all parity tests):
   dp 2 x tp 2, ZeRO-1             -> pp 2 x dp 2, ZeRO-1, 1F1B
   dp 4, ZeRO-3 in groups of 2     -> dp 4, ZeRO-1 over all 4 (stage and group)
   pp 2 x dp 2, 1F1B (2 + 2 blocks) -> pp 2 x dp 2, interleaved (vpp 2, 1 block per chunk)
+  cp 2 x dp 2 (ring), ZeRO-1      -> dp 4, ZeRO-1 (ZeRO shards over dp x cp: 4 shards either way,
+                                     but other tokens per rank)
 
 Resharding itself is exact: right after the resume the new layout saves, and every weight,
 AdamW moment and step count read back from that checkpoint equals the old checkpoint's bit
@@ -50,6 +52,7 @@ CHANGES = {  # name: (old layout, new layout), --set overrides on 4 ranks
                                      "parallel.micro_batch=1"],
                             ZERO1 + ["parallel.pp=2", "parallel.schedule='interleaved'",
                                      "parallel.vpp=2", "parallel.micro_batch=1"]),
+    "cp2 x dp2 -> dp4": (ZERO1 + ["parallel.cp=2", "parallel.cp_mode='ring'"], ZERO1),
 }
 LOSS_REL = 2e-5  # the parity tolerance (module docstring)
 
@@ -181,3 +184,18 @@ def test_what_cannot_be_resharded_is_refused(base, old, new, key):
     plan = plan_from_config(load_config(None, base + ["parallel.tp=2"]), 4, "fp32")
     assert check_layout(path, _meta(base, []), plan) == ["parallel.tp", "parallel.zero_group",
                                                          "parallel.dp"]
+
+
+def test_a_refused_resume_stops_before_ranks_start(resharded, base, monkeypatch, capsys):
+    """`fivefold train --nproc 4` with another global batch on a run directory that holds a
+    checkpoint: exit 2 with the message, and no rank is launched."""
+    from fivefold import cli
+    import fivefold.train.launch as launch
+
+    tmp, _ = resharded
+    monkeypatch.setattr(launch, "launch_local", lambda *a: pytest.fail("ranks started"))
+    sets = [arg for s in base for arg in ("--set", s)]
+    code = cli.main(["train", "--nproc", "4", "--run-dir", str(tmp / "0" / "run"), *sets,
+                     "--set", "parallel.global_batch=16"])
+    assert code == 2
+    assert "`parallel.global_batch`" in capsys.readouterr().err

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fivefold.config import ConfigError
+from fivefold.config import Config, ConfigError
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.dist import Runtime
 
@@ -110,6 +110,22 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                           f" carries AdamW's states only, not {' or '.join(sorted(optimizers))}"
                           "'s: resume with the layout that wrote it or use another --run-dir")
     return changed
+
+
+def check_resume(run_dir: Path, cfg: Config, plan: ParallelPlan
+                 ) -> tuple[Path, dict, list[str]] | None:
+    """The latest checkpoint of `run_dir`, its meta.json and the layout keys a resume under
+    `plan` reshards (`check_layout`); None when there is none. ConfigError where this run
+    cannot resume from it: another model, or what `check_layout` refuses. `fivefold train`
+    asks before it starts ranks, each rank again before it loads."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("config", {}).get("model") != cfg.to_dict()["model"]:
+        raise ConfigError("model", f"{run_dir} holds a checkpoint of a different model; use "
+                                   "another --run-dir or the same model keys")
+    return path, meta, check_layout(path, meta, plan)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -65,9 +65,8 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
-from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
-                                       load_checkpoint, remove_partials, save_checkpoint,
-                                       shard_tag)
+from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
+                                       remove_partials, save_checkpoint, shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
@@ -322,14 +321,10 @@ class Trainer:
     def _resume(self) -> int:
         if self.rt.is_main:
             remove_partials(self.run_dir)
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        found = check_resume(self.run_dir, self.cfg, self.plan)
+        if found is None:
             return 0
-        saved_meta = json.loads((path / "meta.json").read_text())
-        if saved_meta.get("config", {}).get("model") != self.cfg.to_dict()["model"]:
-            raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
-                                       " use another --run-dir or the same model keys")
-        changed = check_layout(path, saved_meta, self.plan)
+        path, saved_meta, changed = found
         if changed:  # written under another layout (fivefold.train.reshard)
             meta = saved_meta
             extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
