@@ -6,9 +6,10 @@ layout trained straight through 4 steps from the same initial state (and, for ev
 single-process Trainer, the reference of all parity tests):
 
   dp 4, ZeRO-1                    -> dp 2 x tp 2, ZeRO-1 (vocabulary 511: one padding row)
-  dp 2 x tp 2, ZeRO-1             -> pp 2 x dp 2, ZeRO-1, 1F1B
+  dp 2 x tp 2, ZeRO-1             -> pp 2 x dp 2, ZeRO-1, 1F1B (tied embeddings)
   dp 4, ZeRO-3 in groups of 2     -> dp 4, ZeRO-1 over all 4 (stage and group)
-  pp 2 x dp 2, 1F1B (2 + 2 blocks) -> pp 2 x dp 2, interleaved (vpp 2, 1 block per chunk)
+  pp 2 x dp 2, 1F1B (2 + 2 blocks) -> pp 2 x dp 2, interleaved (vpp 2, 1 block per chunk;
+                                     tied embeddings)
   cp 2 x dp 2 (ring), ZeRO-1      -> dp 4, ZeRO-1 (ZeRO shards over dp x cp: 4 shards either way,
                                      but other tokens per rank)
 
@@ -42,16 +43,16 @@ from parity import CPU
 
 STEPS, SAVE_AT = 4, 2
 ZERO1 = ["parallel.zero_stage=1"]
+TIED = ["model.tied_embeddings=true"]  # both sides of a change: the model stays the model
+PP2 = ["parallel.pp=2", "parallel.micro_batch=1"]
 CHANGES = {  # name: (old layout, new layout), --set overrides on 4 ranks
     "dp4 -> dp2 x tp2": (ZERO1, ZERO1 + ["parallel.tp=2"]),
-    "dp2 x tp2 -> pp2 x dp2": (ZERO1 + ["parallel.tp=2"],
-                               ZERO1 + ["parallel.pp=2", "parallel.schedule='1f1b'",
-                                        "parallel.micro_batch=1"]),
+    "dp2 x tp2 -> pp2 x dp2 (tied)": (TIED + ZERO1 + ["parallel.tp=2"],
+                                      TIED + ZERO1 + PP2 + ["parallel.schedule='1f1b'"]),
     "ZeRO-3 (group 2) -> ZeRO-1": (["parallel.zero_stage=3", "parallel.zero_group=2"], ZERO1),
-    "1F1B -> interleaved": (ZERO1 + ["parallel.pp=2", "parallel.schedule='1f1b'",
-                                     "parallel.micro_batch=1"],
-                            ZERO1 + ["parallel.pp=2", "parallel.schedule='interleaved'",
-                                     "parallel.vpp=2", "parallel.micro_batch=1"]),
+    "1F1B -> interleaved (tied)": (TIED + ZERO1 + PP2 + ["parallel.schedule='1f1b'"],
+                                   TIED + ZERO1 + PP2 + ["parallel.schedule='interleaved'",
+                                                         "parallel.vpp=2"]),
     "cp2 x dp2 -> dp4": (ZERO1 + ["parallel.cp=2", "parallel.cp_mode='ring'"], ZERO1),
 }
 LOSS_REL = 2e-5  # the parity tolerance (module docstring)
@@ -95,9 +96,13 @@ def resharded(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(base, tmp_path_factory):
-    """The single-process Trainer's losses of 4 straight steps."""
-    trainer = Trainer(load_config(None, base), CPU, tmp_path_factory.mktemp("plain"))
-    return [trainer.train_step(s).loss for s in range(STEPS)]
+    """The single-process Trainer's losses of 4 straight steps, untied and tied embeddings."""
+    losses = {}
+    for tied in (False, True):
+        cfg = load_config(None, base + (TIED if tied else []))
+        trainer = Trainer(cfg, CPU, tmp_path_factory.mktemp("plain"))
+        losses[tied] = [trainer.train_step(s).loss for s in range(STEPS)]
+    return losses
 
 
 def _assert_state_equal(got: dict, want: dict, label: str) -> None:
@@ -113,8 +118,8 @@ def test_resharded_state_is_the_saved_state_exactly(resharded, base):
     read back whole) equal the old checkpoint's, tensor for tensor, bit for bit; and the
     step count is the 2 steps taken."""
     tmp, _ = resharded
-    cfg = load_config(None, base).model
     for k, label in enumerate(CHANGES):
+        cfg = load_config(None, base + (TIED if "tied" in label else [])).model
         old = read_training_state(step_dir(tmp / str(k) / "run", SAVE_AT), cfg)
         loaded = read_training_state(step_dir(tmp / str(k) / "loaded", SAVE_AT), cfg)
         _assert_state_equal(loaded, old, label)
@@ -127,23 +132,24 @@ def test_resumed_losses_follow_the_straight_run(resharded, one_process):
     layout run straight through, and of one process, within rel 2e-5 (module docstring)."""
     _, results = resharded
     for label, (start, before, after, straight) in zip(CHANGES, results[0]):
+        reference = one_process["tied" in label]
         assert start == SAVE_AT, label
         assert after == pytest.approx(straight[SAVE_AT:], rel=LOSS_REL), label
-        assert before + after == pytest.approx(one_process, rel=LOSS_REL), label
-        assert straight == pytest.approx(one_process, rel=LOSS_REL), label
+        assert before + after == pytest.approx(reference, rel=LOSS_REL), label
+        assert straight == pytest.approx(reference, rel=LOSS_REL), label
     for rank_results in results[1:]:  # every rank logs the same losses
         assert [r[2] for r in rank_results] == [r[2] for r in results[0]]
 
 
 def test_a_parallel_checkpoint_resumes_in_one_process(resharded, base, one_process,
                                                       tmp_path, capsys):
-    """dp 2 x tp 2 (ZeRO-1, padded vocabulary) -> one process: the plain model and torch's
-    AdamW hold exactly the checkpoint's tensors, the resume says what it resharded, and the
-    continued losses are the one-process run's (rel 2e-5)."""
+    """dp 2 x tp 2 (ZeRO-1, tied, padded vocabulary) -> one process: the plain model and
+    torch's AdamW hold exactly the checkpoint's tensors, the resume says what it resharded,
+    and the continued losses are the one-process run's (rel 2e-5)."""
     tmp, _ = resharded
     saved = step_dir(tmp / "1" / "run", SAVE_AT)  # change 1's old layout: dp 2 x tp 2
     shutil.copytree(saved, step_dir(tmp_path, SAVE_AT))
-    cfg = load_config(None, base)
+    cfg = load_config(None, base + TIED)
     trainer = Trainer(cfg, CPU, tmp_path)
     assert trainer._resume() == SAVE_AT
     assert ("resharded" in capsys.readouterr().out)
@@ -156,7 +162,7 @@ def test_a_parallel_checkpoint_resumes_in_one_process(resharded, base, one_proce
             got[kind][names[id(q)]] = state[kind]
     _assert_state_equal(got, want, "one process")
     losses = [trainer.train_step(s).loss for s in range(SAVE_AT, STEPS)]
-    assert losses == pytest.approx(one_process[SAVE_AT:], rel=LOSS_REL)
+    assert losses == pytest.approx(one_process[True][SAVE_AT:], rel=LOSS_REL)
 
 
 def _meta(base, sets):
