@@ -67,7 +67,8 @@ def shard_tag(pp_rank: int, pp: int, tp_rank: int, tp: int) -> str:
 
 def layout_record(plan: ParallelPlan) -> dict:
     """The meta.json entries of a plan: the whole plan, and `layout`, what decides the
-    checkpoint's keys and shards as "parallel.key": value (a resume must match it)."""
+    checkpoint's keys and shards as "parallel.key": value (a resume under another one
+    reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
               for key in ("pp", "tp", "cp", "vpp", "stage_layers", "zero_stage", "zero_group",
                           "hpz")}
@@ -107,7 +108,7 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     if optimizers != {"adamw"}:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "
                           f"{saved[changed[0]]!r}, this run has {now[changed[0]]!r}; resharding"
-                          f" carries AdamW's states only, not {' or '.join(sorted(optimizers))}"
+                          f" carries AdamW's states only, not {' or '.join(sorted(optimizers - {'adamw'}))}"
                           "'s: resume with the layout that wrote it or use another --run-dir")
     return changed
 
