@@ -1,6 +1,6 @@
 """A checkpoint written under one layout resumes under another (fivefold.train.reshard).
 
-Five changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
+Six changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
 new layout resumes from that checkpoint and trains steps 3-4; the reference is the new
 layout trained straight through 4 steps from the same initial state (and, for every run, the
 single-process Trainer, the reference of all parity tests):
@@ -10,12 +10,15 @@ single-process Trainer, the reference of all parity tests):
   dp 4, ZeRO-3 in groups of 2     -> dp 4, ZeRO-1 over all 4 (stage and group)
   pp 2 x dp 2, 1F1B (2 + 2 blocks) -> pp 2 x dp 2, interleaved (vpp 2, 1 block per chunk;
                                      tied embeddings)
-  cp 2 x dp 2 (ring), ZeRO-1      -> dp 4, ZeRO-1 (ZeRO shards over dp x cp: 4 shards either way,
-                                     but other tokens per rank)
+  cp 2 x dp 2 (ring), ZeRO-1      -> dp 4, ZeRO-1 (ZeRO shards over dp x cp: 4 shards
+                                     either way, but other tokens per rank)
+  dp 4, DDP, Muon                 -> pp 2 x dp 2, 1F1B, Muon (whole matrices' momentum)
 
 Resharding itself is exact: right after the resume the new layout saves, and every weight,
-AdamW moment and step count read back from that checkpoint equals the old checkpoint's bit
-for bit (both read whole through fivefold.train.checkpoint_export). The resumed losses then
+AdamW moment and step count and Muon momentum read back from that checkpoint equals the old
+checkpoint's bit for bit (both read whole through fivefold.train.checkpoint_export); the
+Muon change keeps the parity tests' Muon tolerance for losses (tests/test_data_parallel.py:
+rel 2e-5 too). The resumed losses then
 differ from the straight run's only by the float order of the layouts' sums in steps 1-2, so
 the tolerance is the parity tests' (tests/test_pipeline_trainer.py, fp32 on CPU, lr 1e-3,
 Adam eps 1e-6): losses rel 2e-5. The same holds for a checkpoint taken into one process
@@ -43,17 +46,19 @@ from parity import CPU
 
 STEPS, SAVE_AT = 4, 2
 ZERO1 = ["parallel.zero_stage=1"]
-TIED = ["model.tied_embeddings=true"]  # both sides of a change: the model stays the model
+TIED = ["model.tied_embeddings=true"]
+MUON = ["train.optimizer=muon"]  # ZeRO-0, no tp: it orthogonalizes whole matrices
 PP2 = ["parallel.pp=2", "parallel.micro_batch=1"]
-CHANGES = {  # name: (old layout, new layout), --set overrides on 4 ranks
-    "dp4 -> dp2 x tp2": (ZERO1, ZERO1 + ["parallel.tp=2"]),
-    "dp2 x tp2 -> pp2 x dp2 (tied)": (TIED + ZERO1 + ["parallel.tp=2"],
-                                      TIED + ZERO1 + PP2 + ["parallel.schedule='1f1b'"]),
-    "ZeRO-3 (group 2) -> ZeRO-1": (["parallel.zero_stage=3", "parallel.zero_group=2"], ZERO1),
-    "1F1B -> interleaved (tied)": (TIED + ZERO1 + PP2 + ["parallel.schedule='1f1b'"],
-                                   TIED + ZERO1 + PP2 + ["parallel.schedule='interleaved'",
-                                                         "parallel.vpp=2"]),
-    "cp2 x dp2 -> dp4": (ZERO1 + ["parallel.cp=2", "parallel.cp_mode='ring'"], ZERO1),
+CHANGES = {  # name: (on both sides and the one-process run, old layout, new), on 4 ranks
+    "dp4 -> dp2 x tp2": ([], ZERO1, ZERO1 + ["parallel.tp=2"]),
+    "dp2 x tp2 -> pp2 x dp2 (tied)": (TIED, ZERO1 + ["parallel.tp=2"],
+                                      ZERO1 + PP2 + ["parallel.schedule='1f1b'"]),
+    "ZeRO-3 (group 2) -> ZeRO-1": ([], ["parallel.zero_stage=3", "parallel.zero_group=2"], ZERO1),
+    "1F1B -> interleaved (tied)": (TIED, ZERO1 + PP2 + ["parallel.schedule='1f1b'"],
+                                   ZERO1 + PP2 + ["parallel.schedule='interleaved'",
+                                                  "parallel.vpp=2"]),
+    "cp2 x dp2 -> dp4": ([], ZERO1 + ["parallel.cp=2", "parallel.cp_mode='ring'"], ZERO1),
+    "dp4 -> pp2 x dp2 (Muon)": (MUON, [], PP2 + ["parallel.schedule='1f1b'"]),
 }
 LOSS_REL = 2e-5  # the parity tolerance (module docstring)
 
@@ -72,8 +77,9 @@ def _changes(rt, base, tmp):
     new layout's losses of steps 3-4 after resharding (having first saved what it loaded to
     `{tmp}/{k}/loaded`), and the new layout's losses of 4 straight steps."""
     out = []
-    for k, (old, new) in enumerate(CHANGES.values()):
-        old_cfg, new_cfg = load_config(None, base + old), load_config(None, base + new)
+    for k, (common, old, new) in enumerate(CHANGES.values()):
+        old_cfg = load_config(None, base + common + old)
+        new_cfg = load_config(None, base + common + new)
         first = Trainer(old_cfg, rt, f"{tmp}/{k}/run")
         before = [first.train_step(s).loss for s in range(SAVE_AT)]
         first._save(SAVE_AT)
@@ -96,43 +102,54 @@ def resharded(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(base, tmp_path_factory):
-    """The single-process Trainer's losses of 4 straight steps, untied and tied embeddings."""
+    """The single-process Trainer's losses of 4 straight steps, per model and optimizer."""
     losses = {}
-    for tied in (False, True):
-        cfg = load_config(None, base + (TIED if tied else []))
-        trainer = Trainer(cfg, CPU, tmp_path_factory.mktemp("plain"))
-        losses[tied] = [trainer.train_step(s).loss for s in range(STEPS)]
+    for common, _, _ in CHANGES.values():
+        if tuple(common) not in losses:
+            trainer = Trainer(load_config(None, base + common), CPU,
+                              tmp_path_factory.mktemp("plain"))
+            losses[tuple(common)] = [trainer.train_step(s).loss for s in range(STEPS)]
     return losses
 
 
-def _assert_state_equal(got: dict, want: dict, label: str) -> None:
-    assert got.keys() == want.keys(), label
-    for kind in want:
-        assert got[kind].keys() == want[kind].keys(), (label, kind)
-        for name, tensor in want[kind].items():
-            assert torch.equal(got[kind][name], tensor), (label, kind, name)
+def _assert_state_equal(got: tuple, want: tuple, label: str) -> None:
+    """The same weights and optimizer states (read_training_state), bit for bit."""
+    (weights, states), (want_weights, want_states) = got, want
+    assert weights.keys() == want_weights.keys() and states.keys() == want_states.keys(), label
+    for name, tensor in want_weights.items():
+        assert torch.equal(weights[name], tensor), (label, name)
+    for name, state in want_states.items():
+        assert state.keys() == states[name].keys(), (label, name)
+        for kind, tensor in state.items():
+            assert torch.equal(states[name][kind], tensor), (label, name, kind)
 
 
 def test_resharded_state_is_the_saved_state_exactly(resharded, base):
-    """After resharding, the new layout's weights, AdamW moments and step counts (saved and
-    read back whole) equal the old checkpoint's, tensor for tensor, bit for bit; and the
-    step count is the 2 steps taken."""
+    """After resharding, the new layout's weights and optimizer state (AdamW's moments and
+    step counts, Muon's momentum; saved and read back whole) equal the old checkpoint's,
+    tensor for tensor, bit for bit; the step count is the 2 steps taken, and the moments are
+    not empty."""
     tmp, _ = resharded
-    for k, label in enumerate(CHANGES):
-        cfg = load_config(None, base + (TIED if "tied" in label else [])).model
+    for k, (label, (common, _, _)) in enumerate(CHANGES.items()):
+        cfg = load_config(None, base + common).model
         old = read_training_state(step_dir(tmp / str(k) / "run", SAVE_AT), cfg)
         loaded = read_training_state(step_dir(tmp / str(k) / "loaded", SAVE_AT), cfg)
         _assert_state_equal(loaded, old, label)
-        assert {float(s) for s in old["step"].values()} == {float(SAVE_AT)}, label
-        assert any(t.abs().sum() > 0 for t in old["exp_avg"].values()), label  # not empty
+        states = old[1]
+        assert {float(s["step"]) for s in states.values() if "step" in s} == {SAVE_AT}, label
+        kinds = {kind for s in states.values() for kind in s}
+        assert kinds == ({"exp_avg", "exp_avg_sq", "step", "momentum_buffer"} if common == MUON
+                         else {"exp_avg", "exp_avg_sq", "step"}), label
+        assert all(s["exp_avg"].abs().sum() > 0 for s in states.values() if "exp_avg" in s)
 
 
 def test_resumed_losses_follow_the_straight_run(resharded, one_process):
     """The new layout resumes at step 2 and its losses of steps 3-4 are those of the new
     layout run straight through, and of one process, within rel 2e-5 (module docstring)."""
     _, results = resharded
-    for label, (start, before, after, straight) in zip(CHANGES, results[0]):
-        reference = one_process["tied" in label]
+    for (label, (common, _, _)), (start, before, after, straight) in zip(CHANGES.items(),
+                                                                         results[0]):
+        reference = one_process[tuple(common)]
         assert start == SAVE_AT, label
         assert after == pytest.approx(straight[SAVE_AT:], rel=LOSS_REL), label
         assert before + after == pytest.approx(reference, rel=LOSS_REL), label
@@ -155,14 +172,11 @@ def test_a_parallel_checkpoint_resumes_in_one_process(resharded, base, one_proce
     assert ("resharded" in capsys.readouterr().out)
     want = read_training_state(saved, cfg.model)
     names = {id(q): n for n, q in trainer.model.named_parameters()}
-    got = {kind: {} for kind in want}
-    for q, state in trainer.optimizer.state.items():
-        got["master"][names[id(q)]] = q.detach()
-        for kind in ("exp_avg", "exp_avg_sq", "step"):
-            got[kind][names[id(q)]] = state[kind]
+    got = ({n: q.detach() for n, q in trainer.model.named_parameters()},
+           {names[id(q)]: state for q, state in trainer.optimizer.state.items()})
     _assert_state_equal(got, want, "one process")
     losses = [trainer.train_step(s).loss for s in range(SAVE_AT, STEPS)]
-    assert losses == pytest.approx(one_process[True][SAVE_AT:], rel=LOSS_REL)
+    assert losses == pytest.approx(one_process[tuple(TIED)][SAVE_AT:], rel=LOSS_REL)
 
 
 def _meta(base, sets):
@@ -175,13 +189,15 @@ def _meta(base, sets):
      ["parallel.pp=2", "parallel.schedule='1f1b'"], "parallel.schedule"),
     (["parallel.pp=2", "parallel.schedule='pipedream-2bw'"],
      ["parallel.pp=4", "parallel.schedule='pipedream-2bw'"], "parallel.pp"),
-    (["train.optimizer='muon'"], ["train.optimizer='muon'", "parallel.pp=2"],
+    (["train.optimizer='sgd'"], ["train.optimizer='sgd'", "parallel.pp=2"],
      "train.optimizer"),
+    ([], ["train.optimizer='muon'", "parallel.pp=2"], "train.optimizer"),
     ([], ["parallel.global_batch=16"], "parallel.global_batch"),
 ])
 def test_what_cannot_be_resharded_is_refused(base, old, new, key):
-    """PipeDream-2BW's weight versions, Muon's states and a changed global batch: refused
-    with the key, the two values and what to do; a plain change of layout is not."""
+    """PipeDream-2BW's weight versions, SGD's state, a change of optimizer and a changed
+    global batch: refused with the key, the two values and what to do; a plain change of
+    layout is not."""
     new_plan = plan_from_config(load_config(None, base + new), 4, "fp32")
     path = Path("run/checkpoints/step_00000002")
     with pytest.raises(ConfigError) as err:

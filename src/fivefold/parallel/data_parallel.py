@@ -92,6 +92,22 @@ def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramete
     return units
 
 
+@torch.no_grad()
+def _place_flat(unit: FlatUnit, target: torch.Tensor, whole: dict[str, torch.Tensor],
+                local: Callable[[str, torch.Tensor], torch.Tensor], stage: int) -> None:
+    """Lay this rank's parts `local(name, whole[name])` of the unit's parameters out flat and
+    padded, as the unit lays out its parameters, and copy this rank's shard of that buffer
+    (the whole buffer at stage 0) into `target`."""
+    flat = torch.zeros(unit.padded, dtype=target.dtype, device=target.device)
+    for name, view in zip(unit.names, unit.views(flat)):
+        part = local(name, whole[name])
+        if part.shape != view.shape:
+            raise ValueError(f"{name}: this rank's part has shape {tuple(part.shape)}, its "
+                             f"unit {tuple(view.shape)}")
+        view.copy_(part)
+    target.copy_(flat if stage == 0 else flat[unit.shard_slice])
+
+
 @dataclass(frozen=True)
 class ZeroPP:
     """ZeRO++ switches and the number of shard-group ranks that share a node."""
@@ -439,29 +455,31 @@ class DataParallelEngine:
         return [self.optimizer.state[master] for master in self.masters]
 
     @torch.no_grad()
-    def load_whole_state(self, whole: dict[str, dict[str, torch.Tensor]], step: torch.Tensor,
+    def load_whole_state(self, weights: dict[str, torch.Tensor],
+                         states: dict[str, dict[str, torch.Tensor]], step: torch.Tensor,
                          local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-        """Set this rank's master weights and AdamW moments from whole-model tensors by
-        parameter name, `whole["master" | "exp_avg" | "exp_avg_sq"][name]`, and every
-        master's step count to `step`: a checkpoint written under another layout
-        (fivefold.train.reshard). `local(name, tensor)` is this rank's part of a whole
-        parameter (its tensor-parallel shard); each unit is then laid out flat and padded as
-        at construction (fivefold.parallel.flat_unit) and this rank keeps its shard of the
-        buffer, the moments exactly like the weights they belong to. AdamW only: Muon's
-        per-matrix states are not resharded (fivefold.train.checkpoint refuses it first)."""
-        assert not self.views, "resharding carries AdamW states only"
-        for unit, master, state in zip(self.units, self.masters, self._adam_states()):
-            for kind, target in (("master", master.data), ("exp_avg", state["exp_avg"]),
-                                 ("exp_avg_sq", state["exp_avg_sq"])):
-                flat = torch.zeros(unit.padded, dtype=target.dtype, device=target.device)
-                for name, view in zip(unit.names, unit.views(flat)):
-                    part = local(name, whole[kind][name])
-                    if part.shape != view.shape:
-                        raise ValueError(f"{kind} of {name}: this rank's part has shape "
-                                         f"{tuple(part.shape)}, its unit {tuple(view.shape)}")
-                    view.copy_(part)
-                target.copy_(flat if self.stage == 0 else flat[unit.shard_slice])
-            state["step"].copy_(step)
+        """Set this rank's master weights and optimizer state from whole-model tensors by
+        parameter name, `weights[name]` and `states[name][kind]`, a checkpoint written under
+        another layout (fivefold.train.reshard). `local(name, tensor)` is this rank's part of
+        a whole parameter (its tensor-parallel shard); each unit is then laid out flat and
+        padded as at construction (fivefold.parallel.flat_unit) and this rank keeps its shard
+        of the buffer, AdamW's moments exactly like the weights they belong to, and every
+        unit's step count is `step`. With Muon (stage 0, no tp: whole matrices) each
+        parameter's state is copied whole."""
+        adam = None if self.views else self._adam_states()
+        for i, (unit, master) in enumerate(zip(self.units, self.masters)):
+            _place_flat(unit, master.data, weights, local, self.stage)
+            if adam:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    _place_flat(unit, adam[i][kind], {n: states[n][kind] for n in unit.names},
+                                local, self.stage)
+                adam[i]["step"].copy_(step)
+        for name, state in self._view_states() if self.views else []:
+            if state.keys() != states[name].keys():
+                raise ValueError(f"{name}: the checkpoint holds {sorted(states[name])}, this "
+                                 f"optimizer keeps {sorted(state)}")
+            for kind, tensor in state.items():
+                tensor.copy_(states[name][kind])
         self.after_checkpoint_load()
 
     def _view_states(self) -> list[tuple[str, dict[str, torch.Tensor]]]:

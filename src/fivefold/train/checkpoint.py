@@ -10,8 +10,8 @@ Keys: the trainer's state dict keys carry a shard tag where pipeline stages or t
 different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
 `check_layout` reads the layout record. A resume under another layout (other dp, tp, pp, vpp,
 stage split, cp, ZeRO stage or group) is resharded (fivefold.train.reshard); `check_layout`
-refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW, and a
-changed global batch, which would change the data of every later step.
+refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW and
+Muon, and a changed global batch, which would change the data of every later step.
 
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
@@ -47,6 +47,7 @@ from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.dist import Runtime
 
 PARTIAL = ".partial"
+RESHARDED_OPTIMIZERS = ("adamw", "muon")  # whose state a resume under another layout carries
 
 # DCP warns when it runs without a process group; for a one-rank run that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
@@ -86,7 +87,7 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded) or with an optimizer other than AdamW (only AdamW's per-element states are)."""
+    resharded) or with another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
@@ -104,12 +105,13 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
-    optimizers = {saved_plan.get("optimizer", plan.optimizer), plan.optimizer}
-    if optimizers != {"adamw"}:
+    saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
+    if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "
-                          f"{saved[changed[0]]!r}, this run has {now[changed[0]]!r}; resharding"
-                          f" carries AdamW's states only, not {' or '.join(sorted(optimizers - {'adamw'}))}"
-                          "'s: resume with the layout that wrote it or use another --run-dir")
+                          f"{saved[changed[0]]!r} and optimizer {saved_optimizer!r}, this run "
+                          f"has {now[changed[0]]!r} and {plan.optimizer!r}; resharding carries "
+                          "the state of AdamW and Muon, each to itself: resume with the layout"
+                          " and optimizer that wrote it or use another --run-dir")
     return changed
 
 

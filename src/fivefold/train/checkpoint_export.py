@@ -14,9 +14,11 @@ parameters are its shards (fivefold.parallel.tensor). The reader rebuilds each r
 the meta device the way the run built it, so it cuts every buffer by the runtime's own unit
 layout, and joins the tp shards with `unshard_tensor`.
 
-`read_training_state` reads AdamW's state the same way: the engine stores each unit's
-moments `exp_avg` and `exp_avg_sq` as flat buffers cut like the master weights and its step
-count once per shard, a one-rank run stores torch's per-parameter state under `optim.state.`.
+`read_training_state` reads the optimizer's state the same way: the engine stores each
+unit's AdamW moments `exp_avg` and `exp_avg_sq` as flat buffers cut like the master weights
+and its step count once per shard (with Muon, each parameter's state whole under its own
+name: `momentum_buffer.layers.0.attention.wq.weight.shard0of1`), a one-rank run stores
+torch's per-parameter state under `optim.state.`.
 A resume under another layout (fivefold.train.reshard) reads, on each rank, only the units
 that hold the parameters that rank needs.
 
@@ -46,9 +48,6 @@ from fivefold.parallel.pipeline.partition import stage_ids_of_rank, stage_layer_
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import apply_tensor_parallel, unshard_tensor
 from fivefold.train.checkpoint import latest_checkpoint
-
-# what a resume under another layout carries over: the weights and AdamW's state
-TRAINING_STATE = ("master", "exp_avg", "exp_avg_sq", "step")
 
 
 def is_training_run(path: Path) -> bool:
@@ -88,31 +87,58 @@ def read_checkpoint(path: Path) -> Pretrained:
 
 
 def _read_checkpoint_tensors(step: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return read_training_state(step, cfg, ("master",))["master"]
+    return read_training_state(step, cfg, optimizer=False)[0]
 
 
-def read_training_state(step: Path, cfg: ModelConfig, kinds: tuple[str, ...] = TRAINING_STATE,
-                        names: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Whole-model tensors of the checkpoint at `step`, by kind and parameter name: "master"
-    (the fp32 weights), and AdamW's per-parameter "exp_avg", "exp_avg_sq" and "step" (each
-    parameter's step count), as the run held them before any layout split them. `names`:
-    read only the parameters named (the units that hold them): what one rank of another
-    layout needs (fivefold.train.reshard)."""
+def read_training_state(step: Path, cfg: ModelConfig, names: set[str] | None = None,
+                        optimizer: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(weights, optimizer state) of the checkpoint at `step` as the whole model holds them,
+    before any layout split them: each parameter's fp32 weights by name, and its optimizer
+    state by name and kind (AdamW's "exp_avg", "exp_avg_sq" and "step", Muon's
+    "momentum_buffer"; nothing under LOMO). `names`: only the parameters named (and only the
+    units that hold them are read), what one rank of another layout needs
+    (fivefold.train.reshard); `optimizer=False`: the weights alone."""
     meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
     tensors = {key: m for key, m in meta.items() if hasattr(m, "size")}
     if any(key.startswith("model.") for key in tensors):
-        return _read_named(step, tensors, kinds, names)
+        return _read_named(step, tensors, names, optimizer)
     if not any(key.startswith("master.") for key in tensors):
         raise CheckpointError(str(step), "holds neither model.* nor master.* tensors")
     parallel = json.loads((step / "meta.json").read_text()).get("config", {}).get("parallel")
     units = _flat_units(tensors, cfg, step, parallel, names)
-    pattern = re.compile(rf"({'|'.join(kinds)})\.(.+)\.shard\d+of\d+((?:\.pp\d+of\d+)?"
-                         r"(?:\.tp\d+of\d+)?)")
-    wanted = {(tag, unit) for tag, unit, _ in units}
-    empty = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in tensors.items()
-             if (match := pattern.fullmatch(key)) and (match[3], match[2]) in wanted}
+    unit_tags = {(tag, unit) for tag, unit, _ in units}
+    param_tags = {(tag, name) for tag, _, params in units for name, _ in params}
+    empty, kinds, per_param = {}, set(), []
+    for key, m in tensors.items():
+        match = SHARD_KEY.fullmatch(key)
+        if not match or (match["kind"] != "master" and not optimizer):
+            continue
+        where = (match["tag"], match["of"])
+        if where in unit_tags:  # a flat unit's weights or AdamW moments
+            kinds.add(match["kind"])
+        elif where in param_tags:  # a parameter's own state (Muon's path: whole tensors)
+            per_param.append((key, match))
+        else:
+            continue
+        empty[key] = torch.empty(m.size, dtype=m.properties.dtype)
     _load(empty, step)
-    return {kind: _join_units(empty, units, kind, cfg, step) for kind in kinds}
+    weights = _join_units(empty, units, "master", cfg, step)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in sorted(kinds - {"master"}):
+        for name, tensor in _join_units(empty, units, kind, cfg, step).items():
+            states.setdefault(name, {})[kind] = tensor
+    for key, match in per_param:
+        if match["n"] != "1":
+            raise CheckpointError(str(step), f"{key}: a parameter's own state is whole (one "
+                                             "shard)")
+        states.setdefault(match["of"], {})[match["kind"]] = empty[key]
+    return weights, states
+
+
+# an engine key: what, of which unit or parameter, which data-parallel shard, which rank
+SHARD_KEY = re.compile(r"(?P<kind>\w+)\.(?P<of>.+)\.shard(?P<r>\d+)of(?P<n>\d+)"
+                       r"(?P<tag>(?:\.pp\d+of\d+)?(?:\.tp\d+of\d+)?)")
 
 
 def _load(state: dict, step: Path) -> None:
@@ -121,27 +147,23 @@ def _load(state: dict, step: Path) -> None:
         dcp.load(state, checkpoint_id=step)
 
 
-def _read_named(step: Path, tensors: dict, kinds: tuple[str, ...], names: set[str] | None
-                ) -> dict[str, dict[str, torch.Tensor]]:
-    """A one-rank run's state: the model's tensors by name under `model.`, torch AdamW's
-    state under `optim.state.{name}.{exp_avg, exp_avg_sq, step}`."""
+def _read_named(step: Path, tensors: dict, names: set[str] | None, optimizer: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A one-rank run's state: the model's tensors by name under `model.`, torch's optimizer
+    state under `optim.state.{name}.{kind}`."""
     def empty(key):
         return torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype)
 
     params = [key.removeprefix("model.") for key in tensors if key.startswith("model.")]
     params = [n for n in params if names is None or n in names]
-    nested = {"model": {n: empty(f"model.{n}") for n in params} if "master" in kinds else {},
-              "optim": {"state": {}}}
-    for n in params:
-        moments = {k: empty(f"optim.state.{n}.{k}") for k in kinds
-                   if k != "master" and f"optim.state.{n}.{k}" in tensors}
-        if len(moments) != len(kinds) - ("master" in kinds):
-            raise CheckpointError(str(step), f"holds no AdamW state for {n} (another optimizer, "
-                                             "or LOMO, which keeps none)")
-        nested["optim"]["state"][n] = moments
+    nested = {"model": {n: empty(f"model.{n}") for n in params}, "optim": {"state": {}}}
+    for n in params if optimizer else ():
+        prefix = f"optim.state.{n}."
+        nested["optim"]["state"][n] = {key.removeprefix(prefix): empty(key) for key in tensors
+                                       if key.startswith(prefix)
+                                       and "." not in key.removeprefix(prefix)}
     _load(nested, step)
-    return {kind: nested["model"] if kind == "master" else
-            {n: nested["optim"]["state"][n][kind] for n in params} for kind in kinds}
+    return nested["model"], {n: s for n, s in nested["optim"]["state"].items() if s}
 
 
 def _rank_degree(keys, axis: str, step: Path) -> int:
