@@ -1,4 +1,4 @@
-"""Resuming a checkpoint under another layout: the weights and AdamW's state, resharded.
+"""Resuming a checkpoint under another layout: the weights and the optimizer state, resharded.
 
 A checkpoint keys its tensors by the layout that wrote it (fivefold.train.checkpoint): flat
 ZeRO units cut into `shard{r}of{n}` pieces, tp shards with padded vocabulary rows, pipeline
