@@ -221,3 +221,25 @@ def test_a_refused_resume_stops_before_ranks_start(resharded, base, monkeypatch,
                      "--set", "parallel.global_batch=16"])
     assert code == 2
     assert "`parallel.global_batch`" in capsys.readouterr().err
+
+
+def test_a_rank_reads_only_the_units_it_needs(resharded, base, monkeypatch):
+    """Reading the pp 2 x dp 2 checkpoint (change 3's old layout) for the parameters of block
+    0 loads block 0's unit alone (every shard of its weights, moments and step), and gives
+    back exactly those parameters, equal to the whole read's."""
+    import fivefold.train.checkpoint_export as export
+
+    tmp, _ = resharded
+    saved, cfg = step_dir(tmp / "3" / "run", SAVE_AT), load_config(None, base + TIED).model
+    whole = read_training_state(saved, cfg)
+    block0 = {name for name in whole[0] if name.startswith("layers.0.")}
+    loaded = []
+    real_load = export._load
+    monkeypatch.setattr(export, "_load", lambda state, step: (loaded.extend(state),
+                                                               real_load(state, step)))
+    weights, states = read_training_state(saved, cfg, names=block0)
+    assert loaded and all(".layers.0.shard" in key for key in loaded), loaded
+    assert {key.split(".")[0] for key in loaded} == {"master", "exp_avg", "exp_avg_sq", "step"}
+    assert weights.keys() == states.keys() == block0
+    _assert_state_equal((weights, states), ({n: whole[0][n] for n in block0},
+                                            {n: whole[1][n] for n in block0}), "block 0")
