@@ -142,9 +142,11 @@ SHARD_KEY = re.compile(r"(?P<kind>\w+)\.(?P<of>.+)\.shard(?P<r>\d+)of(?P<n>\d+)"
 
 
 def _load(state: dict, step: Path) -> None:
+    """Read `state`'s tensors from the files on this rank alone (`no_dist`: no collective, so
+    each rank of a run may read other tensors, or none)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no process group: intended here
-        dcp.load(state, checkpoint_id=step)
+        dcp.load(state, checkpoint_id=step, no_dist=True)
 
 
 def _read_named(step: Path, tensors: dict, names: set[str] | None, optimizer: bool
