@@ -169,7 +169,7 @@ def test_a_parallel_checkpoint_resumes_in_one_process(resharded, base, one_proce
     cfg = load_config(None, base + TIED)
     trainer = Trainer(cfg, CPU, tmp_path)
     assert trainer._resume() == SAVE_AT
-    assert ("resharded" in capsys.readouterr().out)
+    assert "resharded" in capsys.readouterr().out
     want = read_training_state(saved, cfg.model)
     names = {id(q): n for n, q in trainer.model.named_parameters()}
     got = ({n: q.detach() for n, q in trainer.model.named_parameters()},
