@@ -1,6 +1,6 @@
 """A checkpoint written under one layout resumes under another (fivefold.train.reshard).
 
-Six changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
+Seven changes of layout on 4 gloo ranks, each: the old layout trains 2 steps and saves; the
 new layout resumes from that checkpoint and trains steps 3-4; the reference is the new
 layout trained straight through 4 steps from the same initial state (and, for every run, the
 single-process Trainer, the reference of all parity tests):
@@ -13,17 +13,17 @@ single-process Trainer, the reference of all parity tests):
   cp 2 x dp 2 (ring), ZeRO-1      -> dp 4, ZeRO-1 (ZeRO shards over dp x cp: 4 shards
                                      either way, but other tokens per rank)
   dp 4, DDP, Muon                 -> pp 2 x dp 2, 1F1B, Muon (whole matrices' momentum)
+  dp 4, ZeRO-3 with qwZ and qgZ   -> dp 4, ZeRO-1 (units padded to whole quantization blocks;
+                                     its quantized steps 1-2 are other math: state only)
 
 Resharding itself is exact: right after the resume the new layout saves, and every weight,
 AdamW moment and step count and Muon momentum read back from that checkpoint equals the old
-checkpoint's bit for bit (both read whole through fivefold.train.checkpoint_export); the
-Muon change keeps the parity tests' Muon tolerance for losses (tests/test_data_parallel.py:
-rel 2e-5 too). The resumed losses then
-differ from the straight run's only by the float order of the layouts' sums in steps 1-2, so
-the tolerance is the parity tests' (tests/test_pipeline_trainer.py, fp32 on CPU, lr 1e-3,
-Adam eps 1e-6): losses rel 2e-5. The same holds for a checkpoint taken into one process
-(dp 2 x tp 2 -> the plain Trainer and torch's AdamW), and what cannot be resharded is refused
-with the key to change.
+checkpoint's bit for bit (both read whole through fivefold.train.checkpoint_export). The
+resumed losses then differ from the straight run's only by the float order of the layouts'
+sums in steps 1-2, so the tolerance is the parity tests' (tests/test_pipeline_trainer.py,
+fp32 on CPU, lr 1e-3, Adam eps 1e-6; tests/test_data_parallel.py for Muon): losses rel 2e-5.
+The same holds for a checkpoint taken into one process (dp 2 x tp 2 -> the plain Trainer and
+torch's AdamW), and what cannot be resharded is refused with the key to change.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ CHANGES = {  # name: (on both sides and the one-process run, old layout, new), o
                                                   "parallel.vpp=2"]),
     "cp2 x dp2 -> dp4": ([], ZERO1 + ["parallel.cp=2", "parallel.cp_mode='ring'"], ZERO1),
     "dp4 -> pp2 x dp2 (Muon)": (MUON, [], PP2 + ["parallel.schedule='1f1b'"]),
+    "ZeRO-3 qwZ qgZ -> ZeRO-1": ([], ["parallel.zero_stage=3", "parallel.qwz=true",
+                                      "parallel.qgz=true"], ZERO1),
 }
+QUANTIZED = {"ZeRO-3 qwZ qgZ -> ZeRO-1"}  # other math before the checkpoint: state only
 LOSS_REL = 2e-5  # the parity tolerance (module docstring)
 
 
@@ -77,7 +80,7 @@ def _changes(rt, base, tmp):
     new layout's losses of steps 3-4 after resharding (having first saved what it loaded to
     `{tmp}/{k}/loaded`), and the new layout's losses of 4 straight steps."""
     out = []
-    for k, (common, old, new) in enumerate(CHANGES.values()):
+    for k, (name, (common, old, new)) in enumerate(CHANGES.items()):
         old_cfg = load_config(None, base + common + old)
         new_cfg = load_config(None, base + common + new)
         first = Trainer(old_cfg, rt, f"{tmp}/{k}/run")
@@ -89,7 +92,8 @@ def _changes(rt, base, tmp):
         resumed._save(start)
         after = [resumed.train_step(s).loss for s in range(start, STEPS)]
         straight = Trainer(new_cfg, rt, f"{tmp}/{k}/straight")
-        out.append((start, before, after, [straight.train_step(s).loss for s in range(STEPS)]))
+        out.append((start, before, after, [straight.train_step(s).loss for s in range(STEPS)]
+                    if name not in QUANTIZED else None))
     return out
 
 
@@ -151,6 +155,8 @@ def test_resumed_losses_follow_the_straight_run(resharded, one_process):
                                                                          results[0]):
         reference = one_process[tuple(common)]
         assert start == SAVE_AT, label
+        if label in QUANTIZED:
+            continue
         assert after == pytest.approx(straight[SAVE_AT:], rel=LOSS_REL), label
         assert before + after == pytest.approx(reference, rel=LOSS_REL), label
         assert straight == pytest.approx(reference, rel=LOSS_REL), label

@@ -9,7 +9,7 @@ shards, `layout`). The step is also the learning-rate schedule's whole state.
 Keys: the trainer's state dict keys carry a shard tag where pipeline stages or tp ranks hold
 different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
 `check_layout` reads the layout record. A resume under another layout (other dp, tp, pp, vpp,
-stage split, cp, ZeRO stage or group) is resharded (fivefold.train.reshard); `check_layout`
+stage split, cp, ZeRO stage, group or ZeRO++ switches) is resharded (fivefold.train.reshard); `check_layout`
 refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW and
 Muon, and a changed global batch, which would change the data of every later step.
 
@@ -72,7 +72,7 @@ def layout_record(plan: ParallelPlan) -> dict:
     reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
               for key in ("pp", "tp", "cp", "vpp", "stage_layers", "zero_stage", "zero_group",
-                          "hpz")}
+                          "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
     layout["parallel.schedule"] = "pipedream-2bw" if plan.asynchronous else "synchronous"
