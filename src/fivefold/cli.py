@@ -86,8 +86,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         plan = training_plan(cfg, world_size, device.type)
     if world_size > 1 and not under_launcher:
+        from fivefold.train.checkpoint import check_resume
         from fivefold.train.data import prepare_data
 
+        check_resume(Path(args.run_dir), cfg, plan)  # a refused resume stops before ranks
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _without_nproc(argv))
     return _train_this_rank(cfg, plan, args.run_dir, args.init_from)

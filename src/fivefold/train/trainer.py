@@ -22,7 +22,8 @@ cross-entropy, and the clipped gradient norm sums the shards over tp as well.
 With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
 with the data-parallel engine over the stage; a step and a validation batch are one run of
 the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
-(every stage has a "root" unit). PipeDream-2BW's checkpoints add the stage's older weight
+(every stage has a "root" unit); a checkpoint written under another layout is resharded on
+resume (fivefold.train.reshard). PipeDream-2BW's checkpoints add the stage's older weight
 version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
 was in flight, and continues exactly as the uninterrupted run. The closing text sample is
 skipped with pp > 1.
@@ -64,9 +65,8 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
-from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
-                                       load_checkpoint, remove_partials, save_checkpoint,
-                                       shard_tag)
+from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
+                                       remove_partials, save_checkpoint, shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
@@ -75,6 +75,7 @@ from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
+from fivefold.train.reshard import describe_change, load_resharded
 from fivefold.train.sample import sample_text
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -325,23 +326,27 @@ class Trainer:
     def _resume(self) -> int:
         if self.rt.is_main:
             remove_partials(self.run_dir)
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        found = check_resume(self.run_dir, self.cfg, self.plan)
+        if found is None:
             return 0
-        saved_meta = json.loads((path / "meta.json").read_text())
-        if saved_meta.get("config", {}).get("model") != self.cfg.to_dict()["model"]:
-            raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
-                                       " use another --run-dir or the same model keys")
-        check_layout(path, saved_meta, self.plan)
-        state = self._checkpoint_state()
-        meta, extra = load_checkpoint(self.rt, path, state)
-        if self.engine:
-            self.engine.after_checkpoint_load()
+        path, saved_meta, changed = found
+        if changed:  # written under another layout (fivefold.train.reshard)
+            meta = saved_meta
+            extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
+                                   self.optimizer, self.tp_axis.size, self.tp_axis.rank)
+            change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
+                                     changed)
+            self.say(f"resharded {path} from {change}")
         else:
-            set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
-                           optim_state_dict=state["optim" + self._shard_tag()])
-            if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
-                self.pipeline.pipe.resume_at(meta["step"])
+            state = self._checkpoint_state()
+            meta, extra = load_checkpoint(self.rt, path, state)
+            if self.engine:
+                self.engine.after_checkpoint_load()
+            else:
+                set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
+                               optim_state_dict=state["optim" + self._shard_tag()])
+                if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
+                    self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = meta.get("skipped_steps", 0)
