@@ -216,6 +216,7 @@ def validate_train(cfg: Config) -> None:
     _positive("train.lr", t.lr)
     _positive("train.eps", t.eps)
     _positive("train.timeout_s", t.timeout_s)
+    _positive("train.checkpoint_minutes", t.checkpoint_minutes)
     _positive("train.galore_update_gap", t.galore_update_gap)
     _positive("train.galore_scale", t.galore_scale)
     for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
