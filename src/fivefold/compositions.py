@@ -6,7 +6,8 @@ A feature is a named predicate over a config and its data-parallel degree ("tp>1
 its error names and the message that says what to use instead; `when` and `unless` narrow
 it to configs that also have (or lack) further features. `validate_for_training`
 (fivefold.validate) raises `ConfigError(key, message)` for the first row of `REFUSALS` that
-a config matches, after the checks of single values and of divisibility, which stay there;
+a config matches, after the checks of single values and of divisibility, which stay there
+(and `validate`, for every command, for the first row of `ANY_USE`);
 docs/reliability.md's composition matrix is generated from the same two tables
 (scripts/composition_docs.py), each pair marked refused (with its message) or supported
 (with the test that trains it, scripts/composition_docs.py's `TESTED`).
@@ -32,6 +33,7 @@ class Feature:
     name: str
     kind: str  # the matrix's grouping: dimension, ZeRO, schedule, recompute, optimizer, ...
     has: Predicate
+    one_of: str | None = None  # the key whose values these features are (they exclude each other)
 
 
 def _schedule(name: str) -> Predicate:
@@ -51,24 +53,25 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("pp>1", "dimension", lambda c, dp: c.parallel.pp > 1),
     Feature("cp>1", "dimension", lambda c, dp: c.parallel.cp > 1),
     Feature("accumulation", "dimension", _accumulates),
-    Feature("zero=0", "ZeRO", lambda c, dp: c.parallel.zero_stage == 0),
-    Feature("zero=1", "ZeRO", lambda c, dp: c.parallel.zero_stage == 1),
-    Feature("zero=2", "ZeRO", lambda c, dp: c.parallel.zero_stage == 2),
-    Feature("zero=3", "ZeRO", lambda c, dp: c.parallel.zero_stage == 3),
+    *(Feature(f"zero={z}", "ZeRO", (lambda z: lambda c, dp: c.parallel.zero_stage == z)(z),
+              "parallel.zero_stage") for z in range(4)),
     Feature("zero_group", "ZeRO", lambda c, dp: c.parallel.zero_group is not None),
     Feature("qwz", "ZeRO", lambda c, dp: c.parallel.qwz),
     Feature("hpz", "ZeRO", lambda c, dp: c.parallel.hpz),
     Feature("qgz", "ZeRO", lambda c, dp: c.parallel.qgz),
-    *(Feature(f"schedule={s}", "schedule", _schedule(s))
+    *(Feature(f"schedule={s}", "schedule", _schedule(s), "parallel.schedule")
       for s in ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")),
     Feature("recompute=full", "recompute", lambda c, dp: c.parallel.recompute == "full"),
     *(Feature(f"optimizer={o}", "optimizer",
-              (lambda o: lambda c, dp: c.train.optimizer == o)(o))
+              (lambda o: lambda c, dp: c.train.optimizer == o)(o), "train.optimizer")
       for o in ("adamw", "muon", "sgd", "lomo", "galore")),
     # an unset precision is the device's default: fp32 on the CPU, where the tests run
-    Feature("fp32", "precision", lambda c, dp: (c.parallel.precision or "fp32") == "fp32"),
-    Feature("bf16", "precision", lambda c, dp: c.parallel.precision == "bf16"),
-    Feature("fp16", "precision", lambda c, dp: c.parallel.precision == "fp16"),
+    Feature("fp32", "precision", lambda c, dp: (c.parallel.precision or "fp32") == "fp32",
+            "parallel.precision"),
+    Feature("bf16", "precision", lambda c, dp: c.parallel.precision == "bf16",
+            "parallel.precision"),
+    Feature("fp16", "precision", lambda c, dp: c.parallel.precision == "fp16",
+            "parallel.precision"),
     Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
@@ -90,6 +93,20 @@ class Refusal:
     unless: tuple[str, ...] = ()
 
 
+# what no command accepts (fivefold.validate.validate: plan and simulate too)
+ANY_USE: list[Refusal] = [
+    Refusal("qwz", ("zero=0", "zero=1", "zero=2"), "parallel.qwz",
+            "ZeRO++ weight communication applies to sharded parameters; set "
+            "parallel.zero_stage = 3"),
+    Refusal("hpz", ("zero=0", "zero=1", "zero=2"), "parallel.hpz",
+            "ZeRO++ weight communication applies to sharded parameters; set "
+            "parallel.zero_stage = 3"),
+    Refusal("qgz", ("zero=0",), "parallel.qgz",
+            "quantized gradient reduce-scatter needs sharded gradients; set "
+            "parallel.zero_stage to 1, 2 or 3"),
+]
+
+# what `fivefold train` does not run (fivefold.validate.validate_for_training)
 REFUSALS: list[Refusal] = [
     Refusal("tp>1", ("moe",), "parallel.tp",
             "tensor parallelism splits dense MLPs only; use parallel.tp = 1 with a "
@@ -174,24 +191,24 @@ def features_of(cfg: Config, dp: int) -> set[str]:
     return {name for name, f in FEATURES.items() if f.has(cfg, dp)}
 
 
-def refusal_for(have: set[str]) -> Refusal | None:
-    """The first row of REFUSALS that a config with features `have` matches."""
-    for r in REFUSALS:
+def refusal_for(have: set[str], table: list[Refusal]) -> Refusal | None:
+    """The first row of `table` that a config with features `have` matches."""
+    for r in table:
         if (r.a in have and have.intersection(r.b) and set(r.when) <= have
                 and not have.intersection(r.unless)):
             return r
     return None
 
 
-def check_compositions(cfg: Config, world_size: int) -> None:
-    """ConfigError for the first refused pair of features `cfg` has on `world_size` ranks."""
-    p = cfg.parallel
-    refused = refusal_for(features_of(cfg, world_size // (p.tp * p.pp * p.cp)))
+def check_compositions(cfg: Config, dp: int, table: list[Refusal]) -> None:
+    """ConfigError for the first pair of features of `table` that `cfg` (with `dp`
+    data-parallel ranks) has."""
+    refused = refusal_for(features_of(cfg, dp), table)
     if refused is not None:
-        raise ConfigError(refused.key, _filled(refused.message, cfg))
+        raise ConfigError(refused.key, filled(refused.message, cfg))
 
 
-def _filled(message: str, cfg: Config) -> str:
+def filled(message: str, cfg: Config) -> str:
     """`message` with each `{section.key}` replaced by that value of `cfg`."""
     return re.sub(r"\{(\w+)\.(\w+)\}",
                   lambda m: str(getattr(getattr(cfg, m[1]), m[2])), message)

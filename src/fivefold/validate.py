@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fivefold.compositions import check_compositions
+from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
 
 CP_MODES = ("ulysses", "ring", "hybrid")
@@ -119,13 +119,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("parallel.micro_batch", f"{p.micro_batch} does not divide the "
                                                   f"{p.global_batch // dp} sequences per dp rank"
                                                   f" (global_batch {p.global_batch} / dp {dp})")
-    for key in ("qwz", "hpz"):
-        if getattr(p, key) and p.zero_stage != 3:
-            raise ConfigError(f"parallel.{key}", "ZeRO++ weight communication applies to sharded "
-                                                 "parameters; set parallel.zero_stage = 3")
-    if p.qgz and p.zero_stage == 0:
-        raise ConfigError("parallel.qgz", "quantized gradient reduce-scatter needs sharded "
-                                          "gradients; set parallel.zero_stage to 1, 2 or 3")
+    check_compositions(cfg, dp, ANY_USE)
     if p.hpz or p.qgz:
         shard = p.zero_group or dp
         per_node = ranks_per_node(cfg.cluster.gpus_per_node, p.tp, p.cp, shard)
@@ -388,7 +382,7 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
-    check_compositions(cfg, world_size)  # the refused pairs: fivefold.compositions
+    check_compositions(cfg, world_size // (p.tp * p.pp * p.cp), REFUSALS)  # the pairs
     if cfg.model.moe is not None:
         raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
                                        "use a dense preset")
