@@ -80,7 +80,9 @@ def test_sigkilled_rank_restarts_and_ends_bit_identical(parity_overrides, tmp_pa
         os.kill(worker_of_rank(proc.pid, 1), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
-        proc.kill()
+        if proc.poll() is None:  # failed: SIGTERM, which the agent passes on to its workers
+            proc.terminate()
+            proc.wait(timeout=60)
     assert proc.returncode == 0, out
     resumed = [line for line in out.splitlines() if line.startswith("resumed from")]
     assert len(resumed) == 1, out

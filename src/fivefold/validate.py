@@ -25,14 +25,19 @@ FFN_TYPES = ("swiglu", "gelu")
 DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_TIMEOUT_S = 1e9  # about 30 years: a collective timeout beyond it overflows timedelta
 
 
 def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+    """A number > 0 (or >= 0): finite, since every such key sizes or scales something that
+    an infinity would overflow or turn to NaN (found by tests/test_config_fuzz.py)."""
     if value is None:
         return
     if not (value > 0 or (allow_zero and value == 0)):  # also rejects NaN
         bound = "zero or more" if allow_zero else "greater than zero"
         raise ConfigError(key, f"must be {bound}, got {value}")
+    if math.isinf(value):
+        raise ConfigError(key, f"must be finite, got {value}")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -213,6 +218,10 @@ def validate_train(cfg: Config) -> None:
     _positive("train.lr", t.lr)
     _positive("train.eps", t.eps)
     _positive("train.timeout_s", t.timeout_s)
+    if t.timeout_s > MAX_TIMEOUT_S:  # torch's timedelta overflows beyond
+        raise ConfigError("train.timeout_s", f"{t.timeout_s} s is beyond any wait; use at most "
+                                             f"{MAX_TIMEOUT_S:.0e} s")
+    _positive("train.seed", t.seed, allow_zero=True)  # numpy's generators take no negatives
     _positive("train.checkpoint_minutes", t.checkpoint_minutes)
     _positive("train.galore_update_gap", t.galore_update_gap)
     _positive("train.galore_scale", t.galore_scale)
