@@ -175,6 +175,7 @@ def base(tiny_overrides):
                              "train.warmup_steps=0"]
 
 
+@pytest.mark.timeout(300)
 @settings(max_examples=300, **VALIDATE)
 @given(data=st.data())
 def test_drawn_configs_validate_or_name_a_key(base, data):
@@ -185,6 +186,7 @@ def test_drawn_configs_validate_or_name_a_key(base, data):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @settings(max_examples=5000, **VALIDATE)
 @given(data=st.data())
 def test_drawn_configs_validate_or_name_a_key_long(base, data):

@@ -320,11 +320,11 @@ def validate_tensor_parallel(cfg: Config) -> None:
 
 
 def validate_context_parallel(cfg: Config) -> None:
-    """What the context-parallel runtime (fivefold.parallel.context) needs (what it does
-    not compose with is in fivefold.compositions). Ring attention's zigzag split cuts each sequence into 2 cp equal
-    chunks; Ulysses gives each rank heads / (tp cp) query heads and needs a tp rank's
-    key/value heads to split over cp too, or to be fewer and divide cp (each is then
-    replicated to fit)."""
+    """What the context-parallel runtime (fivefold.parallel.context) needs; what it does not
+    compose with is in fivefold.compositions. Ring attention's zigzag split cuts each
+    sequence into 2 cp equal chunks; Ulysses gives each rank heads / (tp cp) query heads and
+    needs a tp rank's key/value heads to split over cp too, or to be fewer and divide cp
+    (each is then replicated to fit)."""
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
