@@ -31,7 +31,6 @@ MODEL = ["model.layers=4", "model.hidden=64", "model.heads=4", "model.kv_heads=2
          "parallel.global_batch=8"]
 
 PP2, TP2, SP = "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"
-FULL = "parallel.recompute=full"
 
 
 def z(stage: int) -> str:
@@ -55,11 +54,14 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [z(3), "parallel.hpz=true", "cluster.gpus_per_node=2", micro(1)])],
     "tests/test_data_parallel.py::test_muon_matches_one_process": [
         (2, ["train.optimizer=muon", micro(1)]), (4, ["train.optimizer=muon", PP2])],
-    "tests/test_data_parallel.py::test_full_recompute_matches_one_process": [
-        (2, [FULL, micro(1)]), (2, [FULL, z(2)]), (2, [FULL, z(3), micro(1)]),
-        (2, [FULL, PP2, micro(1)]), (2, [FULL, PP2, sched("gpipe"), micro(2)]),
-        (2, [FULL, PP2, sched("interleaved"), "parallel.vpp=2", micro(2)]),
-        (2, [FULL, TP2]), (2, [FULL, TP2, SP, micro(1)]), (4, [FULL, PP2, z(3), micro(1)])],
+    "tests/test_data_parallel.py::test_recompute_matches_one_process": [
+        (world, [f"parallel.recompute={mode}", *sets]) for mode in ("full", "selective")
+        for world, sets in [(2, [micro(1)]), (2, [z(2)]), (2, [z(3), micro(1)]),
+                            (2, [PP2, micro(1)]), (2, [PP2, sched("gpipe"), micro(2)]),
+                            (2, [PP2, sched("interleaved"), "parallel.vpp=2", micro(2)]),
+                            (2, [TP2]), (2, [TP2, SP, micro(1)]), (4, [PP2, z(3), micro(1)])]],
+    "tests/test_train.py::test_recompute_changes_nothing_but_memory": [
+        (1, ["parallel.recompute=selective", micro(2)])],
     "tests/test_zero_ledger.py::test_communication_bytes_match_the_analytic_volume": [
         (4, [z(0), "parallel.precision=bf16"]), (4, [z(1), "parallel.precision=bf16"]),
         (4, [z(3), "parallel.precision=bf16"])],

@@ -64,6 +64,8 @@ REFUSED = [
     (2, ["parallel.cp=2", "parallel.recompute=full"]),
     (2, ["parallel.zero_group=2"]),
     (2, ["parallel.pp=2", "parallel.schedule=zb", "parallel.recompute=full"]),
+    (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.recompute=selective",
+         "parallel.global_batch=4"]),
     (2, ["train.optimizer=galore"]),
     (2, ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=1",
          "train.on_nonfinite=skip"]),

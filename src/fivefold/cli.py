@@ -147,9 +147,12 @@ def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
     from fivefold.train.dist import init_runtime, shutdown
     from fivefold.train.trainer import Trainer
 
+    from fivefold.planner.rank_memory import predicted_rank_memory
+
     rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
     try:
-        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan).run()
+        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan,
+                predicted_memory=predicted_rank_memory(cfg, plan, rt.rank)).run()
     finally:
         shutdown()
     return 0

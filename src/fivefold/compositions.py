@@ -61,7 +61,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("qgz", "ZeRO", lambda c, dp: c.parallel.qgz),
     *(Feature(f"schedule={s}", "schedule", _schedule(s), "parallel.schedule")
       for s in ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")),
-    Feature("recompute=full", "recompute", lambda c, dp: c.parallel.recompute == "full"),
+    *(Feature(f"recompute={r}", "recompute",
+              (lambda r: lambda c, dp: c.parallel.recompute == r)(r), "parallel.recompute")
+      for r in ("full", "selective")),
     *(Feature(f"optimizer={o}", "optimizer",
               (lambda o: lambda c, dp: c.train.optimizer == o)(o), "train.optimizer")
       for o in ("adamw", "muon", "sgd", "lomo", "galore")),
@@ -138,17 +140,18 @@ REFUSALS: list[Refusal] = [
     Refusal("cp>1", ("qwz", "hpz", "qgz"), "parallel.cp",
             "ZeRO++'s node groups are not laid out over the cp ranks yet; turn qwz, hpz and "
             "qgz off with parallel.cp > 1"),
-    Refusal("cp>1", ("recompute=full",), "parallel.recompute",
+    Refusal("cp>1", ("recompute=full", "recompute=selective"), "parallel.recompute",
             "recomputation would rerun the attention's communication, which is not counted "
             "yet; use 'none' with parallel.cp > 1"),
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),
-    Refusal("recompute=full", ("schedule=zb", "schedule=terapipe", "schedule=pipedream-2bw"),
-            "parallel.schedule",
-            "parallel.recompute = 'full' is not supported with {parallel.schedule}: it keeps "
-            "per-pass state (split backward, key/value caches or weight versions) that "
-            "recomputation would bypass; use recompute = 'none' with it, or 1f1b"),
+    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=terapipe", "schedule=pipedream-2bw"),
+              "parallel.schedule",
+              "parallel.recompute = '{parallel.recompute}' is not supported with "
+              "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
+              "or weight versions) that recomputation would bypass; use recompute = 'none' "
+              "with it, or 1f1b") for r in ("full", "selective")),
     Refusal("optimizer=galore", (*SPLITS, *SHARDED), "train.optimizer",
             "GaLore runs on one rank with parallel.zero_stage = 0 (its per-matrix subspaces "
             "are not built for data-parallel shards or pipeline stages); use 'adamw' or "

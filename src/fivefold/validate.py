@@ -384,10 +384,6 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.ep", "this dimension is not implemented in the runtime yet "
                                          "(see README, Features); set it to 1 or use "
                                          "`fivefold plan` to study it")
-    if p.recompute == "selective":
-        raise ConfigError("parallel.recompute", "selective recomputation (a per-operator "
-                                                "policy) is not implemented in the runtime yet;"
-                                                " use 'full' or 'none'")
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")

@@ -71,7 +71,7 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
-from fivefold.optim import optimizer_for
+from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
 
@@ -207,9 +207,7 @@ class DataParallelEngine:
         if self.stage >= 2:
             grads = sum(g.nbytes for g in self.grad_shards)
         master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
-        optimizer = sum(t.nbytes for opt in self._torch_optimizers()
-                        for state in opt.state.values() for key, t in state.items()
-                        if key != "step")
+        optimizer = optimizer_state_bytes(self._torch_optimizers())
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
                                          "optimizer": optimizer,
                                          "total": params + grads + master + optimizer}

@@ -11,7 +11,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
      positions are this rank's (its zigzag or contiguous part of every sequence), which the
      trainer's samplers read to hand the rank those tokens,
-  3. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
+  3. activation recomputation (`plan.recompute = "full"` or `"selective"`,
+     fivefold.memory.recompute),
   4. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
@@ -25,7 +26,7 @@ import functools
 
 from torch import nn
 
-from fivefold.memory.recompute import apply_full_recompute
+from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
 from fivefold.parallel.mesh import Mesh
@@ -59,6 +60,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
                                                   ).to(model.rope_cos.device)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
+    elif plan.recompute == "selective":
+        apply_selective_recompute(model.layers)
     if compile_blocks:
         for block in model.layers:
             block.compile()

@@ -76,6 +76,7 @@ from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_r
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
+from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
@@ -100,8 +101,10 @@ class Trainer:
     caller building a Trainer directly, as the tests and benchmarks do, owns its config)."""
 
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
-                 init_from: Path | str | None = None, plan: ParallelPlan | None = None):
+                 init_from: Path | str | None = None, plan: ParallelPlan | None = None,
+                 predicted_memory: dict | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
+        self.memory, self.predicted_memory = MemoryProbe(), predicted_memory
         self.plan = plan = plan or plan_from_config(cfg, rt.world_size,
                                                     device_precision(rt.device.type))
         if plan.gpus != rt.world_size:
@@ -241,7 +244,8 @@ class Trainer:
             self.ledger.recorder.micro_batch = j
             if self.engine:
                 self.engine.prepare_backward(last=j == n_micro - 1)
-            ce_sum = self.micro_batch_loss(x, y)
+            with self.memory.count_activations(self.model):  # the run's first micro-batch
+                ce_sum = self.micro_batch_loss(x, y)
             loss = ce_sum / self.global_tokens
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             if self.engine:
@@ -264,6 +268,7 @@ class Trainer:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             grads = [q.grad for q in self.model.parameters() if q.grad is not None]
+            self.memory.note_grads(grads)
             counted = None
         grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
         if not self._keep_update(step, loss_sum, grad_norm):
@@ -434,6 +439,10 @@ class Trainer:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
+        summary["memory"], memory_lines = self.memory.report(
+            self.memory.measured(self.model, self.ledger.model_state_bytes, self.optimizer,
+                                 self.rt.device), self.predicted_memory, self.rt.rank,
+            self.rt.device)
         if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
             self.say("no text sample: sampling runs the whole model on whole sequences, which "
                      "pp > 1 and cp > 1 split")
@@ -448,6 +457,7 @@ class Trainer:
         if self.rt.is_main:
             if initial_val is not None:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.say("\n".join(memory_lines))
             self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "
                      f"{val_loss:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
         return summary
