@@ -311,6 +311,12 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["cluster.gpus=6", "parallel.tp=4"], "parallel.tp", "tp*pp*cp = 4 does not divide the 6"),
     (["cluster.gpus_per_node=0"], "cluster.gpus_per_node", "greater than zero"),
     (["cluster.inter_node_GBps=-1"], "cluster.inter_node_GBps", "greater than zero"),
+    # found by tests/test_config_fuzz.py: values that reached numpy, datetime or the model
+    (["train.seed=-1"], "train.seed", "zero or more, got -1"),
+    (["train.timeout_s=inf"], "train.timeout_s", "must be finite, got inf"),
+    (["train.timeout_s=1e300"], "train.timeout_s", "beyond any wait"),
+    (["train.lr=inf"], "train.lr", "must be finite, got inf"),
+    (["train.grad_clip=inf"], "train.grad_clip", "must be finite, got inf"),
 ])
 def test_rejected(overrides, key, fragment):
     rejects(key, fragment, *overrides)

@@ -33,6 +33,12 @@ A step whose loss or gradient norm is not finite is skipped or stops the run
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint. Every collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
+
+Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
+`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule). A run
+whose rank dies restarts from the latest complete one, by hand or under `fivefold train
+--max-restarts N` by the elastic agent; the data position is the step, so the restarted run
+draws exactly the batches the lost steps drew.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import ParallelPlan, device_precision, plan_from_config
+from fivefold.parallel.plan import MESH_AXES, ParallelPlan, device_precision, plan_from_config
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -77,6 +83,7 @@ from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
 from fivefold.train.sample import sample_text
+from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -116,6 +123,10 @@ class Trainer:
         self.pp_axis = self.mesh.axis("pp")
         self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
+        # every rank: train.checkpoint_minutes' broadcast (no extra group when it is unset)
+        self.world_axis = (self.mesh.joint_axis(*MESH_AXES) if cfg.train.checkpoint_minutes
+                           else None)
+        self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
         self.micro_batch = plan.micro_batch
@@ -410,6 +421,7 @@ class Trainer:
         log = MetricsLog(self.run_dir, t.steps, start_step, self.rt.is_main, t.tensorboard,
                          t.log_every)
         run_start, val_loss = time.perf_counter(), None
+        saves = SaveSchedule(t, self.world_axis, self.rt.device, self.clock)
         try:
             for step in range(start_step, t.steps):
                 result = self.train_step(step)
@@ -426,7 +438,7 @@ class Trainer:
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
-                if done % t.checkpoint_every == 0 or done == t.steps:
+                if saves.due(done):
                     self._save(done)
         finally:
             log.close()
