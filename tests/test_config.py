@@ -247,6 +247,12 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["model.preset=mixtral-8x7B", "model.moe.dense_layers=32"], "model.moe.dense_layers",
      "leaves no MoE layer"),
     (["model.moe.experts=4"], "model.moe.expert_ffn_hidden", "greater than zero"),
+    (["model.moe.experts=6", "model.moe.expert_ffn_hidden=64", "parallel.ep=4",
+      "parallel.dp=4"], "parallel.ep", "does not divide model.moe.experts = 6"),
+    (["model.moe.experts=8", "model.moe.expert_ffn_hidden=64", "parallel.ep=4",
+      "parallel.dp=2"], "parallel.ep", "does not divide the dp x cp = 2"),
+    (["model.moe.expert_ffn_hidden=64", "model.moe.score='tanh'"], "model.moe.score",
+     "is not one of"),
     # train
     (["train.lr=-1e-3"], "train.lr", "must be greater than zero, got -0.001"),
     (["train.lr=0"], "train.lr", "must be greater than zero, got 0"),
@@ -458,7 +464,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      32, "parallel.cp_ulysses", "a tp rank holds 2 (model.heads 8 / tp 4)"),
     (["parallel.cp=2", "parallel.recompute=full"], 2, "parallel.recompute",
      "rerun the attention's communication"),
-    (["parallel.ep=2"], 2, "parallel.ep", "not implemented in the runtime"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
     (["parallel.recompute=selective"], 1, "parallel.recompute",
      "selective recomputation (a per-operator policy) is not implemented"),
@@ -476,7 +481,16 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["train.optimizer=muon", "parallel.zero_stage=1"], 2, "parallel.zero_stage",
      "Muon orthogonalizes whole matrices"),
     (["train.optimizer=muon", "parallel.tp=2"], 2, "parallel.tp", "tensor-parallel splits"),
-    (["model.preset=mixtral-8x7B"], 1, "model.moe", "mixture-of-experts training is not"),
+    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "train.optimizer=muon"], 1,
+     "train.optimizer", "experts are 3-D"),
+    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.precision=fp16"], 1,
+     "parallel.precision", "not loss-scaled"),
+    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.cp=2"], 2,
+     "parallel.cp", "context parallelism cuts"),
+    (["parallel.ep=2"], 2, "parallel.ep", "needs model.moe"),
+    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.ep=2",
+      "parallel.zero_stage=1", "parallel.zero_group=1"], 2, "parallel.zero_group",
+     "expert parallelism"),
 ])
 def test_validate_for_training_rejects(overrides, world_size, key, fragment):
     cfg = load(*overrides)

@@ -22,6 +22,8 @@ FFN_TYPES = ("swiglu", "gelu")
 DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
+MOE_SCORES = ("softmax", "sigmoid")
+EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul.MATMULS
 
 
 def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
@@ -69,6 +71,11 @@ def validate_model(cfg: Config) -> None:
         if moe.top_k > moe.experts:
             raise ConfigError("model.moe.top_k", f"{moe.top_k} exceeds model.moe.experts = "
                                                  f"{moe.experts}")
+        _positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
+        _positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
+        _positive("model.moe.bias_update_rate", moe.bias_update_rate, allow_zero=True)
+        _choice("model.moe.score", moe.score, MOE_SCORES)
+        _choice("model.moe.expert_matmul", moe.expert_matmul, EXPERT_MATMULS)
         if moe.dense_layers >= m.layers:
             raise ConfigError("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer "
                                                         f"among {m.layers}")
@@ -131,6 +138,15 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                                        f" do not divide the shard group of "
                                                        f"{shard}; choose gpus_per_node so they "
                                                        "do")
+    if p.ep > 1 and (dp * p.cp) % p.ep:
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide the dp x cp = {dp * p.cp} "
+                                         "ranks it folds onto (each expert is data-parallel "
+                                         f"over the rest); choose one of {_divisors(dp * p.cp)}")
+    moe = cfg.model.moe
+    if moe is not None and moe.experts % p.ep:
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide model.moe.experts = "
+                                         f"{moe.experts}: every ep rank holds the same number "
+                                         f"of experts; choose one of {_divisors(moe.experts)}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
     if p.vpp > 1 and p.schedule != "interleaved":
@@ -426,10 +442,9 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
     validate_tensor_parallel(cfg)
     validate_pipeline_runtime(cfg)
     validate_context_parallel(cfg)
-    if p.ep != 1:
-        raise ConfigError("parallel.ep", "this dimension is not implemented in the runtime yet "
-                                         "(see README, Features); set it to 1 or use "
-                                         "`fivefold plan` to study it")
+    if p.ep > 1 and cfg.model.moe is None:
+        raise ConfigError("parallel.ep", "expert parallelism needs model.moe (a dense model "
+                                         "has no experts to place); set it to 1")
     if p.zero_group is not None and p.zero_stage == 0:
         raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
                                                  "parallel.zero_stage to 1, 2 or 3, or drop "
@@ -493,6 +508,31 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                "tensor-parallel splits hold parts of them (gathering each "
                                "matrix for it is not built): use zero_stage = 0 and tp = 1 "
                                "with train.optimizer = 'muon', or 'adamw'")
-    if cfg.model.moe is not None:
-        raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
-                                       "use a dense preset")
+    validate_moe_runtime(cfg, world_size)
+
+
+def validate_moe_runtime(cfg: Config, world_size: int) -> None:
+    """What MoE training (fivefold.models.moe, fivefold.parallel.expert) does not run yet."""
+    p, m = cfg.parallel, cfg.model
+    dp = world_size // (p.tp * p.pp * p.cp)
+    if m.moe is None:
+        return
+    if p.precision == "fp16":
+        raise ConfigError("parallel.precision", "the MoE auxiliary losses' gradients are not "
+                                                "loss-scaled; use 'bf16' or 'fp32' with "
+                                                "model.moe")
+    if cfg.train.optimizer == "muon":
+        raise ConfigError("train.optimizer", "Muon orthogonalizes 2-D matrices; the stacked "
+                                             "experts are 3-D: use 'adamw' with model.moe")
+    if p.ep > 1 and p.zero_group is not None and p.zero_group != dp:
+        raise ConfigError("parallel.zero_group", "expert parallelism shards the experts over "
+                                                 "the whole expert-data-parallel group; "
+                                                 "hierarchical sharding with ep is not built: "
+                                                 "drop parallel.zero_group")
+    if p.ep > 1 and (p.qwz or p.hpz or p.qgz):
+        raise ConfigError("parallel.ep", "ZeRO++'s node groups are not laid out over the "
+                                         "expert groups; turn qwz, hpz and qgz off with ep > 1")
+    if p.cp > 1:
+        raise ConfigError("parallel.cp", "the MoE capacity and balancing groups are a rank's "
+                                         "micro-batch, which context parallelism cuts; use "
+                                         "parallel.cp = 1 with model.moe")

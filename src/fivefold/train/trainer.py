@@ -72,6 +72,7 @@ from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
+from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.sample import sample_text
@@ -84,6 +85,7 @@ class StepResult:
     loss: float
     grad_norm: float
     step_time_s: float
+    moe: dict | None = None  # per MoE layer: load statistics (fivefold.train.moe_stats)
 
 
 class Trainer:
@@ -121,6 +123,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = parallelize(self._build_model(init_from), plan, self.mesh,
                                  cfg.train.compile)
+        for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
+            moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
         self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
                                           cfg.train.seed, 0, self.dp_axis.rank, self.dp,
@@ -218,7 +222,9 @@ class Trainer:
         if self.plan.update == "pipedream-2bw" or self.lomo:
             C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
-        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+        moe = (moe_step(self.model, self.token_axis, self.cfg.model.moe.bias_update_rate,
+                        self.global_tokens) if self.cfg.model.moe else None)
+        return StepResult(loss, grad_norm.item(), time.perf_counter() - start, moe)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch in turn; the summed token cross-entropy."""
@@ -413,6 +419,8 @@ class Trainer:
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
                           "skipped_steps": self.skipped_steps,
                           "ledger": self.ledger.summary()}
+                if result.moe:
+                    record["moe"] = result.moe
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
