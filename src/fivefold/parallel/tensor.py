@@ -120,6 +120,8 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], vocab: int) -> torch.T
 def gather_full_state(state: dict[str, torch.Tensor], vocab: int,
                       axis: Axis) -> dict[str, torch.Tensor]:
     """Every parameter's full value on every rank, from this rank's tensor-parallel parts."""
+    if axis.size == 1:  # whole already (and possibly an MoE model's, which tp does not split)
+        return dict(state)
     out = {}
     for name, part in state.items():
         if split_dim(name) is None:

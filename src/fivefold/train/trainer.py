@@ -30,7 +30,13 @@ skipped with pp > 1.
 A step whose loss or gradient norm is not finite is skipped or stops the run
 (`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
-checkpoint. Every collective's ledger entry also lands in the flight recorder
+checkpoint.
+
+With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
+experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
+stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
+0 only (each ep rank holds other experts, all hold the same dense gradients). Every
+collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 """
 
@@ -56,6 +62,7 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
+from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
@@ -114,6 +121,9 @@ class Trainer:
         self.pp_axis = self.mesh.axis("pp")
         self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
+        self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
+        if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
+            self.norm_axes.append(self.expert_axes[0])
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
         self.micro_batch = plan.micro_batch
@@ -139,7 +149,7 @@ class Trainer:
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.precision],
                                              DTYPES[plan.reduce_dtype], zero_pp,
-                                             plan.shard_axes)
+                                             plan.shard_axes, self.expert_axes)
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train)
         else:  # plain, or each PipeDream-2BW stage's own
@@ -253,6 +263,8 @@ class Trainer:
         if self.engine:
             grads = [master.grad for master in self.engine.masters]
             counted = counted_masks(self.engine.units, self.tp_axis.rank)
+            if self.expert_axes and self.plan.zero_stage == 0:
+                counted = expert_counted_masks(self.engine, self.expert_axes[0].rank)
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

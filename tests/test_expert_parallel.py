@@ -1,0 +1,137 @@
+"""Expert parallelism (fivefold.parallel.expert) against one process, on gloo ranks.
+
+Each layout trains the tiny MoE (8 experts, top-2, both blocks MoE, the load-balancing loss
+on) for 5 steps on global batches of 8 sequences in micro-batches of 2, the same
+micro-batches as the one-process reference, so capacity and balancing groups agree; losses
+and every parameter (experts gathered over ep) are compared at the fp32-on-CPU tolerances of
+tests/parity.py (atol 1e-5 + rtol 1e-4 on parameters; losses rtol 1e-5). Capacity mode must
+drop exactly the assignments the one-process run drops (equal integer counts per layer and
+step), and the ledger's all-to-all bytes must equal the routing done: dispatched rows x
+hidden x 4 bytes, forward and backward, dispatch and combine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fivefold.config import load_config
+from fivefold.models.moe import MoE
+from fivefold.parallel.expert import ExpertDispatcher, gather_experts
+from fivefold.testing import run_on_ranks
+from fivefold.train.dist import Runtime
+from fivefold.train.trainer import Trainer
+from tests.parity import assert_params_close, full_parameters
+
+CPU = Runtime(0, 1, 0, torch.device("cpu"))
+STEPS = 5
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
+HIDDEN = 64  # tiny_overrides' model.hidden
+
+
+def train(rt: Runtime, sets: list[str], run_dir: str) -> dict:
+    """5 steps: losses, per-step MoE statistics, whole parameters, this rank's last-step
+    all-to-all bytes by purpose."""
+    trainer = Trainer(load_config(None, sets), rt, run_dir)
+    results = [trainer.train_step(s) for s in range(STEPS)]
+    a2a = {}
+    for r in trainer.ledger.as_dicts():
+        if r["op"] == "all_to_all":
+            a2a[r["purpose"]] = a2a.get(r["purpose"], 0) + r["bytes"]
+    params = full_parameters(trainer)
+    if trainer.expert_axes:
+        params = gather_experts(params, trainer.expert_axes[0])
+    return {"losses": [r.loss for r in results], "moe": [r.moe for r in results],
+            "params": params, "a2a": a2a}
+
+
+def layouts_on_ranks(rt: Runtime, layouts: list[list[str]], run_dir: str) -> list[dict]:
+    return [train(rt, sets, f"{run_dir}/{i}") for i, sets in enumerate(layouts)]
+
+
+def empty_expert_rank(rt: Runtime, sets: list[str]) -> tuple[float, float]:
+    """Every token of both ranks routed to expert 0 (on ep rank 0): rank 1 receives no row,
+    runs its experts on zero rows, and the outputs and input gradients equal the unsplit
+    module's. Returns (max output error, max gradient error)."""
+    cfg = load_config(None, sets)
+    torch.manual_seed(0)
+    whole = MoE(cfg.model)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    trainer_mesh = Trainer(cfg, rt, "/tmp/unused-ep-run").mesh  # builds the ep axes
+    axis = trainer_mesh.expert_axes(2)[0]
+    part = MoE(cfg.model)
+    part.load_state_dict(whole.state_dict())
+    from fivefold.parallel.expert import apply_expert_parallel
+    apply_expert_parallel(part, axis)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(rt.rank),
+                    requires_grad=True)
+    counts = [5, 0, 0, 0, 0, 0, 0, 0]
+    y_ref = whole.local_experts(x, counts)
+    y = part.expert_compute(x, counts)
+    g_ref, = torch.autograd.grad(y_ref.sum(), x)
+    g, = torch.autograd.grad(y.sum(), x)
+    return (y - y_ref).abs().max().item(), (g - g_ref).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def moe_sets(parity_overrides):
+    return parity_overrides + MOE
+
+
+def reference(sets: list[str], run_dir) -> dict:
+    return train(CPU, sets, str(run_dir))
+
+
+def assert_same_run(run: dict, ref: dict, label: str) -> None:
+    torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0, msg=label)
+    assert_params_close(run["params"], ref["params"], label)
+
+
+def test_ep4_and_ep2_with_zero1_and_zero3_match_one_process(moe_sets, tmp_path):
+    """4 ranks: ep 4 (plain data parallel), and ep 2 x edp 2 with ZeRO-1 and ZeRO-3."""
+    ref = reference(moe_sets, tmp_path / "ref")
+    layouts = [moe_sets + ["parallel.ep=4"],
+               moe_sets + ["parallel.ep=2", "parallel.zero_stage=1"],
+               moe_sets + ["parallel.ep=2", "parallel.zero_stage=3"]]
+    per_rank = run_on_ranks(layouts_on_ranks, 4, layouts, str(tmp_path / "runs"),
+                            timeout_s=600)
+    for i, label in enumerate(("ep 4", "ep 2 x dp 2 ZeRO-1", "ep 2 x dp 2 ZeRO-3")):
+        assert_same_run(per_rank[0][i], ref, label)
+        for rank in per_rank:  # every rank dispatched something and saw the same losses
+            assert rank[i]["losses"] == per_rank[0][i]["losses"]
+            assert rank[i]["a2a"]["moe_dispatch"] > 0
+
+
+def test_ep2_dropless_and_capacity_match_one_process_and_the_ledger(moe_sets, tmp_path):
+    """2 ranks: dropless ep 2, and capacity factor 1.0 with ep 2, which drops exactly the
+    one-process run's assignments; the all-to-all bytes are the routing done; and a rank
+    that receives no token runs."""
+    capacity = moe_sets + ["model.moe.capacity_factor=1.0"]
+    refs = [reference(moe_sets, tmp_path / "ref"), reference(capacity, tmp_path / "refc")]
+    layouts = [moe_sets + ["parallel.ep=2"], capacity + ["parallel.ep=2"]]
+    per_rank = run_on_ranks(layouts_on_ranks, 2, layouts, str(tmp_path / "runs"),
+                            timeout_s=600)
+    for i, label in enumerate(("dropless ep 2", "capacity ep 2")):
+        run = per_rank[0][i]
+        assert_same_run(run, refs[i], label)
+        for step, ref_step in zip(run["moe"], refs[i]["moe"]):  # loads and drops exactly
+            for layer, stats in step.items():
+                ref_stats = ref_step[layer]
+                assert stats["tokens_per_expert"] == ref_stats["tokens_per_expert"]
+                assert stats["dropped_fraction"] == ref_stats["dropped_fraction"]
+                assert stats["aux_loss"] == pytest.approx(ref_stats["aux_loss"], rel=1e-5)
+        last = run["moe"][-1]
+        routed = sum(sum(s["tokens_per_expert"]) * (1 - s["dropped_fraction"])
+                     for s in last.values())
+        if i == 1:
+            assert sum(s["dropped_fraction"] for s in last.values()) > 0
+        for purpose in ("moe_dispatch", "moe_combine", "moe_dispatch_backward",
+                        "moe_combine_backward"):
+            sent = sum(rank[i]["a2a"][purpose] for rank in per_rank)
+            assert sent == pytest.approx(routed * HIDDEN * 4, abs=0.5), purpose
+        counts_bytes = sum(rank[i]["a2a"]["moe_counts"] for rank in per_rank)
+        assert counts_bytes == 2 * 2 * 2 * 8 * 8  # ranks x layers x micro-batches x X x int64
+    out_err, grad_err = run_on_ranks(empty_expert_rank, 2, moe_sets + ["parallel.ep=2"])[1]
+    assert out_err < 1e-5 and grad_err < 1e-5
