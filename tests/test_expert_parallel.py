@@ -21,7 +21,7 @@ from fivefold.parallel.expert import ExpertDispatcher, gather_experts
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
-from tests.parity import assert_params_close, full_parameters
+from parity import assert_params_close, full_parameters
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
 STEPS = 5
@@ -135,3 +135,15 @@ def test_ep2_dropless_and_capacity_match_one_process_and_the_ledger(moe_sets, tm
         assert counts_bytes == 2 * 2 * 2 * 8 * 8  # ranks x layers x micro-batches x X x int64
     out_err, grad_err = run_on_ranks(empty_expert_rank, 2, moe_sets + ["parallel.ep=2"])[1]
     assert out_err < 1e-5 and grad_err < 1e-5
+
+
+def test_ep2_with_pp2_matches_one_process(moe_sets, tmp_path):
+    """4 ranks: 2 pipeline stages (1F1B), each with ep 2 over its 2 data ranks; the stages'
+    parameters together are the one-process run's."""
+    ref = reference(moe_sets, tmp_path / "ref")
+    layouts = [moe_sets + ["parallel.pp=2", "parallel.ep=2"]]
+    per_rank = run_on_ranks(layouts_on_ranks, 4, layouts, str(tmp_path / "runs"),
+                            timeout_s=600)
+    torch.testing.assert_close(per_rank[0][0]["losses"], ref["losses"], rtol=1e-5, atol=0)
+    params = {**per_rank[0][0]["params"], **per_rank[2][0]["params"]}  # pp ranks 0 and 1
+    assert_params_close(params, ref["params"], "ep 2 x pp 2")

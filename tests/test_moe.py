@@ -161,3 +161,30 @@ def test_moe_run_logs_load_statistics(tiny_overrides, tmp_path):
         assert stats["imbalance"] == pytest.approx(max(load) / (sum(load) / 4))
         assert 0 <= stats["dropped_fraction"] < 1 and stats["aux_loss"] > 0
     assert list((tmp_path / "run" / "tb").iterdir())
+
+
+def test_mixtral_from_transformers_trains_with_init_from(tiny_overrides, tmp_path):
+    """A random `transformers` Mixtral (4 experts, top-2) saved and trained with
+    --init-from: the first step's loss equals the transformers model's mean token loss on
+    the same batch (fp32, rtol 1e-5), and the run trains on."""
+    pytest.importorskip("transformers")
+    from test_hf import hf_model, save  # the tiny random models of the HF tests
+
+    from fivefold.config import apply_override
+    from fivefold.train.model_source import init_from_overrides
+    model = hf_model("mixtral", vocab_size=512, max_position_embeddings=32, head_dim=16)
+    folder = save(model, tmp_path / "hf")
+    raw: dict = {}
+    for assignment in tiny_overrides:
+        apply_override(raw, assignment)
+    cfg = load_config(None, tiny_overrides + init_from_overrides(folder, raw))
+    assert cfg.model.moe.experts == 4 and cfg.model.moe.top_k == 2
+    trainer = Trainer(cfg, CPU, tmp_path / "run", init_from=folder)
+    inputs, targets = trainer.train_sampler.rank_batch(0)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    first = trainer.train_step(0)
+    assert first.loss == pytest.approx(expected, rel=1e-5)
+    assert sum(first.moe["layers.0"]["tokens_per_expert"]) == 4 * 32 * 2
+    assert trainer.train_step(1).loss < first.loss
