@@ -326,9 +326,11 @@ def validate_tensor_parallel(cfg: Config) -> None:
                                                         f"split evenly over tp = {p.tp} ranks; "
                                                         f"use a multiple of {p.tp} or turn "
                                                         "sequence parallelism off")
-    if m.moe is not None:
-        raise ConfigError("parallel.tp", "tensor parallelism splits dense MLPs only; use "
-                                         "parallel.tp = 1 with a mixture-of-experts model")
+    if m.moe is not None and p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "MoE layers run whole on every tp rank "
+                                                        "and need whole sequences; turn "
+                                                        "sequence parallelism off with "
+                                                        "model.moe")
 
 
 def validate_pipeline_runtime(cfg: Config) -> None:
