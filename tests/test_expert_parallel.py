@@ -141,10 +141,13 @@ def test_ep2_dropless_and_capacity_match_one_process_and_the_ledger(moe_sets, tm
 def test_ep2_with_pp2_and_with_tp2_match_one_process(moe_sets, tmp_path):
     """4 ranks: 2 pipeline stages (1F1B), each with ep 2 over its 2 data ranks (the stages'
     parameters together are the one-process run's); and tp 2 x dp 2 with ep 2 over the dp
-    ranks (the MoE layers replicated over tp)."""
+    ranks (the MoE layers replicated over tp); and ep 4 over 2 nodes of 2 with the
+    hierarchical two-step all-to-all."""
     ref = reference(moe_sets, tmp_path / "ref")
+    hierarchical = ["parallel.ep=4", "cluster.gpus_per_node=2",
+                    "comm.algorithm={all_to_all = 'hierarchical'}"]
     layouts = [moe_sets + ["parallel.pp=2", "parallel.ep=2"],
-               moe_sets + ["parallel.tp=2", "parallel.ep=2"]]
+               moe_sets + ["parallel.tp=2", "parallel.ep=2"], moe_sets + hierarchical]
     per_rank = [runs for runs, _ in run_on_ranks(layouts_on_ranks, 4, layouts,
                                                  str(tmp_path / "runs"), timeout_s=900)]
     torch.testing.assert_close(per_rank[0][0]["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -152,3 +155,5 @@ def test_ep2_with_pp2_and_with_tp2_match_one_process(moe_sets, tmp_path):
     assert_params_close(params, ref["params"], "ep 2 x pp 2")
     assert_same_run(per_rank[0][1], ref, "ep 2 x tp 2")
     assert_same_run(per_rank[1][1], ref, "ep 2 x tp 2, tp rank 1")
+    assert_same_run(per_rank[0][2], ref, "ep 4, hierarchical all-to-all")
+    assert "moe_dispatch" not in per_rank[0][2]["a2a"]  # sent as the schedule's messages

@@ -24,7 +24,10 @@ The row all-to-alls are autograd functions whose backward is the reverse all-to-
 `moe_dispatch_backward`, `moe_combine_backward`). Every byte goes through
 fivefold.comm.collectives, so the ledger's all-to-all bytes are exactly sum(splits) x hidden
 x dtype bytes of the routing done. Capacity dropping happens before dispatch on the source
-rank, over its micro-batch, so it drops what the one-process run drops.
+rank, over its micro-batch, so it drops what the one-process run drops. The `[comm]` section
+applies to the ep axis like any other: `comm.algorithm = {all_to_all = "hierarchical"}` runs
+the dispatch as the two-step all-to-all inside each node, then across
+(fivefold.comm.algorithms.alltoall2d), recorded as its point-to-point messages.
 """
 
 from __future__ import annotations
@@ -53,16 +56,24 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x_MD: torch.Tensor, send: list[int], recv: list[int], axis: Axis,
                 purpose: str) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.axis, ctx.purpose = send, recv, axis, purpose
-        out = x_MD.new_empty(sum(recv), x_MD.shape[1])
-        C.all_to_all(out, x_MD.contiguous(), axis, purpose, recv, send)
-        return out
+        return _rows_all_to_all(x_MD, send, recv, axis, purpose)
 
     @staticmethod
     def backward(ctx, grad_MD: torch.Tensor):
-        grad_in = grad_MD.new_empty(sum(ctx.send), grad_MD.shape[1])
-        C.all_to_all(grad_in, grad_MD.contiguous(), ctx.axis, ctx.purpose + "_backward",
-                     ctx.send, ctx.recv)
-        return grad_in, None, None, None, None
+        return (_rows_all_to_all(grad_MD, ctx.recv, ctx.send, ctx.axis,
+                                 ctx.purpose + "_backward"), None, None, None, None)
+
+
+def _rows_all_to_all(x_MD: torch.Tensor, send: list[int], recv: list[int], axis: Axis,
+                     purpose: str) -> torch.Tensor:
+    """The all-to-all of rows, issued on the flat buffers with splits in elements, which the
+    builtin collective and the scheduled algorithms (fivefold.comm.executor: `[comm]`, e.g.
+    the hierarchical two-step all-to-all) both take."""
+    D = x_MD.shape[1]
+    out = x_MD.new_empty(sum(recv), D)
+    C.all_to_all(out.view(-1), x_MD.contiguous().view(-1), axis, purpose,
+                 [n * D for n in recv], [n * D for n in send])
+    return out
 
 
 class ExpertDispatcher:
