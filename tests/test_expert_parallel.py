@@ -25,7 +25,7 @@ from fivefold.planner.moe_ledger import predict_moe_all_to_all
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
-from parity import assert_params_close, full_parameters
+from parity import assert_params_close, full_parameters, resumed_losses
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
 STEPS = 5
@@ -157,3 +157,23 @@ def test_ep2_with_pp2_and_with_tp2_match_one_process(moe_sets, tmp_path):
     assert_same_run(per_rank[1][1], ref, "ep 2 x tp 2, tp rank 1")
     assert_same_run(per_rank[0][2], ref, "ep 4, hierarchical all-to-all")
     assert "moe_dispatch" not in per_rank[0][2]["a2a"]  # sent as the schedule's messages
+
+
+def resume_ep(rt: Runtime, sets: list[str], run_dir: str) -> tuple[list[float], list[float]]:
+    """(straight losses, losses saved at step 3 and resumed) of 5 steps."""
+    cfg = load_config(None, sets)
+    straight = train(rt, sets, f"{run_dir}/straight")["losses"]
+    resumed, start, _ = resumed_losses(rt, cfg, f"{run_dir}/resumed", 3, STEPS)
+    assert start == 3
+    return straight, resumed
+
+
+@pytest.mark.slow
+def test_ep2_zero1_with_bias_resumes_exactly(moe_sets, tmp_path):
+    """An ep 2 x dp 2 ZeRO-1 run with the balancing bias, checkpointed at step 3 (where the
+    biases are not zero) and resumed, repeats the uninterrupted run's losses exactly (the
+    biases are in the checkpoint; without them step 4 differs)."""
+    sets = moe_sets + ["parallel.ep=2", "parallel.zero_stage=1",
+                       "model.moe.bias_update_rate=0.01"]
+    straight, resumed = run_on_ranks(resume_ep, 4, sets, str(tmp_path), timeout_s=600)[0]
+    assert resumed == straight

@@ -377,8 +377,11 @@ class Trainer:
         own parameter groups (its parameters and versions keep the whole model's names, so
         the stages' "model" entries together are the whole model's state)."""
         tag = self._shard_tag()
-        if self.engine:
-            return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
+        if self.engine:  # with the MoE balancing biases, the same on every rank of a stage
+            biases = {f"expert_bias.{name}": moe.expert_bias
+                      for name, moe in moe_layers(self.model) if moe.balance_bias}
+            return {**{key + tag: value for key, value in self.engine.checkpoint_state().items()},
+                    **biases}
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
         state = {"model": model_sd, "optim" + tag: optim_sd}
         if self.pipeline:  # PipeDream-2BW
