@@ -188,3 +188,13 @@ def test_mixtral_from_transformers_trains_with_init_from(tiny_overrides, tmp_pat
     assert first.loss == pytest.approx(expected, rel=1e-5)
     assert sum(first.moe["layers.0"]["tokens_per_expert"]) == 4 * 32 * 2
     assert trainer.train_step(1).loss < first.loss
+
+
+@pytest.mark.parametrize("name,published", [("mixtral-8x7B", 46.7e9),
+                                            ("deepseek-v3-like", 671e9)])
+def test_moe_preset_sizes_match_published(name, published):
+    """Total parameters against the papers' (Mixtral 46.7B; DeepSeek-V3 671B, whose MLA and
+    MTP module the -like preset replaces by plain attention and leaves out): within 3%."""
+    from fivefold.models.flops import param_count
+    cfg = load_config(None, [f"model.preset={name!r}"]).model
+    assert param_count(cfg) == pytest.approx(published, rel=0.03)
