@@ -94,15 +94,17 @@ def assert_same_run(run: dict, ref: dict, label: str) -> None:
     assert_params_close(run["params"], ref["params"], label)
 
 
-def test_ep4_and_ep2_with_zero1_and_zero3_match_one_process(moe_sets, tmp_path):
-    """4 ranks: ep 4 (plain data parallel), and ep 2 x edp 2 with ZeRO-1 and ZeRO-3."""
+def test_ep4_and_ep2_with_zero_stages_match_one_process(moe_sets, tmp_path):
+    """4 ranks: ep 4 (plain data parallel), and ep 2 x edp 2 with ZeRO-1, 2 and 3."""
     ref = reference(moe_sets, tmp_path / "ref")
     layouts = [moe_sets + ["parallel.ep=4"],
                moe_sets + ["parallel.ep=2", "parallel.zero_stage=1"],
+               moe_sets + ["parallel.ep=2", "parallel.zero_stage=2"],
                moe_sets + ["parallel.ep=2", "parallel.zero_stage=3"]]
     per_rank = [runs for runs, _ in run_on_ranks(layouts_on_ranks, 4, layouts,
                                                  str(tmp_path / "runs"), timeout_s=600)]
-    for i, label in enumerate(("ep 4", "ep 2 x dp 2 ZeRO-1", "ep 2 x dp 2 ZeRO-3")):
+    for i, label in enumerate(("ep 4", "ep 2 x dp 2 ZeRO-1", "ep 2 x dp 2 ZeRO-2",
+                               "ep 2 x dp 2 ZeRO-3")):
         assert_same_run(per_rank[0][i], ref, label)
         for rank in per_rank:  # every rank dispatched something and saw the same losses
             assert rank[i]["losses"] == per_rank[0][i]["losses"]

@@ -198,3 +198,24 @@ def test_moe_preset_sizes_match_published(name, published):
     from fivefold.models.flops import param_count
     cfg = load_config(None, [f"model.preset={name!r}"]).model
     assert param_count(cfg) == pytest.approx(published, rel=0.03)
+
+
+@pytest.mark.slow
+def test_moe_bench_quick_writes_consistent_json(tmp_path):
+    """bench/moe.py --quick on 2 ranks: a row per ep degree, no all-to-all at ep 1, a share
+    in (0, 1) otherwise, and the three expert-matmul forms (no timing comparisons)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "moe.py"), "--quick",
+                           "--nproc", "2", "--json", str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert [row["ep"] for row in res["ep"]] == [1, 2]
+    assert res["ep"][0]["all_to_all_share"] == 0 and 0 < res["ep"][1]["all_to_all_share"] < 1
+    assert all(row["tokens_per_s"] > 0 for row in res["ep"])
+    assert [row["matmul"] for row in res["expert_matmul"]] == ["grouped", "padded", "loop"]
