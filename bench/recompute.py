@@ -1,14 +1,15 @@
-"""Full activation recomputation: what it saves and what it costs, next to the plain run.
+"""Activation recomputation: what `full` and `selective` save and cost, next to the plain run.
 
-Both sides are fivefold's Trainer on the same fixed setup (the `tiny` preset, fp32 on the CPU,
-one process, 8 sequences x 256 tokens per step, the built-in corpus), one with
-`parallel.recompute = "none"` and one with `"full"` (fivefold.memory.recompute). Reported:
+The three sides are fivefold's Trainer on the same fixed setup (the `tiny` preset, fp32 on the
+CPU, one process, 8 sequences x 256 tokens per step, the built-in corpus), with
+`parallel.recompute = "none"`, `"full"` and `"selective"` (fivefold.memory.recompute).
+Reported:
 
 * saved activations: the bytes autograd keeps for backward after one forward of the step's
   batch, per block and for the root (fivefold.memory.activation_count), with the planner's
   prediction (fivefold.planner.activations) next to them;
-* time: median seconds per step over `--rounds` interleaved rounds (A B A B ..., so machine
-  noise hits both alike) and the ratio full / none, with the simulator's predicted ratio on
+* time: median seconds per step over `--rounds` interleaved rounds (A B C A B C ..., so
+  machine noise hits all alike) and the ratios full / none and selective / none, with the simulator's predicted ratio on
   the CPU profile (fivefold.planner.simulate).
 
     python bench/recompute.py               # 20 timed steps per side, 5 rounds of 4
@@ -24,7 +25,7 @@ import time
 
 from harness import TrainerSide, add_timing_args, machine_info, split_rounds, write_json
 
-MODES = ("none", "full")
+MODES = ("none", "full", "selective")
 
 
 def bench_config(mode: str):
@@ -93,16 +94,18 @@ def main() -> None:
     for mode in MODES:
         result[mode]["s_per_step"] = statistics.median(result[mode]["round_s_per_step"])
         blocks = [v for k, v in result[mode]["saved_bytes"].items() if k != "root"]
-        print(f"recompute={mode:4s}  saved per block {blocks[0] / 2**20:7.2f} MiB (planner "
+        print(f"recompute={mode:9s}  saved per block {blocks[0] / 2**20:7.2f} MiB (planner "
               f"{result[mode]['predicted']['block_bytes'] / 2**20:7.2f}), root "
               f"{result[mode]['saved_bytes']['root'] / 2**20:6.2f} MiB; "
               f"{result[mode]['s_per_step']:.3f} s/step")
-    none, full = result["none"], result["full"]
-    result["ratio"] = {"s_per_step": full["s_per_step"] / none["s_per_step"],
-                       "predicted_step_s": (full["predicted"]["step_s"] /
-                                            none["predicted"]["step_s"])}
-    print(f"full / none: step time {result['ratio']['s_per_step']:.2f}x measured, "
-          f"{result['ratio']['predicted_step_s']:.2f}x predicted (CPU profile)")
+    none = result["none"]
+    result["ratio"] = {}
+    for mode in MODES[1:]:
+        ratio = result["ratio"][mode] = {
+            "s_per_step": result[mode]["s_per_step"] / none["s_per_step"],
+            "predicted_step_s": result[mode]["predicted"]["step_s"] / none["predicted"]["step_s"]}
+        print(f"{mode} / none: step time {ratio['s_per_step']:.2f}x measured, "
+              f"{ratio['predicted_step_s']:.2f}x predicted (CPU profile)")
     write_json(args.json, result)
 
 

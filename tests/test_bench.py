@@ -33,20 +33,23 @@ def test_bench_quick_writes_consistent_json(tmp_path):
 
 
 def test_recompute_bench_quick_writes_consistent_json(tmp_path):
-    """bench/recompute.py: the counted per-block saved bytes equal the planner's on both
-    sides and full recomputation keeps far less; the ratios are those of the sides."""
+    """bench/recompute.py: the counted per-block saved bytes equal the planner's on every
+    side, full recomputation keeps far less and selective less; the ratios are those of
+    the sides."""
     out = tmp_path / "recompute.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "recompute.py"), "--quick",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    for mode in ("none", "full"):
+    for mode in ("none", "full", "selective"):
         blocks = [v for k, v in res[mode]["saved_bytes"].items() if k != "root"]
         assert blocks == [res[mode]["predicted"]["block_bytes"]] * len(blocks), mode
-    assert res["full"]["saved_bytes"]["layers.0"] * 10 < res["none"]["saved_bytes"]["layers.0"]
-    assert res["ratio"]["s_per_step"] == pytest.approx(
-        res["full"]["s_per_step"] / res["none"]["s_per_step"], rel=1e-12)
+    saved = {mode: res[mode]["saved_bytes"]["layers.0"] for mode in ("none", "full", "selective")}
+    assert saved["full"] * 10 < saved["none"] and saved["full"] < saved["selective"] < saved["none"]
+    for mode in ("full", "selective"):
+        assert res["ratio"][mode]["s_per_step"] == pytest.approx(
+            res[mode]["s_per_step"] / res["none"]["s_per_step"], rel=1e-12)
 
 
 def test_context_parallel_bench_quick_writes_consistent_json(tmp_path):

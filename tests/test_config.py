@@ -317,6 +317,12 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["cluster.gpus=6", "parallel.tp=4"], "parallel.tp", "tp*pp*cp = 4 does not divide the 6"),
     (["cluster.gpus_per_node=0"], "cluster.gpus_per_node", "greater than zero"),
     (["cluster.inter_node_GBps=-1"], "cluster.inter_node_GBps", "greater than zero"),
+    # found by tests/test_config_fuzz.py: values that reached numpy, datetime or the model
+    (["train.seed=-1"], "train.seed", "zero or more, got -1"),
+    (["train.timeout_s=inf"], "train.timeout_s", "must be finite, got inf"),
+    (["train.timeout_s=1e300"], "train.timeout_s", "beyond any wait"),
+    (["train.lr=inf"], "train.lr", "must be finite, got inf"),
+    (["train.grad_clip=inf"], "train.grad_clip", "must be finite, got inf"),
 ])
 def test_rejected(overrides, key, fragment):
     rejects(key, fragment, *overrides)
@@ -466,8 +472,8 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["parallel.cp=2", "parallel.recompute=full"], 2, "parallel.recompute",
      "rerun the attention's communication"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
-    (["parallel.recompute=selective"], 1, "parallel.recompute",
-     "selective recomputation (a per-operator policy) is not implemented"),
+    (["parallel.recompute=selective", "parallel.pp=2", "parallel.schedule=terapipe"], 2,
+     "parallel.schedule", "'selective' is not supported with terapipe"),
     (["parallel.recompute=full", "parallel.pp=2", "parallel.schedule=zb",
       "parallel.micro_batch=1"], 2, "parallel.schedule", "not supported with zb"),
     (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),

@@ -137,25 +137,26 @@ def _layouts_all_ranks(rt, overrides, layouts, tmp):
             for k, layout in enumerate(layouts)]
 
 
-def test_full_recompute_matches_one_process(parity_overrides, reference, tmp_path):
-    """parallel.recompute = 'full' under DDP with micro-batches, ZeRO-2, ZeRO-3 (its
-    backward gather, started by the block output's gradient hook, precedes the
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_matches_one_process(mode, parity_overrides, reference, tmp_path):
+    """parallel.recompute = 'full' and 'selective' under DDP with micro-batches, ZeRO-2,
+    ZeRO-3 (its backward gather, started by the block output's gradient hook, precedes the
     recomputation, which so finds the block's weights gathered), tp 2 with and without
     sequence parallelism (the recomputed forward repeats their collectives) and pipelines
     (1F1B, GPipe, interleaved on 4 blocks) on 2 ranks, and pp 2 x ZeRO-3 on 4: the module
     docstring's tolerances against the plain one-process run (recomputation itself
     changes nothing, tests/test_train.py)."""
-    full, four = ["parallel.recompute=full"], ["model.layers=4"]
-    layouts = [(0, None, 1, full), (2, None, None, full), (3, None, 1, full),
-               (0, None, 1, full + ["parallel.pp=2"]),
-               (0, None, 2, full + ["parallel.pp=2", "parallel.schedule=gpipe"]),
-               (0, None, 2, full + four + ["parallel.pp=2", "parallel.schedule=interleaved",
+    rec, four = [f"parallel.recompute={mode}"], ["model.layers=4"]
+    layouts = [(0, None, 1, rec), (2, None, None, rec), (3, None, 1, rec),
+               (0, None, 1, rec + ["parallel.pp=2"]),
+               (0, None, 2, rec + ["parallel.pp=2", "parallel.schedule=gpipe"]),
+               (0, None, 2, rec + four + ["parallel.pp=2", "parallel.schedule=interleaved",
                                            "parallel.vpp=2"])]
     four_blocks = train_steps(CPU, _config(parity_overrides, 0, None, None, four),
                               tmp_path / "ref4")
     tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    layouts += [(0, None, None, full + ["parallel.tp=2"]), (0, None, 1, full + tp_sp)]
-    for world, layouts in ((2, layouts), (4, [(3, None, 1, full + ["parallel.pp=2"])])):
+    layouts += [(0, None, None, rec + ["parallel.tp=2"]), (0, None, 1, rec + tp_sp)]
+    for world, layouts in ((2, layouts), (4, [(3, None, 1, rec + ["parallel.pp=2"])])):
         runs = run_on_ranks(_layouts_all_ranks, world, parity_overrides, layouts,
                             str(tmp_path / f"w{world}"), timeout_s=600)
         for k, layout in enumerate(layouts):

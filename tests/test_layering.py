@@ -5,7 +5,8 @@ function-level import runs as surely as a module-level one once the function is 
 Importing `a.b.c` also runs the `__init__` of `a` and `a.b`, so those packages count as
 imported too. The rules:
 
-  config, validate, hardware, optim    foundations: none of parallel/, train/, planner/
+  config, validate, compositions,      foundations: none of parallel/, train/, planner/
+  hardware, optim
   models/                              plain PyTorch: of fivefold only config and validate
   comm/                                none of parallel/, train/, planner/
   memory/                              neither train/ nor planner/
@@ -26,7 +27,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 COMMAND_LINE = ("fivefold.cli", "fivefold.plan_commands", "fivefold.__main__")
-FOUNDATIONS = ("fivefold.config", "fivefold.validate", "fivefold.hardware", "fivefold.optim")
+FOUNDATIONS = ("fivefold.config", "fivefold.validate", "fivefold.compositions",
+               "fivefold.hardware", "fivefold.optim")
 # models/ by what it may import; the other layers by what they may not:
 # (importer prefix, the prefixes it may not import, the rule)
 MODELS_MAY_IMPORT = ("fivefold.models", "fivefold.config", "fivefold.validate")

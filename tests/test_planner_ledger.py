@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
-from fivefold.memory.recompute import apply_full_recompute
+from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.models.llama import build_model
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.activations import block_saved_bytes, root_saved_bytes
@@ -69,6 +69,11 @@ CASES = [  # (world size, overrides, label)
          "parallel.pp=2", "parallel.micro_batch=2"], "pp2 x tp2 sp full recompute"),
     (2, ["parallel.pp=2", "parallel.micro_batch=1", "parallel.recompute='full'", TIED],
      "pp2 1f1b full recompute"),
+    (2, ["parallel.zero_stage=3", "parallel.recompute='selective'", "parallel.micro_batch=2"],
+     "zero3 selective recompute"),
+    (2, ["parallel.tp=2", "parallel.recompute='selective'"], "tp2 selective recompute"),
+    (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute='selective'",
+         "parallel.pp=2", "parallel.micro_batch=2"], "pp2 x tp2 sp selective recompute"),
     (4, ["parallel.zero_stage=0", "parallel.micro_batch=1"], "ddp 4 ranks"),
     (4, ["parallel.zero_stage=1", "parallel.zero_group=2"], "zero1 hierarchical"),
     (4, ["parallel.zero_stage=2", "parallel.zero_group=2", "parallel.micro_batch=1"],
@@ -191,7 +196,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 55
+    assert len(CASES) == 58
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}
@@ -220,6 +225,11 @@ ACTIVATION_CASES = [  # (overrides, dtype)
     ([], torch.bfloat16),
     (["parallel.recompute='full'"], torch.float32),
     (["parallel.recompute='full'"], torch.bfloat16),
+    (["parallel.recompute='selective'"], torch.float32),
+    (["parallel.recompute='selective'"], torch.bfloat16),
+    (["parallel.recompute='selective'", "model.ffn_type='gelu'"], torch.float32),
+    (["parallel.recompute='selective'", "model.kv_heads=4", "model.qkv_bias=true"],
+     torch.bfloat16),
 ]
 
 
@@ -227,12 +237,16 @@ ACTIVATION_CASES = [  # (overrides, dtype)
 def test_activation_bytes_match_saved_tensors(sets, dtype, tiny_overrides):
     """Blocks and root, each within 5% of the count (model cast to the compute dtype, as the
     data-parallel engine does, under autocast). With full recomputation a block keeps its
-    input only (saved by the checkpoint outside its own hooks, so the count sees it)."""
+    input only (saved by the checkpoint outside its own hooks, so the count sees it); with
+    selective recomputation also what the policy caches, equal to the prediction byte for
+    byte."""
     whole = load_config(None, tiny_overrides + sets)
     cfg, recompute = whole.model, whole.parallel.recompute
     model = build_model(cfg, seed=0).to(dtype)
     if recompute == "full":
         apply_full_recompute(model.layers)
+    elif recompute == "selective":
+        apply_selective_recompute(model.layers)
     batch, seq = 3, cfg.seq_len
     tokens = torch.randint(0, cfg.vocab, (batch, seq))
     targets = torch.randint(0, cfg.vocab, (batch, seq))
@@ -244,6 +258,8 @@ def test_activation_bytes_match_saved_tensors(sets, dtype, tiny_overrides):
     a = torch.finfo(dtype).bits // 8
     for i in range(cfg.layers):
         predicted = block_saved_bytes(cfg, batch * seq, a, recompute=recompute, layer=i)
+        if recompute == "selective":  # the policy's cache and the block input, to the byte
+            assert predicted == acts.bytes_by_label[f"layers.{i}"], i
         assert predicted == pytest.approx(acts.bytes_by_label[f"layers.{i}"], rel=0.05)
     assert root_saved_bytes(cfg, batch * seq, a) == pytest.approx(acts.bytes_by_label["root"],
                                                                   rel=0.05)

@@ -13,6 +13,7 @@ import torch
 
 from fivefold.config import ConfigError, load_config
 from fivefold.memory.activation_count import SavedActivations
+from fivefold.planner.activations import block_saved_bytes
 from fivefold.train.checkpoint import PARTIAL, complete_checkpoints, latest_checkpoint
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
@@ -85,13 +86,14 @@ def test_resume_is_bit_identical(tiny_overrides, tmp_path, optimizer):
         assert a.get("val_loss") == b.get("val_loss")
 
 
-def test_full_recompute_changes_nothing_but_memory(tiny_overrides, tmp_path):
-    """parallel.recompute = 'full' on one rank (fp32, CPU): each block keeps only its input
-    (a x D bytes per token, counted); the recomputed forward is the same computation, so
+def test_recompute_changes_nothing_but_memory(tiny_overrides, tmp_path):
+    """parallel.recompute = 'full' and 'selective' on one rank (fp32, CPU): under 'full' each
+    block keeps only its input (a x D bytes per token, counted), under 'selective' what the
+    planner predicts, to the byte; the recomputed forward is the same computation, so
     losses, gradient norms and parameters equal the run without it bit for bit."""
     sets = tiny_overrides + ["train.steps=3", "parallel.micro_batch=2"]
-    runs = []
-    for mode in ("none", "full"):
+    runs = {}
+    for mode in ("none", "full", "selective"):
         trainer = Trainer(load_config(None, sets + [f"parallel.recompute={mode}"]), CPU,
                           tmp_path / mode)
         model, m = trainer.model, trainer.cfg.model
@@ -99,13 +101,17 @@ def test_full_recompute_changes_nothing_but_memory(tiny_overrides, tmp_path):
             model(torch.zeros(2, m.seq_len, dtype=torch.long))
         kept = acts.bytes_by_label["block"]
         assert (kept == 2 * m.seq_len * m.hidden * 4) == (mode == "full"), (mode, kept)
+        if mode == "selective":
+            assert kept == block_saved_bytes(m, 2 * m.seq_len, 4, recompute="selective")
         results = [trainer.train_step(s) for s in range(3)]
-        runs.append(([(r.loss, r.grad_norm) for r in results],
-                     {n: q.detach().clone() for n, q in trainer.model.named_parameters()}))
-    (plain, plain_params), (recomputed, recomputed_params) = runs
-    assert recomputed == plain
-    for name, q in plain_params.items():
-        assert torch.equal(recomputed_params[name], q), name
+        runs[mode] = ([(r.loss, r.grad_norm) for r in results],
+                      {n: q.detach().clone() for n, q in trainer.model.named_parameters()})
+    plain, plain_params = runs["none"]
+    for mode in ("full", "selective"):
+        recomputed, recomputed_params = runs[mode]
+        assert recomputed == plain, mode
+        for name, q in plain_params.items():
+            assert torch.equal(recomputed_params[name], q), (mode, name)
 
 
 @pytest.mark.parametrize("clip", ["1.0", "0"])
@@ -144,16 +150,21 @@ def test_lomo_is_sgd_fused_into_backward(tiny_overrides, tmp_path, clip):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
 
 
-def test_resume_with_another_layout_is_refused(tiny_overrides, tmp_path):
-    """A checkpoint of the plain one-rank trainer cannot seed a ZeRO-1 run (its keys are the
-    engine's shards): the resume names the key before DCP sees the mismatch."""
-    sets = tiny_overrides + ["train.steps=2", "train.sample_tokens=0"]
-    Trainer(load_config(None, sets), CPU, tmp_path).run()
-    zero = Trainer(load_config(None, sets + ["train.steps=4", "parallel.zero_stage=1"]), CPU,
-                   tmp_path)
-    with pytest.raises(ConfigError, match=r"`parallel.zero_stage`: .*written with "
-                                          r"parallel.zero_stage = 0, this run has 1"):
-        zero.run()
+def test_resume_with_another_layout_is_resharded(tiny_overrides, tmp_path, capsys):
+    """A checkpoint of the plain one-rank trainer (torch's AdamW by parameter) seeds a ZeRO-1
+    run (the engine's flat units) on resume: it says what it resharded, and the continued
+    losses are the straight plain run's, rel 1e-6 (the same AdamW on the same values, its
+    elements in other tensors; tests/test_resharding.py has the multi-rank layouts)."""
+    sets = tiny_overrides + ["train.steps=4", "train.sample_tokens=0", "train.eval_every=100"]
+    Trainer(load_config(None, sets), CPU, tmp_path / "straight").run()
+    Trainer(load_config(None, sets + ["train.steps=2"]), CPU, tmp_path / "run").run()
+    capsys.readouterr()
+    Trainer(load_config(None, sets + ["parallel.zero_stage=1"]), CPU, tmp_path / "run").run()
+    assert "from zero_stage 0 to zero_stage 1" in capsys.readouterr().out
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "run")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert ([r["loss"] for r in resumed] ==
+            pytest.approx([r["loss"] for r in straight], rel=1e-6))
 
 
 KILL_DURING_SAVE = textwrap.dedent("""

@@ -2,6 +2,7 @@
 
     fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
                    [--init-from MODEL_FOLDER]      (`--set parallel=auto`: the planner's layout)
+                   [--max-restarts N]              (restart from the last checkpoint if a rank dies)
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override one key, e.g. --set train.lr=1e-3")
     train.add_argument("--nproc", type=int, default=1, help="local ranks to launch (default 1)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="when a rank dies, restart every rank from the latest complete "
+                            "checkpoint, up to N times (PyTorch's elastic agent; default 0)")
     train.add_argument("--steps", type=int, help="total optimizer steps (sets train.steps)")
     train.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                        help=f"metrics and checkpoints; rerun to resume (default {DEFAULT_RUN_DIR})")
@@ -75,21 +79,26 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be 0 or more, got {args.max_restarts}")
     under_launcher = launched_by_torchrun()
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else args.nproc
+    launching = (world_size > 1 or args.max_restarts > 0) and not under_launcher
     cfg = train_config(args)
     device = _device(cfg)
     if cfg.parallel.auto:
         cfg, plan = _auto_plan(cfg, world_size, device, args.plan)
-        if world_size > 1 and not under_launcher:  # the ranks get the plan, not a search
+        if launching:  # the ranks get the plan, not a search
             argv = [*argv, "--plan", str(_write_plan(plan, args.run_dir))]
     else:
         plan = training_plan(cfg, world_size, device.type)
-    if world_size > 1 and not under_launcher:
+    if launching:
+        from fivefold.train.checkpoint import check_resume
         from fivefold.train.data import prepare_data
 
+        check_resume(Path(args.run_dir), cfg, plan)  # a refused resume stops before ranks
         prepare_data(cfg)  # once, here, so that the ranks find it cached
-        return launch_local(args.nproc, _without_nproc(argv))
+        return launch_local(args.nproc, _launcher_only_removed(argv), args.max_restarts)
     return _train_this_rank(cfg, plan, args.run_dir, args.init_from)
 
 
@@ -140,9 +149,12 @@ def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
     from fivefold.train.dist import init_runtime, shutdown
     from fivefold.train.trainer import Trainer
 
+    from fivefold.planner.rank_memory import predicted_rank_memory
+
     rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
     try:
-        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan).run()
+        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan,
+                predicted_memory=predicted_rank_memory(cfg, plan, rt.rank)).run()
     finally:
         shutdown()
     return 0
@@ -159,14 +171,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's, not the ranks'
+
+
+def _launcher_only_removed(argv: list[str]) -> list[str]:
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in LAUNCHER_FLAGS:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(tuple(f"{flag}=" for flag in LAUNCHER_FLAGS)):
             out.append(arg)
     return out
 

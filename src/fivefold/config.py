@@ -154,6 +154,10 @@ class TrainConfig:
     eval_every: int = _doc("validation every this many steps (and at the end)", 50)
     eval_batches: int = _doc("global batches per validation pass", 4)
     checkpoint_every: int = _doc("checkpoint every this many steps (and at the end)", 100)
+    checkpoint_minutes: float | None = _doc("also checkpoint once this many minutes of training"
+                                            " have passed since the last save (rank 0's clock,"
+                                            " broadcast: every rank saves at the same step); "
+                                            "absent = by steps only", None)
     keep_checkpoints: int = _doc("most recent checkpoints kept on disk", 2)
     log_every: int = _doc("print a progress line every this many steps", 10)
     sample_tokens: int = _doc("tokens of text sampled at the end; 0 disables", 64)

@@ -121,3 +121,9 @@ def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
         return torch.optim.AdamW(groups, **adamw)
     raise ValueError(f"train.optimizer = {cfg.optimizer!r} has no optimizer object (LOMO "
                      "updates inside backward: fivefold.memory.lomo)")
+
+
+def optimizer_state_bytes(optimizers) -> int:
+    """Bytes of every tensor in the optimizers' state but the step counters."""
+    return sum(t.nbytes for opt in optimizers for state in opt.state.values()
+               for key, t in state.items() if key != "step" and isinstance(t, torch.Tensor))

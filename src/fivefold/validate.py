@@ -1,8 +1,10 @@
 """Every value check and every cross-field check of a `Config`, in one place.
 
 `validate(cfg)` checks what holds for any use (plan, simulate, train); `validate_for_training`
-adds what the runtime of today can execute, given the number of ranks it will launch. Each
-failure raises `ConfigError` naming the key and the fix; nothing here touches torch.
+adds what the runtime of today can execute, given the number of ranks it will launch: the
+values and divisibility it needs, here, and the pairs of features it does not run together,
+from the one table in fivefold.compositions. Each failure raises `ConfigError` naming the key
+and the fix; nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
 
 CP_MODES = ("ulysses", "ring", "hybrid")
@@ -23,15 +26,20 @@ DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
 MOE_SCORES = ("softmax", "sigmoid")
-EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul.MATMULS
+EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul's forms
+MAX_TIMEOUT_S = 1e9  # about 30 years: a collective timeout beyond it overflows timedelta
 
 
 def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+    """A number > 0 (or >= 0): finite, since every such key sizes or scales something that
+    an infinity would overflow or turn to NaN (found by tests/test_config_fuzz.py)."""
     if value is None:
         return
     if not (value > 0 or (allow_zero and value == 0)):  # also rejects NaN
         bound = "zero or more" if allow_zero else "greater than zero"
         raise ConfigError(key, f"must be {bound}, got {value}")
+    if math.isinf(value):
+        raise ConfigError(key, f"must be finite, got {value}")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -123,13 +131,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("parallel.micro_batch", f"{p.micro_batch} does not divide the "
                                                   f"{p.global_batch // dp} sequences per dp rank"
                                                   f" (global_batch {p.global_batch} / dp {dp})")
-    for key in ("qwz", "hpz"):
-        if getattr(p, key) and p.zero_stage != 3:
-            raise ConfigError(f"parallel.{key}", "ZeRO++ weight communication applies to sharded "
-                                                 "parameters; set parallel.zero_stage = 3")
-    if p.qgz and p.zero_stage == 0:
-        raise ConfigError("parallel.qgz", "quantized gradient reduce-scatter needs sharded "
-                                          "gradients; set parallel.zero_stage to 1, 2 or 3")
+    check_compositions(cfg, dp, ANY_USE)
     if p.hpz or p.qgz:
         shard = p.zero_group or dp
         per_node = ranks_per_node(cfg.cluster.gpus_per_node, p.tp, p.cp, shard)
@@ -232,6 +234,11 @@ def validate_train(cfg: Config) -> None:
     _positive("train.lr", t.lr)
     _positive("train.eps", t.eps)
     _positive("train.timeout_s", t.timeout_s)
+    if t.timeout_s > MAX_TIMEOUT_S:  # torch's timedelta overflows beyond
+        raise ConfigError("train.timeout_s", f"{t.timeout_s} s is beyond any wait; use at most "
+                                             f"{MAX_TIMEOUT_S:.0e} s")
+    _positive("train.seed", t.seed, allow_zero=True)  # numpy's generators take no negatives
+    _positive("train.checkpoint_minutes", t.checkpoint_minutes)
     _positive("train.galore_update_gap", t.galore_update_gap)
     _positive("train.galore_scale", t.galore_scale)
     for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
@@ -326,54 +333,14 @@ def validate_tensor_parallel(cfg: Config) -> None:
                                                         f"split evenly over tp = {p.tp} ranks; "
                                                         f"use a multiple of {p.tp} or turn "
                                                         "sequence parallelism off")
-    if m.moe is not None and p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "MoE layers run whole on every tp rank "
-                                                        "and need whole sequences; turn "
-                                                        "sequence parallelism off with "
-                                                        "model.moe")
-
-
-def validate_pipeline_runtime(cfg: Config) -> None:
-    """What the Trainer's pipeline path (parallel.pp > 1) does not compose with yet."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return
-    if p.zero_stage == 3 and p.schedule == "terapipe":
-        raise ConfigError("parallel.schedule", "TeraPipe's token slices reach back into earlier "
-                                               "slices' keys and values, so a block's backward "
-                                               "is not one pass that ZeRO-3 can gather and free "
-                                               "around; use 'gpipe', '1f1b', 'interleaved' or "
-                                               "'zb', or zero_stage 0, 1 or 2")
-    if p.zero_stage == 3 and p.hpz:
-        raise ConfigError("parallel.hpz", "hpZ keeps a block's node-local shard from its "
-                                          "forward to its backward, which a pipeline schedule "
-                                          "interleaves across micro-batches; turn hpZ off with "
-                                          "parallel.pp > 1")
-    if p.precision == "fp16":
-        raise ConfigError("parallel.precision", "fp16 loss scaling is not wired into the "
-                                                "pipeline schedules; use 'bf16' (GPU) or "
-                                                "'fp32' with parallel.pp > 1")
-    if p.schedule == "terapipe" and p.tp > 1:
-        raise ConfigError("parallel.schedule", "TeraPipe's sliced attention runs outside the "
-                                               "tensor-parallel regions; use parallel.tp = 1 "
-                                               "or another schedule")
-    if p.schedule == "zb" and p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "the zero-bubble weight pass would "
-                                                        "re-run sequence parallelism's shared "
-                                                        "re-gather; turn it off or use another "
-                                                        "schedule")
-    if p.schedule == "pipedream-2bw" and (p.tp > 1 or p.zero_stage > 0):
-        raise ConfigError("parallel.schedule", "PipeDream-2BW keeps its own weight versions "
-                                               "and optimizer: use it with parallel.tp = 1 and "
-                                               "parallel.zero_stage = 0")
 
 
 def validate_context_parallel(cfg: Config) -> None:
-    """What the context-parallel runtime (fivefold.parallel.context) needs, and what it does
-    not compose with yet. Ring attention's zigzag split cuts each sequence into 2 cp equal
-    chunks; Ulysses gives each rank heads / (tp cp) query heads and needs a tp rank's
-    key/value heads to split over cp too, or to be fewer and divide cp (each is then
-    replicated to fit)."""
+    """What the context-parallel runtime (fivefold.parallel.context) needs; what it does not
+    compose with is in fivefold.compositions. Ring attention's zigzag split cuts each
+    sequence into 2 cp equal chunks; Ulysses gives each rank heads / (tp cp) query heads and
+    needs a tp rank's key/value heads to split over cp too, or to be fewer and divide cp
+    (each is then replicated to fit)."""
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
         return
@@ -402,20 +369,6 @@ def validate_context_parallel(cfg: Config) -> None:
                                    "fewer and divide the degree; neither holds: choose a "
                                    "Ulysses degree dividing or divided by model.kv_heads / "
                                    "parallel.tp")
-    if p.pp > 1 and p.schedule in ("terapipe", "pipedream-2bw"):
-        raise ConfigError("parallel.schedule", f"{p.schedule} with context parallelism is not "
-                                               "built (TeraPipe's token slices are not combined "
-                                               "with cp's token shards; 2BW's own update is not "
-                                               "tested with cp); use 1f1b, gpipe, interleaved "
-                                               "or zb with parallel.cp > 1")
-    if p.qwz or p.hpz or p.qgz:
-        raise ConfigError("parallel.cp", "ZeRO++'s node groups are not laid out over the cp "
-                                         "ranks yet; turn qwz, hpz and qgz off with "
-                                         "parallel.cp > 1")
-    if p.recompute != "none":
-        raise ConfigError("parallel.recompute", "recomputation would rerun the attention's "
-                                                "communication, which is not counted yet; use "
-                                                "'none' with parallel.cp > 1")
 
 
 def context_degrees(cp: int, mode: str, cp_ulysses: int | None) -> tuple[int, int]:
@@ -442,99 +395,12 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                          "which plan and simulate predict but fivefold does not"
                                          " run; set train.stack = \"fivefold\" to train")
     validate_tensor_parallel(cfg)
-    validate_pipeline_runtime(cfg)
     validate_context_parallel(cfg)
     if p.ep > 1 and cfg.model.moe is None:
         raise ConfigError("parallel.ep", "expert parallelism needs model.moe (a dense model "
                                          "has no experts to place); set it to 1")
-    if p.zero_group is not None and p.zero_stage == 0:
-        raise ConfigError("parallel.zero_group", "hierarchical sharding shards ZeRO state; set "
-                                                 "parallel.zero_stage to 1, 2 or 3, or drop "
-                                                 "zero_group")
-    if p.recompute == "selective":
-        raise ConfigError("parallel.recompute", "selective recomputation (a per-operator "
-                                                "policy) is not implemented in the runtime yet;"
-                                                " use 'full' or 'none'")
-    if p.recompute == "full" and p.pp > 1 and p.schedule in ("zb", "terapipe", "pipedream-2bw"):
-        raise ConfigError("parallel.schedule", f"parallel.recompute = 'full' is not supported "
-                                               f"with {p.schedule}: it keeps per-pass state "
-                                               "(split backward, key/value caches or weight "
-                                               "versions) that recomputation would bypass; use "
-                                               "recompute = 'none' with it, or 1f1b")
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
-    if cfg.train.optimizer == "galore" and (world_size > 1 or p.zero_stage > 0):
-        raise ConfigError("train.optimizer", "GaLore runs on one rank with "
-                                             "parallel.zero_stage = 0 (its per-matrix subspaces "
-                                             "are not built for data-parallel shards or "
-                                             "pipeline stages); use 'adamw' or 'muon' here")
-    if cfg.train.on_nonfinite == "skip":
-        if p.pp > 1 and p.schedule == "pipedream-2bw":
-            raise ConfigError("train.on_nonfinite", "PipeDream-2BW updates each stage inside "
-                                                    "its schedule, before any global norm is "
-                                                    "known, so a step cannot be skipped: use "
-                                                    "'stop', or a synchronous schedule")
-        if cfg.train.optimizer == "lomo" and not cfg.train.grad_clip:
-            raise ConfigError("train.on_nonfinite", "LOMO without clipping applies each "
-                                                    "gradient inside its only backward, before "
-                                                    "the norm is known: set train.grad_clip > 0"
-                                                    " (two passes, the first measures) or use "
-                                                    "'stop'")
-    if cfg.train.optimizer == "lomo":
-        if world_size > 1 or p.zero_stage > 0:
-            raise ConfigError("train.optimizer", "LOMO updates each parameter inside backward "
-                                                 "and keeps no gradient to reduce: it runs on "
-                                                 "one rank with parallel.zero_stage = 0")
-        if p.micro_batch and p.micro_batch < p.global_batch:  # one rank holds the whole batch
-            raise ConfigError("parallel.micro_batch", "LOMO applies the update during "
-                                                      "backward, so it cannot accumulate "
-                                                      "micro-batches: leave micro_batch unset "
-                                                      f"or set it to {p.global_batch}")
-        if p.precision == "fp16":
-            raise ConfigError("parallel.precision", "LOMO with fp16 loss scaling is not "
-                                                    "implemented; use bf16 or fp32")
-    plain = (world_size == 1 and p.zero_stage == 0) or (p.pp > 1 and
-                                                        p.schedule == "pipedream-2bw")
-    if p.precision == "fp16" and not plain:
-        raise ConfigError("parallel.precision", "fp16 loss scaling runs on one rank only for "
-                                                "now; use bf16 or fp32 with data parallelism")
-    if cfg.train.optimizer == "sgd" and not plain:
-        raise ConfigError("train.optimizer", "'sgd' runs where torch's optimizer does: on one "
-                                             "rank without ZeRO, or per stage under "
-                                             "PipeDream-2BW; the data-parallel engine keeps "
-                                             "AdamW or Muon states. Use 'adamw' here")
-    if cfg.train.optimizer == "muon" and (p.zero_stage > 0 or p.tp > 1):
-        key = "parallel.zero_stage" if p.zero_stage > 0 else "parallel.tp"
-        raise ConfigError(key, "Muon orthogonalizes whole matrices; ZeRO shards and "
-                               "tensor-parallel splits hold parts of them (gathering each "
-                               "matrix for it is not built): use zero_stage = 0 and tp = 1 "
-                               "with train.optimizer = 'muon', or 'adamw'")
-    validate_moe_runtime(cfg, world_size)
+    check_compositions(cfg, world_size // (p.tp * p.pp * p.cp), REFUSALS)  # the pairs
 
-
-def validate_moe_runtime(cfg: Config, world_size: int) -> None:
-    """What MoE training (fivefold.models.moe, fivefold.parallel.expert) does not run yet."""
-    p, m = cfg.parallel, cfg.model
-    dp = world_size // (p.tp * p.pp * p.cp)
-    if m.moe is None:
-        return
-    if p.precision == "fp16":
-        raise ConfigError("parallel.precision", "the MoE auxiliary losses' gradients are not "
-                                                "loss-scaled; use 'bf16' or 'fp32' with "
-                                                "model.moe")
-    if cfg.train.optimizer == "muon":
-        raise ConfigError("train.optimizer", "Muon orthogonalizes 2-D matrices; the stacked "
-                                             "experts are 3-D: use 'adamw' with model.moe")
-    if p.ep > 1 and p.zero_group is not None and p.zero_group != dp:
-        raise ConfigError("parallel.zero_group", "expert parallelism shards the experts over "
-                                                 "the whole expert-data-parallel group; "
-                                                 "hierarchical sharding with ep is not built: "
-                                                 "drop parallel.zero_group")
-    if p.ep > 1 and (p.qwz or p.hpz or p.qgz):
-        raise ConfigError("parallel.ep", "ZeRO++'s node groups are not laid out over the "
-                                         "expert groups; turn qwz, hpz and qgz off with ep > 1")
-    if p.cp > 1:
-        raise ConfigError("parallel.cp", "the MoE capacity and balancing groups are a rank's "
-                                         "micro-batch, which context parallelism cuts; use "
-                                         "parallel.cp = 1 with model.moe")

@@ -66,6 +66,8 @@ engine records its model-state bytes per rank there too.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -76,7 +78,7 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
-from fivefold.optim import optimizer_for
+from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
@@ -109,6 +111,22 @@ def split_expert_units(split: list, tag: str) -> list[tuple[str, list, nn.Module
         if experts:
             out.append((f"{name}.experts{tag}", experts, module, True))
     return out
+
+
+@torch.no_grad()
+def _place_flat(unit: FlatUnit, target: torch.Tensor, whole: dict[str, torch.Tensor],
+                local: Callable[[str, torch.Tensor], torch.Tensor], stage: int) -> None:
+    """Lay this rank's parts `local(name, whole[name])` of the unit's parameters out flat and
+    padded, as the unit lays out its parameters, and copy this rank's shard of that buffer
+    (the whole buffer at stage 0) into `target`."""
+    flat = torch.zeros(unit.padded, dtype=target.dtype, device=target.device)
+    for name, view in zip(unit.names, unit.views(flat)):
+        part = local(name, whole[name])
+        if part.shape != view.shape:
+            raise ValueError(f"{name}: this rank's part has shape {tuple(part.shape)}, its "
+                             f"unit {tuple(view.shape)}")
+        view.copy_(part)
+    target.copy_(flat if stage == 0 else flat[unit.shard_slice])
 
 
 @dataclass(frozen=True)
@@ -241,9 +259,7 @@ class DataParallelEngine:
         if self.stage >= 2:
             grads = sum(g.nbytes for g in self.grad_shards)
         master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
-        optimizer = sum(t.nbytes for opt in self._torch_optimizers()
-                        for state in opt.state.values() for key, t in state.items()
-                        if key != "step")
+        optimizer = optimizer_state_bytes(self._torch_optimizers())
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
                                          "optimizer": optimizer,
                                          "total": params + grads + master + optimizer}
@@ -443,7 +459,8 @@ class DataParallelEngine:
         """Tensors to save or load in place: master weights and Adam moments of this rank.
 
         Keys name the shard (`.shard{r}of{n}`), so DCP stores every shard once (replicas
-        hold identical ones); resuming needs the same data-parallel layout. With Muon the
+        hold identical ones); loading them in place needs the same data-parallel layout,
+        another layout takes them through `load_whole_state`. With Muon the
         states are per parameter: Muon's momentum, or AdamW's moments and step.
         """
         n, r = self.shard_axis.size, self.shard_axis.rank  # Muon: stage 0, no experts apart
@@ -452,20 +469,53 @@ class DataParallelEngine:
                        for unit, master in zip(self.units, self.masters)},
                     **{f"{key}.{name}.shard{r}of{n}": value
                        for name, state in self._view_states() for key, value in state.items()}}
-        for master in self.masters:  # make the moments exist so that a load can fill them
-            state = self.optimizer.state[master]
-            if not state:
-                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
-                             exp_avg_sq=torch.zeros_like(master))
         out = {}
-        for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
+        for unit, master, state, axis in zip(self.units, self.masters, self._adam_states(),
+                                             self.unit_shard):
             tag = f"{unit.name}.shard{axis.rank}of{axis.size}"
-            state = self.optimizer.state[master]
             out[f"master.{tag}"] = master.data
             out[f"exp_avg.{tag}"] = state["exp_avg"]
             out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
             out[f"step.{tag}"] = state["step"]
         return out
+
+    def _adam_states(self) -> list[dict[str, torch.Tensor]]:
+        """AdamW's state of each master, created empty where no step has run yet, so that a
+        checkpoint load can fill it."""
+        for master in self.masters:
+            state = self.optimizer.state[master]
+            if not state:
+                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+        return [self.optimizer.state[master] for master in self.masters]
+
+    @torch.no_grad()
+    def load_whole_state(self, weights: dict[str, torch.Tensor],
+                         states: dict[str, dict[str, torch.Tensor]], step: torch.Tensor,
+                         local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Set this rank's master weights and optimizer state from whole-model tensors by
+        parameter name, `weights[name]` and `states[name][kind]`, a checkpoint written under
+        another layout (fivefold.train.reshard). `local(name, tensor)` is this rank's part of
+        a whole parameter (its tensor-parallel shard); each unit is then laid out flat and
+        padded as at construction (fivefold.parallel.flat_unit) and this rank keeps its shard
+        of the buffer, AdamW's moments exactly like the weights they belong to, and every
+        unit's step count is `step`. With Muon (stage 0, no tp: whole matrices) each
+        parameter's state is copied whole."""
+        adam = None if self.views else self._adam_states()
+        for i, (unit, master) in enumerate(zip(self.units, self.masters)):
+            _place_flat(unit, master.data, weights, local, self.stage)
+            if adam:
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    _place_flat(unit, adam[i][kind], {n: states[n][kind] for n in unit.names},
+                                local, self.stage)
+                adam[i]["step"].copy_(step)
+        for name, state in self._view_states() if self.views else []:
+            if state.keys() != states[name].keys():
+                raise ValueError(f"{name}: the checkpoint holds {sorted(states[name])}, this "
+                                 f"optimizer keeps {sorted(state)}")
+            for kind, tensor in state.items():
+                tensor.copy_(states[name][kind])
+        self.after_checkpoint_load()
 
     def _view_states(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """(name, optimizer state) of every Muon-path view, created empty where no step has

@@ -13,7 +13,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      trainer's samplers read to hand the rank those tokens,
   3. expert parallelism over the mesh's expert axes (`plan.ep > 1`, fivefold.parallel.expert):
      every MoE layer keeps its ep rank's experts and dispatches tokens by all-to-all,
-  4. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
+  4. activation recomputation (`plan.recompute = "full"` or `"selective"`,
+     fivefold.memory.recompute),
   5. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
@@ -27,7 +28,7 @@ import functools
 
 from torch import nn
 
-from fivefold.memory.recompute import apply_full_recompute
+from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
 from fivefold.parallel.expert import apply_expert_parallel
@@ -64,6 +65,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
+    elif plan.recompute == "selective":
+        apply_selective_recompute(model.layers)
     if compile_blocks:
         for block in model.layers:
             block.compile()

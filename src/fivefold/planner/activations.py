@@ -21,8 +21,10 @@ ring attention (and the hybrid's ring) saves this rank's q, output and fp32 log-
 the key/value heads as they are, not repeated to every head (`ring_kv_heads`: a tp rank's
 kv heads, replicated up to the Ulysses degree in the hybrid), 2a Hd + 2a K E + 4H.
 Recomputation: `full` keeps only each block's input (aD) plus, during its backward, one
-block's full set; `selective` (torchtitan's per-op policy) keeps the block input and the
-outputs of wq, wv, attention, w1 and w2 (every second matmul is recomputed).
+block's full set; `selective` (torchtitan's per-op policy, fivefold.memory.recompute) keeps
+the block input, the attention kernel's output and log-sum-exp and the outputs of every
+second matmul in execution order: wq, wv, w1 and, in a SwiGLU block, w2 (a GELU block's w2
+is its 6th matmul and is recomputed).
 
 The root (embedding stage / head stage): token ids (int64), the final norm, the head input,
 the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
@@ -65,7 +67,8 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         per_token = a * D
     elif recompute == "selective":
         f_saved = _expert_width(model, tp) if moe else model.ffn_hidden / tp
-        per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + a * D
+        w2_saved = a * D if moe or model.ffn_type == "swiglu" else 0.0  # 7th matmul, not 6th
+        per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + w2_saved
     else:
         norms = 2 * ((4 + a) * D + 4)
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head

@@ -26,8 +26,8 @@ expert parallelism have split it) and timed against the hardware profile
 
 Recomputation (`full`: the whole block's forward again before its backward; `selective`:
 torchtitan's per-op policy, arXiv 2410.06511, which saves matmul and attention outputs except
-every second matmul (wk, wo, w3 of a Llama block) and recomputes those and every element-wise
-op) adds forward work to the backward. Model FLOPs follow docs/planner.md: forward matmuls
+every second matmul (wk, wo, w3 of a Llama block; wk, wo, w2 of a GELU block) and recomputes
+those and every element-wise op) adds forward work to the backward. Model FLOPs follow docs/planner.md: forward matmuls
 (attention scores and values over the full s x s square) times three.
 """
 
@@ -197,8 +197,17 @@ def mlp_gemms(ffn_type: str, n: int, D: int, F: int, prefix: str) -> list[Gemm]:
     return gemms
 
 
-# The GEMMs torchtitan's selective policy recomputes: every second matmul of the block.
-SELECTIVE_RECOMPUTED = ("wk", "wo", "w3", "expert.w3", "shared.w3")
+# The MoE GEMMs torchtitan's selective policy recomputes (its per-expert count is not
+# modelled): the second matmul of each SwiGLU.
+MOE_SELECTIVE_RECOMPUTED = ("wk", "wo", "w3", "expert.w3", "shared.w3")
+
+
+def selective_recomputed(gemms: list[Gemm], moe: bool) -> tuple[str, ...]:
+    """Names of the GEMMs `recompute = "selective"` runs again: every second matmul of a
+    dense block in execution order (fivefold.memory.recompute's policy, torchtitan's)."""
+    if moe:
+        return MOE_SELECTIVE_RECOMPUTED
+    return tuple(g.name for g in gemms[1::2])
 
 
 def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool) -> OpTimes:
@@ -207,11 +216,12 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     attn_g, mlp_g = block_gemms(model, sh, moe)
     gemms = attn_g + mlp_g
     gemm_s = selective_s = cast_f = cast_b = 0.0
+    selected = selective_recomputed(gemms, moe)
     for g in gemms:
         quantized = fp8 and g.name != "router"
         t = gemm_time(g, prof, quantized, a)
         gemm_s += t
-        if g.name in SELECTIVE_RECOMPUTED:
+        if g.name in selected:
             selective_s += t
         if quantized:
             cf, cb = fp8_cast_bytes(g, a, sh.stack.fp8_fused_casts)
@@ -229,8 +239,6 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     b = 2 * gemm_s + at_b + ew_b + cast_tb
     if sh.stack.selective_modules:  # norms and activations only, no GEMM
         selective_s, selected = 0.0, ()
-    else:
-        selected = SELECTIVE_RECOMPUTED
     rec = {"full": f, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
            "none": 0.0}[sh.recompute]
     model_fl = 3 * (sum(g.flops for g in gemms) + 4 * sh.micro_batch * heads * model.d_head

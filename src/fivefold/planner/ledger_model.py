@@ -137,15 +137,16 @@ class _Step:
         reduce-scatter halves, one re-gather of each region's input in backward and an
         all-reduce of every norm gain's gradient; and, on the last stage, the
         vocabulary-parallel loss's all-gather of three fp32 statistics per token. Full
-        recomputation runs each block's forward again in backward (fivefold.memory.recompute)
-        up to the last tensor the backward needs (torch's early stop): the collectives that
-        open the two regions and the attention's closing one run again, the MLP's closing
-        one, whose output nothing in the block saves, does not."""
+        and selective recomputation run each block's forward again in backward
+        (fivefold.memory.recompute; selective takes some outputs from its cache but runs the
+        collectives again) up to the last tensor the backward needs (torch's early stop):
+        the collectives that open the two regions and the attention's closing one run again,
+        the MLP's closing one, whose output nothing in the block saves, does not."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
         regions, ends = 2 * self.blocks, int(self.first) + int(self.last)
-        again = self.blocks if lay.recompute == "full" else 0  # per block: attention's close
+        again = self.blocks if lay.recompute != "none" else 0  # per block: attention's close
         if lay.sequence_parallel:
             for op, count, purpose in (
                     ("reduce_scatter", 2 * regions + ends + again, "sp_activations"),

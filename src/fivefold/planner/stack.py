@@ -53,7 +53,7 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
-  (fivefold.planner.compute.SELECTIVE_RECOMPUTED).
+  (fivefold.planner.compute.selective_recomputed).
 """
 
 from __future__ import annotations

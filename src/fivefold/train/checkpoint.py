@@ -8,8 +8,10 @@ shards, `layout`). The step is also the learning-rate schedule's whole state.
 
 Keys: the trainer's state dict keys carry a shard tag where pipeline stages or tp ranks hold
 different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
-`check_layout` reads the layout record. Checkpoints are not resharded: a resume under another
-layout stops with the first key that differs.
+`check_layout` reads the layout record. A resume under another layout (other dp, tp, pp, vpp,
+stage split, cp, ZeRO stage, group or ZeRO++ switches) is resharded (fivefold.train.reshard); `check_layout`
+refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW and
+Muon, and a changed global batch, which would change the data of every later step.
 
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
@@ -40,11 +42,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fivefold.config import ConfigError
+from fivefold.config import Config, ConfigError
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.dist import Runtime
 
 PARTIAL = ".partial"
+RESHARDED_OPTIMIZERS = ("adamw", "muon")  # whose state a resume under another layout carries
 
 # DCP warns when it runs without a process group; for a one-rank run that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
@@ -65,10 +68,11 @@ def shard_tag(pp_rank: int, pp: int, tp_rank: int, tp: int) -> str:
 
 def layout_record(plan: ParallelPlan) -> dict:
     """The meta.json entries of a plan: the whole plan, and `layout`, what decides the
-    checkpoint's keys and shards as "parallel.key": value (a resume must match it)."""
+    checkpoint's keys and shards as "parallel.key": value (a resume under another one
+    reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
-              for key in ("pp", "tp", "cp", "vpp", "stage_layers", "zero_stage", "zero_group",
-                          "hpz")}
+              for key in ("pp", "tp", "cp", "ep", "vpp", "stage_layers", "zero_stage",
+                          "zero_group", "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
     layout["parallel.schedule"] = "pipedream-2bw" if plan.asynchronous else "synchronous"
@@ -77,15 +81,61 @@ def layout_record(plan: ParallelPlan) -> dict:
     return {"plan": plan.to_dict(), "layout": layout}
 
 
-def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> None:
-    """ConfigError naming the first layout key in which checkpoint `path` (its meta.json
-    `meta`) differs from `plan`."""
+def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
+    """The layout keys in which checkpoint `path` (its meta.json `meta`) differs from `plan`,
+    which a resume reshards (fivefold.train.reshard); ConfigError naming the key where the
+    checkpoint cannot be taken under `plan`: another global batch (the data position is the
+    step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
+    another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
+    resharded) or with expert parallelism (its per-ep-rank expert units are not), or with another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
-    for key in saved:
-        if saved[key] != now[key]:
-            raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run "
-                                   f"has {now[key]!r}; checkpoints are not resharded: resume"
-                                   " with the same layout or use another --run-dir")
+    saved_plan = meta.get("plan", {})
+    if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
+        raise ConfigError("parallel.global_batch", f"{path} was written with global_batch = "
+                          f"{saved_plan['global_batch']}, this run has {plan.global_batch}; a "
+                          "step's batch is drawn by its step and the global batch, so the run "
+                          "would not continue the interrupted one: resume with global_batch = "
+                          f"{saved_plan['global_batch']} or use another --run-dir")
+    changed = [key for key in saved if saved[key] != now[key]]
+    if not changed:
+        return []
+    if "pipedream-2bw" in (saved.get("parallel.schedule"), now["parallel.schedule"]):
+        key = changed[0]
+        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
+                               f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
+                               "weight version and own optimizer) are not resharded: resume "
+                               "with the layout that wrote it or use another --run-dir")
+    if max(saved_plan.get("ep", 1), plan.ep) > 1:
+        key = changed[0]
+        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
+                               f"{now[key]!r}; expert-parallel checkpoints (each ep rank's "
+                               "experts in units of their own, fivefold.parallel.expert) are "
+                               "not resharded: resume with the layout that wrote it or use "
+                               "another --run-dir")
+    saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
+    if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
+        raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "
+                          f"{saved[changed[0]]!r} and optimizer {saved_optimizer!r}, this run "
+                          f"has {now[changed[0]]!r} and {plan.optimizer!r}; resharding carries "
+                          "the state of AdamW and Muon, each to itself: resume with the layout"
+                          " and optimizer that wrote it or use another --run-dir")
+    return changed
+
+
+def check_resume(run_dir: Path, cfg: Config, plan: ParallelPlan
+                 ) -> tuple[Path, dict, list[str]] | None:
+    """The latest checkpoint of `run_dir`, its meta.json and the layout keys a resume under
+    `plan` reshards (`check_layout`); None when there is none. ConfigError where this run
+    cannot resume from it: another model, or what `check_layout` refuses. `fivefold train`
+    asks before it starts ranks, each rank again before it loads."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("config", {}).get("model") != cfg.to_dict()["model"]:
+        raise ConfigError("model", f"{run_dir} holds a checkpoint of a different model; use "
+                                   "another --run-dir or the same model keys")
+    return path, meta, check_layout(path, meta, plan)
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -168,7 +218,13 @@ def save_checkpoint(rt: Runtime, run_dir: Path, step: int, state: dict, meta: di
 def load_checkpoint(rt: Runtime, path: Path, state: dict) -> tuple[dict, dict]:
     """Load `state` in place, restore this rank's RNG; return (meta, this rank's extra)."""
     dcp.load(state, checkpoint_id=path)
-    extra_path = path / f"rank_{rt.rank}.pt"
+    return json.loads((path / "meta.json").read_text()), load_rank_extra(rt, path, rt.rank)
+
+
+def load_rank_extra(rt: Runtime, path: Path, rank: int) -> dict:
+    """Rank `rank`'s `rank_R.pt` of checkpoint `path` (empty if none), its RNG states restored
+    on this rank."""
+    extra_path = path / f"rank_{rank}.pt"
     try:
         extra = torch.load(extra_path, weights_only=True) if extra_path.exists() else {}
     except pickle.UnpicklingError as err:
@@ -178,7 +234,7 @@ def load_checkpoint(rt: Runtime, path: Path, state: dict) -> tuple[dict, dict]:
                                        "newer checkpoint or use another --run-dir") from err
     if "rng" in extra:
         set_rng_state(extra["rng"], rt.device)
-    return json.loads((path / "meta.json").read_text()), extra
+    return extra
 
 
 def remove_partials(run_dir: Path) -> None:

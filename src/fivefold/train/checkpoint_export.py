@@ -14,6 +14,14 @@ parameters are its shards (fivefold.parallel.tensor). The reader rebuilds each r
 the meta device the way the run built it, so it cuts every buffer by the runtime's own unit
 layout, and joins the tp shards with `unshard_tensor`.
 
+`read_training_state` reads the optimizer's state the same way: the engine stores each
+unit's AdamW moments `exp_avg` and `exp_avg_sq` as flat buffers cut like the master weights
+and its step count once per shard (with Muon, each parameter's state whole under its own
+name: `momentum_buffer.layers.0.attention.wq.weight.shard0of1`), a one-rank run stores
+torch's per-parameter state under `optim.state.`.
+A resume under another layout (fivefold.train.reshard) reads, on each rank, only the units
+that hold the parameters that rank needs.
+
 It lives in train/, not beside the Hugging Face reader in fivefold.models.pretrained, because
 it needs the runtime's layouts (parallel/, comm/, the checkpoint files), which models/ must
 not import. Every tensor is checked against the shapes the model config implies.
@@ -79,21 +87,85 @@ def read_checkpoint(path: Path) -> Pretrained:
 
 
 def _read_checkpoint_tensors(step: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return read_training_state(step, cfg, optimizer=False)[0]
+
+
+def read_training_state(step: Path, cfg: ModelConfig, names: set[str] | None = None,
+                        optimizer: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(weights, optimizer state) of the checkpoint at `step` as the whole model holds them,
+    before any layout split them: each parameter's fp32 weights by name, and its optimizer
+    state by name and kind (AdamW's "exp_avg", "exp_avg_sq" and "step", Muon's
+    "momentum_buffer"; nothing under LOMO). `names`: only the parameters named (and only the
+    units that hold them are read), what one rank of another layout needs
+    (fivefold.train.reshard); `optimizer=False`: the weights alone."""
     meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
-    empty = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.items()
-             if key.startswith(("model.", "master.")) and hasattr(m, "size")}
-    if not empty:
+    tensors = {key: m for key, m in meta.items() if hasattr(m, "size")}
+    if any(key.startswith("model.") for key in tensors):
+        return _read_named(step, tensors, names, optimizer)
+    if not any(key.startswith("master.") for key in tensors):
         raise CheckpointError(str(step), "holds neither model.* nor master.* tensors")
+    parallel = json.loads((step / "meta.json").read_text()).get("config", {}).get("parallel")
+    units = _flat_units(tensors, cfg, step, parallel, names)
+    unit_tags = {(tag, unit) for tag, unit, _ in units}
+    param_tags = {(tag, name) for tag, _, params in units for name, _ in params}
+    empty, kinds, per_param = {}, set(), []
+    for key, m in tensors.items():
+        match = SHARD_KEY.fullmatch(key)
+        if not match or (match["kind"] != "master" and not optimizer):
+            continue
+        where = (match["tag"], match["of"])
+        if where in unit_tags:  # a flat unit's weights or AdamW moments
+            kinds.add(match["kind"])
+        elif where in param_tags:  # a parameter's own state (Muon's path: whole tensors)
+            per_param.append((key, match))
+        else:
+            continue
+        empty[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    _load(empty, step)
+    weights = _join_units(empty, units, "master", cfg, step)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in sorted(kinds - {"master"}):
+        for name, tensor in _join_units(empty, units, kind, cfg, step).items():
+            states.setdefault(name, {})[kind] = tensor
+    for key, match in per_param:
+        if match["n"] != "1":
+            raise CheckpointError(str(step), f"{key}: a parameter's own state is whole (one "
+                                             "shard)")
+        states.setdefault(match["of"], {})[match["kind"]] = empty[key]
+    return weights, states
+
+
+# an engine key: what, of which unit or parameter, which data-parallel shard, which rank
+SHARD_KEY = re.compile(r"(?P<kind>\w+)\.(?P<of>.+)\.shard(?P<r>\d+)of(?P<n>\d+)"
+                       r"(?P<tag>(?:\.pp\d+of\d+)?(?:\.tp\d+of\d+)?)")
+
+
+def _load(state: dict, step: Path) -> None:
+    """Read `state`'s tensors from the files on this rank alone (`no_dist`: no collective, so
+    each rank of a run may read other tensors, or none)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no process group: intended here
-        if any(key.startswith("model.") for key in empty):
-            nested = {"model": {k.removeprefix("model."): v for k, v in empty.items()
-                                if k.startswith("model.")}}
-            dcp.load(nested, checkpoint_id=step)
-            return nested["model"]
-        dcp.load(empty, checkpoint_id=step)
-    parallel = json.loads((step / "meta.json").read_text()).get("config", {}).get("parallel")
-    return _join_flat_units(empty, cfg, step, parallel)
+        dcp.load(state, checkpoint_id=step, no_dist=True)
+
+
+def _read_named(step: Path, tensors: dict, names: set[str] | None, optimizer: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A one-rank run's state: the model's tensors by name under `model.`, torch's optimizer
+    state under `optim.state.{name}.{kind}`."""
+    def empty(key):
+        return torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype)
+
+    params = [key.removeprefix("model.") for key in tensors if key.startswith("model.")]
+    params = [n for n in params if names is None or n in names]
+    nested = {"model": {n: empty(f"model.{n}") for n in params}, "optim": {"state": {}}}
+    for n in params if optimizer else ():
+        prefix = f"optim.state.{n}."
+        nested["optim"]["state"][n] = {key.removeprefix(prefix): empty(key) for key in tensors
+                                       if key.startswith(prefix)
+                                       and "." not in key.removeprefix(prefix)}
+    _load(nested, step)
+    return nested["model"], {n: s for n, s in nested["optim"]["state"].items() if s}
 
 
 def _rank_degree(keys, axis: str, step: Path) -> int:
@@ -127,40 +199,67 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
     return model
 
 
-def _join_flat_units(flat: dict[str, torch.Tensor], cfg: ModelConfig, step: Path,
-                     parallel: dict | None = None) -> dict[str, torch.Tensor]:
-    """Parameters from the engine's `master.{unit}.shard{r}of{n}[.pp{p}of{P}][.tp{t}of{T}]`
-    buffers; `parallel` is the run's parallel config (for the stages of pp > 1)."""
-    pp, tp = _rank_degree(flat, "pp", step), _rank_degree(flat, "tp", step)
-    parts: dict[str, list[torch.Tensor]] = {}  # name -> its tp shards, in tp rank order
+def _flat_units(keys, cfg: ModelConfig, step: Path, parallel: dict | None,
+                names: set[str] | None = None) -> list[tuple[str, str, list]]:
+    """(rank tag, unit name, named parameters) of every non-empty unit of every (pp, tp) rank
+    that the keys' tags name, holding any of `names` (None: all), rebuilt on the meta device."""
+    pp, tp = _rank_degree(keys, "pp", step), _rank_degree(keys, "tp", step)
+    units = []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             model = _rank_model(cfg, pp, pp_rank, tp, tp_rank, parallel, step)
             tag = (f".pp{pp_rank}of{pp}" if pp > 1 else "") + (f".tp{tp_rank}of{tp}"
                                                                 if tp > 1 else "")
             for unit, params, _ in split_units(model):
-                if params:  # a middle stage's root unit holds nothing
-                    for name, tensor in _cut_unit(flat, unit, tag, params, step):
-                        parts.setdefault(name, []).append(tensor)
+                if params and (names is None or any(n in names for n, _ in params)):
+                    units.append((tag, unit, params))  # a middle stage's root holds nothing
+    return units
+
+
+def _join_flat_units(flat: dict[str, torch.Tensor], cfg: ModelConfig, step: Path,
+                     parallel: dict | None = None) -> dict[str, torch.Tensor]:
+    """Parameters from the engine's `master.{unit}.shard{r}of{n}[.pp{p}of{P}][.tp{t}of{T}]`
+    buffers; `parallel` is the run's parallel config (for the stages of pp > 1)."""
+    return _join_units(flat, _flat_units(flat, cfg, step, parallel), "master", cfg, step)
+
+
+def _join_units(flat: dict[str, torch.Tensor], units: list, kind: str, cfg: ModelConfig,
+                step: Path) -> dict[str, torch.Tensor]:
+    """Each parameter's whole `kind` tensor ("master", "exp_avg", "exp_avg_sq": cut from the
+    units' flat buffers and joined over tp; "step": its unit's step count)."""
+    tp = _rank_degree(flat, "tp", step)
+    parts: dict[str, list[torch.Tensor]] = {}  # name -> its tp shards, in tp rank order
+    for tag, unit, params in units:
+        for name, tensor in _cut_unit(flat, kind, unit, tag, params, step):
+            parts.setdefault(name, []).append(tensor)
     state = {}
     for name, shards in parts.items():
         if len(shards) != tp:
             raise CheckpointError(str(step), f"{name} is held {len(shards)} times over {tp} tp "
-                                             f"rank(s) of {pp} stage(s)")
-        state[name] = unshard_tensor(name, shards, cfg.vocab) if tp > 1 else shards[0]
+                                             "rank(s)")
+        state[name] = (shards[0] if kind == "step" or tp == 1 else
+                       unshard_tensor(name, shards, cfg.vocab))
     return state
 
 
-def _cut_unit(flat: dict[str, torch.Tensor], unit: str, tag: str, params, step: Path):
+def _cut_unit(flat: dict[str, torch.Tensor], kind: str, unit: str, tag: str, params,
+              step: Path):
     """(name, tensor) of each parameter of unit `unit` of the rank tagged `tag`, cut from its
-    joined `shard{r}of{n}` pieces."""
-    pattern = re.compile(rf"master\.{re.escape(unit)}\.shard(\d+)of(\d+){re.escape(tag)}")
+    joined `{kind}.{unit}.shard{r}of{n}` pieces; for "step", the unit's count (the same in
+    every piece)."""
+    pattern = re.compile(rf"{kind}\.{re.escape(unit)}\.shard(\d+)of(\d+){re.escape(tag)}")
     found = {int(m.group(1)): int(m.group(2)) for k in flat if (m := pattern.fullmatch(k))}
     n = next(iter(found.values()), 0)
     if not n or sorted(found) != list(range(n)):
-        raise CheckpointError(str(step), f"unit {unit}{tag}: shards {sorted(found)} do not "
-                                         "cover it")
-    buffer = torch.cat([flat[f"master.{unit}.shard{r}of{n}{tag}"] for r in range(n)])
+        raise CheckpointError(str(step), f"{kind} of unit {unit}{tag}: shards {sorted(found)} "
+                                         "do not cover it")
+    pieces = [flat[f"{kind}.{unit}.shard{r}of{n}{tag}"] for r in range(n)]
+    if kind == "step":
+        if any(not torch.equal(p, pieces[0]) for p in pieces):
+            raise CheckpointError(str(step), f"unit {unit}{tag}: its shards' step counts differ")
+        yield from ((name, pieces[0].clone()) for name, _ in params)
+        return
+    buffer = torch.cat(pieces)
     offset = 0
     for name, p in params:
         if offset + p.numel() > buffer.numel():

@@ -5,6 +5,15 @@ process, then hands the same command line (without `--nproc`) to torch.distribut
 starts N workers running `python -m fivefold train ...` with RANK / WORLD_SIZE / LOCAL_RANK
 set. Across nodes, call `torchrun` yourself with the same module and arguments; the workers
 cannot tell the difference.
+
+`--max-restarts N` is the elastic agent's: when a worker dies (any exit status but 0, SIGKILL
+included), the agent stops the others and starts the whole group again, up to N times. Each
+new worker runs the same command, which resumes from RUN_DIR's latest complete checkpoint
+(fivefold.train.trainer), so the job finishes by itself as if uninterrupted. The restarted
+workers get a fresh c10d store: with the agent's shared store (torch's default) a restarted
+rank can read its peers' addresses from the failed attempt and fail to connect (pytorch
+issue 135712, still so with gloo in torch 2.13), so `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+is set for the agent; with `torchrun` set it yourself.
 """
 
 from __future__ import annotations
@@ -19,9 +28,13 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def launch_local(nproc: int, fivefold_args: list[str]) -> int:
-    """Run `fivefold <fivefold_args>` on `nproc` local ranks; return the exit status."""
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "fivefold",
+def launch_local(nproc: int, fivefold_args: list[str], max_restarts: int = 0) -> int:
+    """Run `fivefold <fivefold_args>` on `nproc` local ranks, restarting the group up to
+    `max_restarts` times when a rank fails; return the exit status."""
+    if max_restarts:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see above
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                       f"--max-restarts={max_restarts}", "--module", "fivefold",
                        *fivefold_args])
     try:
         run(args)

@@ -22,7 +22,8 @@ cross-entropy, and the clipped gradient norm sums the shards over tp as well.
 With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
 with the data-parallel engine over the stage; a step and a validation batch are one run of
 the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
-(every stage has a "root" unit). PipeDream-2BW's checkpoints add the stage's older weight
+(every stage has a "root" unit); a checkpoint written under another layout is resharded on
+resume (fivefold.train.reshard). PipeDream-2BW's checkpoints add the stage's older weight
 version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
 was in flight, and continues exactly as the uninterrupted run. The closing text sample is
 skipped with pp > 1.
@@ -38,6 +39,12 @@ stage 0 the gradient norm also sums over the ep axis, the dense parameters count
 0 only (each ep rank holds other experts, all hold the same dense gradients). Every
 collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
+
+Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
+`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule). A run
+whose rank dies restarts from the latest complete one, by hand or under `fivefold train
+--max-restarts N` by the elastic agent; the data position is the step, so the restarted run
+draws exactly the batches the lost steps drew.
 """
 
 from __future__ import annotations
@@ -66,23 +73,25 @@ from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import ParallelPlan, device_precision, plan_from_config
+from fivefold.parallel.plan import MESH_AXES, ParallelPlan, device_precision, plan_from_config
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
-from fivefold.train.checkpoint import (check_layout, latest_checkpoint, layout_record,
-                                       load_checkpoint, remove_partials, save_checkpoint,
-                                       shard_tag)
+from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
+                                       remove_partials, save_checkpoint, shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
+from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
+from fivefold.train.reshard import describe_change, load_resharded
 from fivefold.train.sample import sample_text
+from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -102,8 +111,10 @@ class Trainer:
     caller building a Trainer directly, as the tests and benchmarks do, owns its config)."""
 
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
-                 init_from: Path | str | None = None, plan: ParallelPlan | None = None):
+                 init_from: Path | str | None = None, plan: ParallelPlan | None = None,
+                 predicted_memory: dict | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
+        self.memory, self.predicted_memory = MemoryProbe(), predicted_memory
         self.plan = plan = plan or plan_from_config(cfg, rt.world_size,
                                                     device_precision(rt.device.type))
         if plan.gpus != rt.world_size:
@@ -124,6 +135,10 @@ class Trainer:
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
         if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
             self.norm_axes.append(self.expert_axes[0])
+        # every rank: train.checkpoint_minutes' broadcast (no extra group when it is unset)
+        self.world_axis = (self.mesh.joint_axis(*MESH_AXES) if cfg.train.checkpoint_minutes
+                           else None)
+        self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
         self.micro_batch = plan.micro_batch
@@ -246,7 +261,8 @@ class Trainer:
             self.ledger.recorder.micro_batch = j
             if self.engine:
                 self.engine.prepare_backward(last=j == n_micro - 1)
-            ce_sum = self.micro_batch_loss(x, y)
+            with self.memory.count_activations(self.model):  # the run's first micro-batch
+                ce_sum = self.micro_batch_loss(x, y)
             loss = ce_sum / self.global_tokens
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             if self.engine:
@@ -271,6 +287,7 @@ class Trainer:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             grads = [q.grad for q in self.model.parameters() if q.grad is not None]
+            self.memory.note_grads(grads)
             counted = None
         grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
         if not self._keep_update(step, loss_sum, grad_norm):
@@ -338,23 +355,27 @@ class Trainer:
     def _resume(self) -> int:
         if self.rt.is_main:
             remove_partials(self.run_dir)
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
+        found = check_resume(self.run_dir, self.cfg, self.plan)
+        if found is None:
             return 0
-        saved_meta = json.loads((path / "meta.json").read_text())
-        if saved_meta.get("config", {}).get("model") != self.cfg.to_dict()["model"]:
-            raise ConfigError("model", f"{self.run_dir} holds a checkpoint of a different model;"
-                                       " use another --run-dir or the same model keys")
-        check_layout(path, saved_meta, self.plan)
-        state = self._checkpoint_state()
-        meta, extra = load_checkpoint(self.rt, path, state)
-        if self.engine:
-            self.engine.after_checkpoint_load()
+        path, saved_meta, changed = found
+        if changed:  # written under another layout (fivefold.train.reshard)
+            meta = saved_meta
+            extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
+                                   self.optimizer, self.tp_axis.size, self.tp_axis.rank)
+            change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
+                                     changed)
+            self.say(f"resharded {path} from {change}")
         else:
-            set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
-                           optim_state_dict=state["optim" + self._shard_tag()])
-            if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
-                self.pipeline.pipe.resume_at(meta["step"])
+            state = self._checkpoint_state()
+            meta, extra = load_checkpoint(self.rt, path, state)
+            if self.engine:
+                self.engine.after_checkpoint_load()
+            else:
+                set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
+                               optim_state_dict=state["optim" + self._shard_tag()])
+                if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
+                    self.pipeline.pipe.resume_at(meta["step"])
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = meta.get("skipped_steps", 0)
@@ -421,6 +442,7 @@ class Trainer:
         log = MetricsLog(self.run_dir, t.steps, start_step, self.rt.is_main, t.tensorboard,
                          t.log_every)
         run_start, val_loss = time.perf_counter(), None
+        saves = SaveSchedule(t, self.world_axis, self.rt.device, self.clock)
         try:
             for step in range(start_step, t.steps):
                 result = self.train_step(step)
@@ -439,12 +461,16 @@ class Trainer:
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
-                if done % t.checkpoint_every == 0 or done == t.steps:
+                if saves.due(done):
                     self._save(done)
         finally:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
+        summary["memory"], memory_lines = self.memory.report(
+            self.memory.measured(self.model, self.ledger.model_state_bytes, self.optimizer,
+                                 self.rt.device), self.predicted_memory, self.rt.rank,
+            self.rt.device)
         if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
             self.say("no text sample: sampling runs the whole model on whole sequences, which "
                      "pp > 1 and cp > 1 split")
@@ -459,6 +485,7 @@ class Trainer:
         if self.rt.is_main:
             if initial_val is not None:
                 (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.say("\n".join(memory_lines))
             self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "
                      f"{val_loss:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
         return summary

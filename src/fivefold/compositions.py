@@ -1,0 +1,233 @@
+"""The composition table: the pairs of features `fivefold train` refuses, and why.
+
+A feature is a named predicate over a config and its data-parallel degree ("tp>1",
+"zero=3", "schedule=terapipe", "optimizer=lomo", ...; `FEATURES`, grouped by kind). A
+`Refusal` is a pair of features that the runtime does not run together, with the config key
+its error names and the message that says what to use instead; `when` and `unless` narrow
+it to configs that also have (or lack) further features. `validate_for_training`
+(fivefold.validate) raises `ConfigError(key, message)` for the first row of `REFUSALS` that
+a config matches, after the checks of single values and of divisibility, which stay there
+(and `validate`, for every command, for the first row of `ANY_USE`);
+docs/reliability.md's composition matrix is generated from the same two tables
+(scripts/composition_docs.py), each pair marked refused (with its message) or supported
+(with the test that trains it, scripts/composition_docs.py's `TESTED`).
+
+To refuse a new pair, add a row to `REFUSALS`; to name a new feature, add it to `FEATURES`;
+then rerun `scripts/composition_docs.py --write`. Nothing here touches torch (the planner
+imports it through fivefold.validate).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from fivefold.config import Config, ConfigError
+
+Predicate = Callable[[Config, int], bool]  # (config, data-parallel degree) -> has it
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    kind: str  # the matrix's grouping: dimension, ZeRO, schedule, recompute, optimizer, ...
+    has: Predicate
+    one_of: str | None = None  # the key whose values these features are (they exclude each other)
+
+
+def _schedule(name: str) -> Predicate:
+    """A pipeline schedule is a feature only with pp > 1 (it is ignored otherwise)."""
+    return lambda c, dp: c.parallel.pp > 1 and c.parallel.schedule == name
+
+
+def _accumulates(c: Config, dp: int) -> bool:
+    p = c.parallel
+    return p.micro_batch is not None and p.micro_batch < p.global_batch // dp
+
+
+FEATURES: dict[str, Feature] = {f.name: f for f in [
+    Feature("dp>1", "dimension", lambda c, dp: dp > 1),
+    Feature("tp>1", "dimension", lambda c, dp: c.parallel.tp > 1),
+    Feature("sequence_parallel", "dimension", lambda c, dp: c.parallel.sequence_parallel),
+    Feature("pp>1", "dimension", lambda c, dp: c.parallel.pp > 1),
+    Feature("cp>1", "dimension", lambda c, dp: c.parallel.cp > 1),
+    Feature("accumulation", "dimension", _accumulates),
+    *(Feature(f"zero={z}", "ZeRO", (lambda z: lambda c, dp: c.parallel.zero_stage == z)(z),
+              "parallel.zero_stage") for z in range(4)),
+    Feature("zero_group", "ZeRO", lambda c, dp: c.parallel.zero_group is not None),
+    Feature("qwz", "ZeRO", lambda c, dp: c.parallel.qwz),
+    Feature("hpz", "ZeRO", lambda c, dp: c.parallel.hpz),
+    Feature("qgz", "ZeRO", lambda c, dp: c.parallel.qgz),
+    *(Feature(f"schedule={s}", "schedule", _schedule(s), "parallel.schedule")
+      for s in ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")),
+    *(Feature(f"recompute={r}", "recompute",
+              (lambda r: lambda c, dp: c.parallel.recompute == r)(r), "parallel.recompute")
+      for r in ("full", "selective")),
+    *(Feature(f"optimizer={o}", "optimizer",
+              (lambda o: lambda c, dp: c.train.optimizer == o)(o), "train.optimizer")
+      for o in ("adamw", "muon", "sgd", "lomo", "galore")),
+    # an unset precision is the device's default: fp32 on the CPU, where the tests run
+    Feature("fp32", "precision", lambda c, dp: (c.parallel.precision or "fp32") == "fp32",
+            "parallel.precision"),
+    Feature("bf16", "precision", lambda c, dp: c.parallel.precision == "bf16",
+            "parallel.precision"),
+    Feature("fp16", "precision", lambda c, dp: c.parallel.precision == "fp16",
+            "parallel.precision"),
+    Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
+    Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
+    Feature("moe", "model", lambda c, dp: c.model.moe is not None),
+    Feature("ep>1", "model", lambda c, dp: c.parallel.ep > 1),
+]}
+
+SPLITS = ("dp>1", "tp>1", "pp>1", "cp>1")  # more than one rank
+SHARDED = ("zero=1", "zero=2", "zero=3")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """`a` with any of `b` is refused, naming `key`, where every feature of `when` holds and
+    none of `unless` does. `{section.key}` in the message stands for that config value."""
+    a: str
+    b: tuple[str, ...]
+    key: str
+    message: str
+    when: tuple[str, ...] = ()
+    unless: tuple[str, ...] = ()
+
+
+# what no command accepts (fivefold.validate.validate: plan and simulate too)
+ANY_USE: list[Refusal] = [
+    Refusal("qwz", ("zero=0", "zero=1", "zero=2"), "parallel.qwz",
+            "ZeRO++ weight communication applies to sharded parameters; set "
+            "parallel.zero_stage = 3"),
+    Refusal("hpz", ("zero=0", "zero=1", "zero=2"), "parallel.hpz",
+            "ZeRO++ weight communication applies to sharded parameters; set "
+            "parallel.zero_stage = 3"),
+    Refusal("qgz", ("zero=0",), "parallel.qgz",
+            "quantized gradient reduce-scatter needs sharded gradients; set "
+            "parallel.zero_stage to 1, 2 or 3"),
+]
+
+# what `fivefold train` does not run (fivefold.validate.validate_for_training)
+REFUSALS: list[Refusal] = [
+    Refusal("moe", ("sequence_parallel",), "parallel.sequence_parallel",
+            "MoE layers run whole on every tp rank and need whole sequences; turn sequence "
+            "parallelism off with model.moe"),
+    Refusal("moe", ("fp16",), "parallel.precision",
+            "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
+            "with model.moe"),
+    Refusal("moe", ("optimizer=muon",), "train.optimizer",
+            "Muon orthogonalizes 2-D matrices; the stacked experts are 3-D: use 'adamw' with "
+            "model.moe"),
+    Refusal("moe", ("cp>1",), "parallel.cp",
+            "the MoE capacity and balancing groups are a rank's micro-batch, which context "
+            "parallelism cuts; use parallel.cp = 1 with model.moe"),
+    Refusal("ep>1", ("zero_group",), "parallel.zero_group",
+            "expert parallelism shards the experts over the whole expert-data-parallel "
+            "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
+    Refusal("ep>1", ("qwz", "hpz", "qgz"), "parallel.ep",
+            "ZeRO++'s node groups are not laid out over the expert groups; turn qwz, hpz "
+            "and qgz off with ep > 1"),
+    Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
+            "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
+            "block's backward is not one pass that ZeRO-3 can gather and free around; use "
+            "'gpipe', '1f1b', 'interleaved' or 'zb', or zero_stage 0, 1 or 2"),
+    Refusal("pp>1", ("hpz",), "parallel.hpz",
+            "hpZ keeps a block's node-local shard from its forward to its backward, which a "
+            "pipeline schedule interleaves across micro-batches; turn hpZ off with "
+            "parallel.pp > 1"),
+    Refusal("pp>1", ("fp16",), "parallel.precision",
+            "fp16 loss scaling is not wired into the pipeline schedules; use 'bf16' (GPU) or "
+            "'fp32' with parallel.pp > 1"),
+    Refusal("schedule=terapipe", ("tp>1",), "parallel.schedule",
+            "TeraPipe's sliced attention runs outside the tensor-parallel regions; use "
+            "parallel.tp = 1 or another schedule"),
+    Refusal("schedule=zb", ("sequence_parallel",), "parallel.sequence_parallel",
+            "the zero-bubble weight pass would re-run sequence parallelism's shared "
+            "re-gather; turn it off or use another schedule"),
+    Refusal("schedule=pipedream-2bw", ("tp>1", *SHARDED), "parallel.schedule",
+            "PipeDream-2BW keeps its own weight versions and optimizer: use it with "
+            "parallel.tp = 1 and parallel.zero_stage = 0"),
+    Refusal("cp>1", ("schedule=terapipe", "schedule=pipedream-2bw"), "parallel.schedule",
+            "{parallel.schedule} with context parallelism is not built (TeraPipe's token "
+            "slices are not combined with cp's token shards; 2BW's own update is not tested "
+            "with cp); use 1f1b, gpipe, interleaved or zb with parallel.cp > 1"),
+    Refusal("cp>1", ("qwz", "hpz", "qgz"), "parallel.cp",
+            "ZeRO++'s node groups are not laid out over the cp ranks yet; turn qwz, hpz and "
+            "qgz off with parallel.cp > 1"),
+    Refusal("cp>1", ("recompute=full", "recompute=selective"), "parallel.recompute",
+            "recomputation would rerun the attention's communication, which is not counted "
+            "yet; use 'none' with parallel.cp > 1"),
+    Refusal("zero_group", ("zero=0",), "parallel.zero_group",
+            "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
+            "or drop zero_group"),
+    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=terapipe", "schedule=pipedream-2bw"),
+              "parallel.schedule",
+              "parallel.recompute = '{parallel.recompute}' is not supported with "
+              "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
+              "or weight versions) that recomputation would bypass; use recompute = 'none' "
+              "with it, or 1f1b") for r in ("full", "selective")),
+    Refusal("optimizer=galore", (*SPLITS, *SHARDED), "train.optimizer",
+            "GaLore runs on one rank with parallel.zero_stage = 0 (its per-matrix subspaces "
+            "are not built for data-parallel shards or pipeline stages); use 'adamw' or "
+            "'muon' here"),
+    Refusal("on_nonfinite=skip", ("schedule=pipedream-2bw",), "train.on_nonfinite",
+            "PipeDream-2BW updates each stage inside its schedule, before any global norm is "
+            "known, so a step cannot be skipped: use 'stop', or a synchronous schedule"),
+    Refusal("on_nonfinite=skip", ("optimizer=lomo",), "train.on_nonfinite",
+            "LOMO without clipping applies each gradient inside its only backward, before "
+            "the norm is known: set train.grad_clip > 0 (two passes, the first measures) or "
+            "use 'stop'", when=("grad_clip=0",)),
+    Refusal("optimizer=lomo", (*SPLITS, *SHARDED), "train.optimizer",
+            "LOMO updates each parameter inside backward and keeps no gradient to reduce: it "
+            "runs on one rank with parallel.zero_stage = 0"),
+    Refusal("optimizer=lomo", ("accumulation",), "parallel.micro_batch",
+            "LOMO applies the update during backward, so it cannot accumulate micro-batches: "
+            "leave micro_batch unset or set it to {parallel.global_batch}"),
+    Refusal("optimizer=lomo", ("fp16",), "parallel.precision",
+            "LOMO with fp16 loss scaling is not implemented; use bf16 or fp32"),
+    Refusal("fp16", ("dp>1", "tp>1", "cp>1", *SHARDED), "parallel.precision",
+            "fp16 loss scaling runs on one rank only for now; use bf16 or fp32 with data "
+            "parallelism"),
+    Refusal("optimizer=sgd", (*SPLITS, *SHARDED), "train.optimizer",
+            "'sgd' runs where torch's optimizer does: on one rank without ZeRO, or per stage "
+            "under PipeDream-2BW; the data-parallel engine keeps AdamW or Muon states. Use "
+            "'adamw' here", unless=("schedule=pipedream-2bw",)),
+    Refusal("optimizer=muon", SHARDED, "parallel.zero_stage",
+            "Muon orthogonalizes whole matrices; ZeRO shards hold parts of them (gathering "
+            "each matrix for it is not built): use zero_stage = 0 with train.optimizer = "
+            "'muon', or 'adamw'"),
+    Refusal("optimizer=muon", ("tp>1",), "parallel.tp",
+            "Muon orthogonalizes whole matrices; tensor-parallel splits hold parts of them "
+            "(gathering each matrix for it is not built): use tp = 1 with train.optimizer = "
+            "'muon', or 'adamw'"),
+]
+
+
+def features_of(cfg: Config, dp: int) -> set[str]:
+    """The names of every feature `cfg` has, with `dp` data-parallel ranks."""
+    return {name for name, f in FEATURES.items() if f.has(cfg, dp)}
+
+
+def refusal_for(have: set[str], table: list[Refusal]) -> Refusal | None:
+    """The first row of `table` that a config with features `have` matches."""
+    for r in table:
+        if (r.a in have and have.intersection(r.b) and set(r.when) <= have
+                and not have.intersection(r.unless)):
+            return r
+    return None
+
+
+def check_compositions(cfg: Config, dp: int, table: list[Refusal]) -> None:
+    """ConfigError for the first pair of features of `table` that `cfg` (with `dp`
+    data-parallel ranks) has."""
+    refused = refusal_for(features_of(cfg, dp), table)
+    if refused is not None:
+        raise ConfigError(refused.key, filled(refused.message, cfg))
+
+
+def filled(message: str, cfg: Config) -> str:
+    """`message` with each `{section.key}` replaced by that value of `cfg`."""
+    return re.sub(r"\{(\w+)\.(\w+)\}",
+                  lambda m: str(getattr(getattr(cfg, m[1]), m[2])), message)

@@ -1,0 +1,43 @@
+"""What one rank of `fivefold train` holds, predicted: the memory report's planner column.
+
+Model states are fivefold.planner.memory's (the data-parallel engine's flat units, equal to
+what the engine records); on the plain one-rank path the model stays fp32 under autocast and
+torch's optimizer keeps its state per parameter, so the same count is taken at fp32 with no
+master copy. Activations are one micro-batch's saved bytes on this rank (this stage's blocks
+and its share of the root, fivefold.planner.activations), which the trainer measures with
+saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
+in-flight micro-batches of them, which the report states but does not measure.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.activations import block_saved_bytes, ring_kv_heads, root_saved_bytes
+from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.ledger_pipeline import stage_layers_of_rank
+from fivefold.planner.memory import model_state_bytes, stage_units
+from fivefold.planner.schedules import peak_in_flight
+
+
+def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[str, float]:
+    """{params, grads, optimizer (master copies and states), activations_per_micro_batch,
+    micro_batches_in_flight} of global rank `rank` under `plan`, in bytes."""
+    m = cfg.model
+    layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
+    if plan.update == "engine":
+        states = predict_ledger(cfg, plan, rank).model_state_bytes
+    else:
+        fp32 = plan.replace(precision="fp32")
+        states = model_state_bytes(stage_units(m, fp32, layers, first, last), fp32)
+    tokens = plan.micro_batch * m.seq_len // plan.cp
+    a = plan.act_bytes
+    acts = sum(block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel, plan.recompute,
+                                 i, fp8=plan.precision == "fp8",
+                                 kv_heads=ring_kv_heads(m, plan)) for i in layers)
+    acts += root_saved_bytes(m, tokens, a, plan.tp, first, last)
+    inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),
+                               plan.vpp) if plan.pp > 1 else 1)
+    return {"params": states["params"], "grads": states["grads"],
+            "optimizer": states["master"] + states["optimizer"],
+            "activations_per_micro_batch": acts, "micro_batches_in_flight": inflight}
