@@ -37,6 +37,13 @@ def z(stage: int) -> str:
     return f"parallel.zero_stage={stage}"
 
 
+MOE = ["model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]
+
+
+def EP(n: int) -> str:  # noqa: N802 (reads like the other layout constants)
+    return f"parallel.ep={n}"
+
+
 def micro(n: int) -> str:
     return f"parallel.micro_batch={n}"
 
@@ -108,6 +115,14 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"])],
     "tests/test_restart.py::test_sigkilled_rank_restarts_and_ends_bit_identical": [
         (2, [z(0)])],
+    "tests/test_expert_parallel.py::test_ep4_and_ep2_with_zero_stages_match_one_process": [
+        (4, [*MOE, EP(4), micro(2)]), (4, [*MOE, EP(2), z(1), micro(2)]),
+        (4, [*MOE, EP(2), z(2), micro(2)]), (4, [*MOE, EP(2), z(3), micro(2)])],
+    "tests/test_expert_parallel.py::test_ep2_dropless_and_capacity_match_one_process_and_the_ledger": [
+        (2, [*MOE, EP(2), micro(2)])],
+    "tests/test_expert_parallel.py::test_ep2_with_pp2_and_with_tp2_match_one_process": [
+        (4, [*MOE, EP(2), PP2, micro(2)]), (4, [*MOE, EP(2), TP2, micro(2)])],
+    "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
 }
 
 

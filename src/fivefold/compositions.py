@@ -77,6 +77,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
+    Feature("ep>1", "model", lambda c, dp: c.parallel.ep > 1),
 ]}
 
 SPLITS = ("dp>1", "tp>1", "pp>1", "cp>1")  # more than one rank
@@ -110,9 +111,24 @@ ANY_USE: list[Refusal] = [
 
 # what `fivefold train` does not run (fivefold.validate.validate_for_training)
 REFUSALS: list[Refusal] = [
-    Refusal("tp>1", ("moe",), "parallel.tp",
-            "tensor parallelism splits dense MLPs only; use parallel.tp = 1 with a "
-            "mixture-of-experts model"),
+    Refusal("moe", ("sequence_parallel",), "parallel.sequence_parallel",
+            "MoE layers run whole on every tp rank and need whole sequences; turn sequence "
+            "parallelism off with model.moe"),
+    Refusal("moe", ("fp16",), "parallel.precision",
+            "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
+            "with model.moe"),
+    Refusal("moe", ("optimizer=muon",), "train.optimizer",
+            "Muon orthogonalizes 2-D matrices; the stacked experts are 3-D: use 'adamw' with "
+            "model.moe"),
+    Refusal("moe", ("cp>1",), "parallel.cp",
+            "the MoE capacity and balancing groups are a rank's micro-batch, which context "
+            "parallelism cuts; use parallel.cp = 1 with model.moe"),
+    Refusal("ep>1", ("zero_group",), "parallel.zero_group",
+            "expert parallelism shards the experts over the whole expert-data-parallel "
+            "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
+    Refusal("ep>1", ("qwz", "hpz", "qgz"), "parallel.ep",
+            "ZeRO++'s node groups are not laid out over the expert groups; turn qwz, hpz "
+            "and qgz off with ep > 1"),
     Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "

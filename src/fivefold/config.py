@@ -44,7 +44,21 @@ class MoEConfig:
     shared_experts: int = _doc("always-active experts", 0)
     dense_layers: int = _doc("leading dense layers before the first MoE layer", 0)
     layer_freq: int = _doc("every k-th layer is MoE", 1)
-    capacity_factor: float | None = _doc("expert capacity factor; absent = dropless", None)
+    capacity_factor: float | None = _doc("expert capacity factor: each expert takes at most "
+                                         "ceil(factor x tokens x top_k / experts) of one "
+                                         "micro-batch's assignments, the rest are dropped "
+                                         "(GShard); absent = dropless", None)
+    score: str = _doc('router scores: "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3); the top-k '
+                      "scores are renormalized to sum to one", "softmax")
+    aux_loss_weight: float = _doc("load-balancing loss weight (Switch / GShard; 0.01 there); "
+                                  "0 disables", 0.0)
+    z_loss_weight: float = _doc("router z-loss weight (ST-MoE; 0.001 there); 0 disables", 0.0)
+    bias_update_rate: float = _doc("auxiliary-loss-free balancing (DeepSeek-V3 Sec. 2.1.2): "
+                                   "after each step every expert's routing bias moves by this "
+                                   "towards the mean load (0.001 there); 0 disables", 0.0)
+    expert_matmul: str = _doc('dropless experts\' matrix multiplies: "grouped" '
+                              "(torch._grouped_mm where the device runs it, else a padded "
+                              'batched matmul) | "loop" (one expert after another)', "grouped")
 
 
 @dataclass

@@ -25,6 +25,8 @@ FFN_TYPES = ("swiglu", "gelu")
 DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
+MOE_SCORES = ("softmax", "sigmoid")
+EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul's forms
 MAX_TIMEOUT_S = 1e9  # about 30 years: a collective timeout beyond it overflows timedelta
 
 
@@ -77,6 +79,11 @@ def validate_model(cfg: Config) -> None:
         if moe.top_k > moe.experts:
             raise ConfigError("model.moe.top_k", f"{moe.top_k} exceeds model.moe.experts = "
                                                  f"{moe.experts}")
+        _positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
+        _positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
+        _positive("model.moe.bias_update_rate", moe.bias_update_rate, allow_zero=True)
+        _choice("model.moe.score", moe.score, MOE_SCORES)
+        _choice("model.moe.expert_matmul", moe.expert_matmul, EXPERT_MATMULS)
         if moe.dense_layers >= m.layers:
             raise ConfigError("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer "
                                                         f"among {m.layers}")
@@ -133,6 +140,15 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                                        f" do not divide the shard group of "
                                                        f"{shard}; choose gpus_per_node so they "
                                                        "do")
+    if p.ep > 1 and (dp * p.cp) % p.ep:
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide the dp x cp = {dp * p.cp} "
+                                         "ranks it folds onto (each expert is data-parallel "
+                                         f"over the rest); choose one of {_divisors(dp * p.cp)}")
+    moe = cfg.model.moe
+    if moe is not None and moe.experts % p.ep:
+        raise ConfigError("parallel.ep", f"{p.ep} does not divide model.moe.experts = "
+                                         f"{moe.experts}: every ep rank holds the same number "
+                                         f"of experts; choose one of {_divisors(moe.experts)}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
     if p.vpp > 1 and p.schedule != "interleaved":
@@ -380,14 +396,11 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
                                          " run; set train.stack = \"fivefold\" to train")
     validate_tensor_parallel(cfg)
     validate_context_parallel(cfg)
-    if p.ep != 1:
-        raise ConfigError("parallel.ep", "this dimension is not implemented in the runtime yet "
-                                         "(see README, Features); set it to 1 or use "
-                                         "`fivefold plan` to study it")
+    if p.ep > 1 and cfg.model.moe is None:
+        raise ConfigError("parallel.ep", "expert parallelism needs model.moe (a dense model "
+                                         "has no experts to place); set it to 1")
     if p.precision == "fp8":
         raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
                                                 "on GPU or 'fp32' on CPU")
     check_compositions(cfg, world_size // (p.tp * p.pp * p.cp), REFUSALS)  # the pairs
-    if cfg.model.moe is not None:
-        raise ConfigError("model.moe", "mixture-of-experts training is not implemented yet; "
-                                       "use a dense preset")
+

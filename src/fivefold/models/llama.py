@@ -31,6 +31,7 @@ from torch import nn
 from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
 from fivefold.models.init import init_model_
+from fivefold.models.mlp import GeluMLP, SwiGLU
 from fivefold.models.moe import MoE
 
 
@@ -103,31 +104,6 @@ class Attention(nn.Module):
         q_BHTE, k_BKTE = apply_rotary(q_BHTE, cos, sin), apply_rotary(k_BKTE, cos, sin)
         out_BHTE = self.attend(q_BHTE, k_BKTE, v_BKTE)
         return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
-
-
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): three matrices (Shazeer 2020)."""
-
-    def __init__(self, hidden: int, ffn_hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
-
-
-class GeluMLP(nn.Module):
-    """w2(gelu(w1 x)): the two-matrix GPT MLP (tanh approximation)."""
-
-    def __init__(self, hidden: int, ffn_hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x_BTD), approximate="tanh"))
 
 
 class Block(nn.Module):

@@ -22,8 +22,18 @@ PRESETS: dict[str, dict] = {
                 seq_len=8192, tied_embeddings=False, rope_theta=500000.0),
     "405B": dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
                  vocab=128256, seq_len=8192, tied_embeddings=False, rope_theta=500000.0),
-    # Mixture-of-experts shapes (Mixtral 8x7B); trained once expert parallelism lands.
+    # Mixture-of-experts shapes (docs/moe.md): Mixtral 8x7B (arXiv 2401.04088), and
+    # DeepSeek-V3's MoE (arXiv 2412.19437, Sec. 4.2: 3 dense layers, then 1 shared and 256
+    # routed experts of width 2048, top-8 of sigmoid scores, bias balancing) around plain
+    # multi-head attention in place of its multi-head latent attention, without its
+    # multi-token-prediction module.
     "mixtral-8x7B": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
                          vocab=32000, seq_len=4096, tied_embeddings=False, rope_theta=1e6,
                          moe=dict(experts=8, top_k=2, expert_ffn_hidden=14336)),
+    "deepseek-v3-like": dict(layers=61, hidden=7168, heads=128, kv_heads=128,
+                             ffn_hidden=18432, vocab=129280, seq_len=4096,
+                             tied_embeddings=False, rope_theta=10000.0,
+                             moe=dict(experts=256, top_k=8, expert_ffn_hidden=2048,
+                                      shared_experts=1, dense_layers=3, score="sigmoid",
+                                      bias_update_rate=0.001)),
 }

@@ -55,6 +55,11 @@ Muon (`train.optimizer = "muon"`, stage 0 without tensor parallelism, where ever
 whole matrices): the optimizers of fivefold.optim step per-parameter views of the flat
 master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere.
 
+Expert parallelism (fivefold.parallel.expert): with `expert_axes` each MoE block's stacked
+expert matrices form a unit of their own, reduced over the "edp" ranks that hold copies of
+the same experts (all-reduced at stage 0, sharded over edp at stages 1-3) while the block's
+dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its units.
+
 Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
 engine records its model-state bytes per rank there too.
 """
@@ -74,6 +79,7 @@ from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
 from fivefold.optim import optimizer_for, optimizer_state_bytes
+from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
 
@@ -90,6 +96,21 @@ def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramete
         units.append((f"layers.{i}", [(f"layers.{i}.{n}", p) for n, p in block.named_parameters()],
                       block))
     return units
+
+
+def split_expert_units(split: list, tag: str) -> list[tuple[str, list, nn.Module | None, bool]]:
+    """`split_units`' units with each block's stacked expert matrices apart, in a unit
+    "layers.i.experts{tag}" after its block's (expert parallelism: `tag` names the ep rank,
+    whose experts differ from its peers'); (name, params, module, holds experts)."""
+    out = []
+    for name, params, module in split:
+        apart = [module is not None and is_expert_param(n.split(".", 2)[2]) for n, _ in params]
+        experts = [named for named, expert in zip(params, apart) if expert]
+        dense = [named for named, expert in zip(params, apart) if not expert]
+        out.append((name, dense, module, False))
+        if experts:
+            out.append((f"{name}.experts{tag}", experts, module, True))
+    return out
 
 
 @torch.no_grad()
@@ -138,7 +159,8 @@ class DataParallelEngine:
     def __init__(self, model: nn.Module, stage: int, mesh: Mesh, train: TrainConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP(),
-                 shard_axes: tuple[str, ...] = ("dp_shard",)):
+                 shard_axes: tuple[str, ...] = ("dp_shard",),
+                 expert_axes: tuple[C.Axis, C.Axis] | None = None):
         self.model, self.stage, self.train_cfg, self.zero_pp = model, stage, train, zero_pp
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
         self.ledger: Ledger = mesh.ledger
@@ -151,14 +173,26 @@ class DataParallelEngine:
             self.shard_axis = mesh.joint_axis(*shard_axes)
             self.replicate_axis = mesh.axis("dp_replicate")
         model.to(device=device, dtype=param_dtype)
-        split = split_units(model)
+        # expert parallelism (fivefold.parallel.expert): the expert units' own axes, over the
+        # edp ranks that hold copies of the same experts
+        split = [(*unit, False) for unit in split_units(model)]
+        unit_axes = {False: (self.shard_axis, self.replicate_axis)}
+        if expert_axes is not None:
+            ep_axis, edp_axis = expert_axes
+            split = split_expert_units(split_units(model), f"{ep_axis.rank}of{ep_axis.size}")
+            none = C.Axis("none", None, 1, 0, mesh.ledger)
+            unit_axes[True] = (none, edp_axis) if stage == 0 else (edp_axis, none)
+        self.unit_shard = [unit_axes[expert][0] for *_, expert in split]
+        self.unit_replicate = [unit_axes[expert][1] for *_, expert in split]
+        self.is_expert = [expert for *_, expert in split]
         multiple = BLOCK if zero_pp.quantized else 1
-        self.units = [FlatUnit(name, params, self.shard_axis.size, self.shard_axis.rank,
-                               param_dtype, device, multiple) for name, params, _ in split]
+        self.units = [FlatUnit(name, params, axis.size, axis.rank, param_dtype, device,
+                               multiple)
+                      for (name, params, *_), axis in zip(split, self.unit_shard)]
         self.nodes = (zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node)
                       if zero_pp.hpz or zero_pp.qgz else None)
         self.secondary: dict[int, torch.Tensor] = {}  # hpZ: node-local shards, forward->backward
-        self.blocks = [module for _, _, module in split]
+        self.blocks = [module for _, _, module, _ in split]
         self.masters = [nn.Parameter(self._master_storage(u)) for u in self.units]
         self.grad_buffers = [torch.zeros(u.padded, dtype=param_dtype, device=device)
                              if stage <= 1 else None for u in self.units]
@@ -244,7 +278,7 @@ class DataParallelEngine:
         elif self.zero_pp.qwz:
             work = zeropp.quantized_all_gather(unit.full, unit.shard, self.shard_axis, "params")
         else:
-            work = C.all_gather(unit.full, unit.shard, self.shard_axis, "params",
+            work = C.all_gather(unit.full, unit.shard, self.unit_shard[i], "params",
                                 async_op=prefetch)
         if prefetch:
             self._prefetch[i] = work
@@ -325,9 +359,9 @@ class DataParallelEngine:
                 return  # accumulate locally; communicate once per optimizer step
             buf = self.grad_buffers[i]
             if self.stage == 0:
-                work = C.all_reduce(buf, self.replicate_axis, "grads", async_op=True)
+                work = C.all_reduce(buf, self.unit_replicate[i], "grads", async_op=True)
             else:
-                work = self._reduce_scatter(self.grad_shards[i], buf)
+                work = self._reduce_scatter(self.grad_shards[i], buf, i)
             self._pending.append((i, work, None))
             return
         flat = unit.flatten_grads(torch.empty(unit.padded, dtype=self.reduce_dtype,
@@ -335,19 +369,20 @@ class DataParallelEngine:
         for p in unit.params:
             p.grad = None
         part = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=unit.device)
-        self._pending.append((i, self._reduce_scatter(part, flat), part))
+        self._pending.append((i, self._reduce_scatter(part, flat, i), part))
         while len(self._pending) > MAX_INFLIGHT_REDUCE_SCATTERS:  # free finished flat buffers
             self._finish_pending(0)
         if self.stage == 3 and i > 0:
             unit.free_full()
             self.secondary.pop(i, None)
 
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
-        """Gradient reduce-scatter over the shard group: async ring, or qgZ's two int8 hops."""
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, i: int):
+        """Unit i's gradient reduce-scatter over its shard group: async ring, or qgZ's two
+        int8 hops."""
         if self.zero_pp.qgz:
             zeropp.quantized_reduce_scatter(out, full, self.nodes, "grads")
             return None
-        return C.reduce_scatter(out, full, self.shard_axis, "grads", async_op=True)
+        return C.reduce_scatter(out, full, self.unit_shard[i], "grads", async_op=True)
 
     def _finish_pending(self, k: int) -> None:
         """Wait for pending gradient collective k; add a reduce-scattered part to its shard."""
@@ -364,9 +399,10 @@ class DataParallelEngine:
             self.release_root()
         if not self._last:
             return
-        for master, grad in zip(self.masters, self.grad_shards):
+        for master, grad, replicate in zip(self.masters, self.grad_shards,
+                                           self.unit_replicate):
             if self.stage >= 1:  # hierarchical sharding: second hop across replicas
-                C.all_reduce(grad, self.replicate_axis, "grads")
+                C.all_reduce(grad, replicate, "grads")
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
 
     # ------------------------------------------------------------------ the update
@@ -391,7 +427,7 @@ class DataParallelEngine:
         self.optimizer.step()
         for _, view in self.views:
             view.grad = None
-        for unit, master in zip(self.units, self.masters):
+        for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
             if self.stage == 0:
                 if master.data_ptr() != unit.full.data_ptr():
                     unit.full.copy_(master)
@@ -399,7 +435,7 @@ class DataParallelEngine:
                 shard = unit.full[unit.shard_slice]
                 if master.data_ptr() != shard.data_ptr():
                     shard.copy_(master)
-                C.all_gather(unit.full, shard, self.shard_axis, "params")
+                C.all_gather(unit.full, shard, axis, "params")
             elif unit.shard.data_ptr() != master.data_ptr():
                 unit.shard.copy_(master)
         self.record_model_state()
@@ -427,15 +463,16 @@ class DataParallelEngine:
         another layout takes them through `load_whole_state`. With Muon the
         states are per parameter: Muon's momentum, or AdamW's moments and step.
         """
-        n, r = self.shard_axis.size, self.shard_axis.rank
+        n, r = self.shard_axis.size, self.shard_axis.rank  # Muon: stage 0, no experts apart
         if self.views:
             return {**{f"master.{unit.name}.shard{r}of{n}": master.data
                        for unit, master in zip(self.units, self.masters)},
                     **{f"{key}.{name}.shard{r}of{n}": value
                        for name, state in self._view_states() for key, value in state.items()}}
         out = {}
-        for unit, master, state in zip(self.units, self.masters, self._adam_states()):
-            tag = f"{unit.name}.shard{r}of{n}"
+        for unit, master, state, axis in zip(self.units, self.masters, self._adam_states(),
+                                             self.unit_shard):
+            tag = f"{unit.name}.shard{axis.rank}of{axis.size}"
             out[f"master.{tag}"] = master.data
             out[f"exp_avg.{tag}"] = state["exp_avg"]
             out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
@@ -501,25 +538,25 @@ class DataParallelEngine:
     @torch.no_grad()
     def after_checkpoint_load(self) -> None:
         """Re-publish the loaded master weights to the compute parameters."""
-        for unit, master in zip(self.units, self.masters):
+        for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
             if self.stage == 3:
                 unit.shard.copy_(master)
             elif self.stage == 0:
                 unit.full.copy_(master)
             else:
                 unit.full[unit.shard_slice].copy_(master)
-                C.all_gather(unit.full, unit.full[unit.shard_slice], self.shard_axis, "params")
+                C.all_gather(unit.full, unit.full[unit.shard_slice], axis, "params")
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value by its model name, gathered on every rank."""
         out = {}
-        for unit, master in zip(self.units, self.masters):
+        for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
             if self.stage == 0:
                 flat = master.detach()
             else:
                 flat = torch.empty(unit.padded, dtype=torch.float32, device=master.device)
-                C.all_gather(flat, master.detach(), self.shard_axis, "state_dict")
+                C.all_gather(flat, master.detach(), axis, "state_dict")
             for name, view in zip(unit.names, unit.views(flat)):
                 out[name] = view.clone()
         return out

@@ -6,6 +6,8 @@ so that its ranks are neighbours (the same node); the data-parallel degree split
 (copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
 torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
 
+`expert_axes(ep)` cuts the data ranks into expert-parallel groups (fivefold.parallel.expert).
+
 `use_algorithms(choice, gpus_per_node)` (the `[comm]` config section, see
 fivefold.comm.choice) makes every axis handed out afterwards carry the chosen collective
 algorithms and its ranks per node; without it axes run the builtin collectives.
@@ -34,6 +36,7 @@ class Mesh:
         self.device_mesh = None
         self.collectives: ScheduledCollectives | None = None
         self.gpus_per_node = 1
+        self._expert_axes: dict[int, tuple[Axis, Axis]] = {}
         if self.world_size > 1:
             self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in MESH_AXES),
                                                 mesh_dim_names=MESH_AXES)
@@ -90,3 +93,27 @@ class Mesh:
                                mesh_dim_names=tuple(dims))
         return tuple(Axis(n, sub.get_group(n), size, dist.get_rank(sub.get_group(n)),
                           self.ledger) for n, size in zip(names, (outer, inner)))
+
+    def expert_axes(self, ep: int) -> tuple[Axis, Axis]:
+        """(ep, edp) axes of expert parallelism folded onto the data ranks (Megatron-Core's
+        parallel folding): the dp x cp ranks of one pp stage and tp rank, in mesh order, cut
+        into groups of `ep` neighbours ("ep": they hold different experts) and the ranks
+        at the same place in every group ("edp": copies of the same experts). Built once per
+        degree, from a second DeviceMesh over the same ranks."""
+        if ep in self._expert_axes:
+            return self._expert_axes[ep]
+        data = self.shape["dp_replicate"] * self.shape["dp_shard"] * self.shape["cp"]
+        if self.device_mesh is None or ep == 1:
+            axes = (Axis("ep", None, 1, 0, self.ledger),
+                    self.joint_axis("dp_replicate", "dp_shard", "cp"))
+        else:
+            sizes = (self.shape["pp"], data // ep, ep, self.shape["tp"])
+            sub = init_device_mesh(self.device_mesh.device_type, sizes,
+                                   mesh_dim_names=("pp", "edp", "ep", "tp"))
+            axes = tuple(self._with_algorithms(Axis(n, sub.get_group(n), size,
+                                                    dist.get_rank(sub.get_group(n)),
+                                                    self.ledger))
+                         if size > 1 else Axis(n, None, 1, 0, self.ledger)
+                         for n, size in (("ep", ep), ("edp", data // ep)))
+        self._expert_axes[ep] = axes
+        return axes

@@ -11,9 +11,11 @@ model's own modules happens here, from outside and in this order (torchtitan's
      attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
      positions are this rank's (its zigzag or contiguous part of every sequence), which the
      trainer's samplers read to hand the rank those tokens,
-  3. activation recomputation (`plan.recompute = "full"` or `"selective"`,
+  3. expert parallelism over the mesh's expert axes (`plan.ep > 1`, fivefold.parallel.expert):
+     every MoE layer keeps its ep rank's experts and dispatches tokens by all-to-all,
+  4. activation recomputation (`plan.recompute = "full"` or `"selective"`,
      fivefold.memory.recompute),
-  4. torch.compile of each block (`compile_blocks`, the train.compile switch).
+  5. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
 the data-parallel engine (fivefold.parallel.data_parallel, `plan.update == "engine"`) and the
@@ -29,6 +31,7 @@ from torch import nn
 from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
+from fivefold.parallel.expert import apply_expert_parallel
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
@@ -58,6 +61,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         model.token_positions = context_positions(model.cfg.seq_len, plan.cp_mode, plan.cp,
                                                   cp_axis.rank, plan.cp_ulysses
                                                   ).to(model.rope_cos.device)
+    if plan.ep > 1:
+        apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     elif plan.recompute == "selective":

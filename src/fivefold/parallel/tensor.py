@@ -16,6 +16,10 @@ block (Megatron-LM, arXiv 1909.08053, Sec. 3, Fig. 3; 2104.04473, Sec. 2.3):
                          returns this rank's (B, T, V'/t) logits and the loss is
                          fivefold.parallel.vocab_parallel_loss, which never gathers them
   norms                  replicated
+  MoE layer              replicated (router, experts, shared experts): it runs whole on every
+                         tp rank, on the same tokens, with no region around it; experts are
+                         split by expert parallelism instead (fivefold.parallel.expert).
+                         Not with sequence parallelism.
 
 Each attention and MLP is a region entered through Megatron's f and left through g
 (fivefold.parallel.tensor_comm): one all-reduce forward and one backward per region. With
@@ -68,8 +72,9 @@ from torch import nn
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
-from fivefold.models.description import VOCAB_PARTS, placement
+from fivefold.models.description import MOE_PLACEMENTS, VOCAB_PARTS, name_in_part, placement
 from fivefold.models.llama import Transformer
+from fivefold.models.moe import MoE
 from fivefold.parallel.tensor_comm import (SharedRegather, all_reduced, copy_to_tp,
                                            gather_from_sp, gather_stacked, linear_regathered,
                                            reduce_from_tp, scatter_to_sp)
@@ -82,8 +87,12 @@ def split_dim(name: str) -> int | None:
 
     The model description's placement (fivefold.models.description): column-parallel weights
     and biases (Qwen2's q/k/v biases) split their output features, row-parallel weights their
-    input features, vocabulary matrices their rows.
+    input features, vocabulary matrices their rows. An MoE layer's parameters (router,
+    experts, shared experts) are replicated: the runtime runs MoE layers whole on every tp
+    rank (`apply_tensor_parallel`).
     """
+    if name_in_part(name) in MOE_PLACEMENTS:
+        return None
     return placement(name).tp_dim
 
 
@@ -120,6 +129,8 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], vocab: int) -> torch.T
 def gather_full_state(state: dict[str, torch.Tensor], vocab: int,
                       axis: Axis) -> dict[str, torch.Tensor]:
     """Every parameter's full value on every rank, from this rank's tensor-parallel parts."""
+    if axis.size == 1:  # whole already (and possibly an MoE model's, which tp does not split)
+        return dict(state)
     out = {}
     for name, part in state.items():
         if split_dim(name) is None:
@@ -246,7 +257,7 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
     and head it does not hold are skipped.
     """
     cfg, t = model.cfg, tp_axis.size
-    assert cfg.moe is None, "tensor parallelism splits dense MLPs only"
+    assert cfg.moe is None or not sequence_parallel, "MoE layers see whole sequences"
     assert cfg.heads % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_hidden % t == 0, (
         f"tp {t} must divide heads {cfg.heads}, kv_heads {cfg.n_kv_heads} and ffn_hidden "
         f"{cfg.ffn_hidden}")
@@ -259,7 +270,10 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
                                                      tp_axis))
         model.output.out_features = model.output.weight.shape[0]
     for i, block in enumerate(model.layers):
-        for region_name in ("attention", "mlp"):
+        # an MoE layer runs whole on every tp rank, on the same replicated tokens: its
+        # output, gradients and expert dispatch are the same on each (nothing to reduce)
+        regions = ("attention",) if isinstance(block.mlp, MoE) else ("attention", "mlp")
+        for region_name in regions:
             region_module = getattr(block, region_name)
             region = TensorParallelRegion(tp_axis, sp)
             for child, linear in list(region_module.named_children()):

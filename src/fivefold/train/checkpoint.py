@@ -71,8 +71,8 @@ def layout_record(plan: ParallelPlan) -> dict:
     checkpoint's keys and shards as "parallel.key": value (a resume under another one
     reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
-              for key in ("pp", "tp", "cp", "vpp", "stage_layers", "zero_stage", "zero_group",
-                          "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
+              for key in ("pp", "tp", "cp", "ep", "vpp", "stage_layers", "zero_stage",
+                          "zero_group", "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
     layout["parallel.schedule"] = "pipedream-2bw" if plan.asynchronous else "synchronous"
@@ -87,7 +87,7 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded) or with another optimizer than AdamW or Muon, or than the checkpoint's."""
+    resharded) or with expert parallelism (its per-ep-rank expert units are not), or with another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
@@ -105,6 +105,13 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
+    if max(saved_plan.get("ep", 1), plan.ep) > 1:
+        key = changed[0]
+        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
+                               f"{now[key]!r}; expert-parallel checkpoints (each ep rank's "
+                               "experts in units of their own, fivefold.parallel.expert) are "
+                               "not resharded: resume with the layout that wrote it or use "
+                               "another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "

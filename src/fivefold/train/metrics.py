@@ -2,7 +2,9 @@
 
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per optimizer step (step, loss, lr,
 grad_norm, tokens_per_s, mfu, peak_mem_bytes, skipped_steps (updates the non-finite guard has
-dropped so far) and val_loss on validation steps). On resume,
+dropped so far), val_loss on validation steps and, for an MoE model, `moe`: per MoE layer
+tokens_per_expert, dropped_fraction, imbalance (max / mean) and aux_loss, which TensorBoard
+gets as moe/LAYER/KEY). On resume,
 lines for steps after the checkpoint are dropped first, so the file always describes one
 consistent run. The progress bar (rich) shows loss and throughput; every `log_every` steps a
 plain line is printed too, which is what a log file or CI output keeps.
@@ -64,6 +66,13 @@ class MetricsLog:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, step)
+            for layer, stats in record.get("moe", {}).items():  # fivefold.train.moe_stats
+                for key, value in stats.items():
+                    if isinstance(value, list):
+                        self.writer.add_scalars(f"moe/{layer}/{key}",
+                                                {str(e): v for e, v in enumerate(value)}, step)
+                    else:
+                        self.writer.add_scalar(f"moe/{layer}/{key}", value, step)
         status = f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
         self.progress.update(self.task, completed=step, status=status)
         if step % self.log_every == 0 or "val_loss" in record:

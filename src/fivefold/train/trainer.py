@@ -31,7 +31,13 @@ skipped with pp > 1.
 A step whose loss or gradient norm is not finite is skipped or stops the run
 (`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
-checkpoint. Every collective's ledger entry also lands in the flight recorder
+checkpoint.
+
+With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
+experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
+stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
+0 only (each ep rank holds other experts, all hold the same dense gradients). Every
+collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
@@ -63,6 +69,7 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
+from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
@@ -79,6 +86,7 @@ from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.model_source import load_weights_into
+from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
@@ -93,6 +101,7 @@ class StepResult:
     loss: float
     grad_norm: float
     step_time_s: float
+    moe: dict | None = None  # per MoE layer: load statistics (fivefold.train.moe_stats)
 
 
 class Trainer:
@@ -123,6 +132,9 @@ class Trainer:
         self.pp_axis = self.mesh.axis("pp")
         self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
+        self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
+        if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
+            self.norm_axes.append(self.expert_axes[0])
         # every rank: train.checkpoint_minutes' broadcast (no extra group when it is unset)
         self.world_axis = (self.mesh.joint_axis(*MESH_AXES) if cfg.train.checkpoint_minutes
                            else None)
@@ -136,6 +148,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = parallelize(self._build_model(init_from), plan, self.mesh,
                                  cfg.train.compile)
+        for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
+            moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
         self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
                                           cfg.train.seed, 0, self.dp_axis.rank, self.dp,
@@ -150,7 +164,7 @@ class Trainer:
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.precision],
                                              DTYPES[plan.reduce_dtype], zero_pp,
-                                             plan.shard_axes)
+                                             plan.shard_axes, self.expert_axes)
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train)
         else:  # plain, or each PipeDream-2BW stage's own
@@ -233,7 +247,9 @@ class Trainer:
         if self.plan.update == "pipedream-2bw" or self.lomo:
             C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
-        return StepResult(loss, grad_norm.item(), time.perf_counter() - start)
+        moe = (moe_step(self.model, self.token_axis, self.cfg.model.moe.bias_update_rate,
+                        self.global_tokens) if self.cfg.model.moe else None)
+        return StepResult(loss, grad_norm.item(), time.perf_counter() - start, moe)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch in turn; the summed token cross-entropy."""
@@ -263,6 +279,8 @@ class Trainer:
         if self.engine:
             grads = [master.grad for master in self.engine.masters]
             counted = counted_masks(self.engine.units, self.tp_axis.rank)
+            if self.expert_axes and self.plan.zero_stage == 0:
+                counted = expert_counted_masks(self.engine, self.expert_axes[0].rank)
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -380,8 +398,11 @@ class Trainer:
         own parameter groups (its parameters and versions keep the whole model's names, so
         the stages' "model" entries together are the whole model's state)."""
         tag = self._shard_tag()
-        if self.engine:
-            return {key + tag: value for key, value in self.engine.checkpoint_state().items()}
+        if self.engine:  # with the MoE balancing biases, the same on every rank of a stage
+            biases = {f"expert_bias.{name}": moe.expert_bias
+                      for name, moe in moe_layers(self.model) if moe.balance_bias}
+            return {**{key + tag: value for key, value in self.engine.checkpoint_state().items()},
+                    **biases}
         model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
         state = {"model": model_sd, "optim" + tag: optim_sd}
         if self.pipeline:  # PipeDream-2BW
@@ -435,6 +456,8 @@ class Trainer:
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
                           "skipped_steps": self.skipped_steps,
                           "ledger": self.ledger.summary()}
+                if result.moe:
+                    record["moe"] = result.moe
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
