@@ -57,13 +57,14 @@ class MemoryProbe:
             self.grads = _unique_bytes(grads)
 
     def measured(self, model: nn.Module, model_state: dict[str, int],
-                 optimizer: torch.optim.Optimizer | None, device: torch.device) -> dict:
+                 optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> dict:
+        """`optimizers`: the plain path's torch optimizers (an OptimizerPair's two, or none)."""
         if model_state:  # the data-parallel engine's record
             states = {"params": model_state["params"], "grads": model_state["grads"],
                       "optimizer": model_state["master"] + model_state["optimizer"]}
         else:
             states = {"params": _unique_bytes(model.parameters()), "grads": self.grads or 0,
-                      "optimizer": optimizer_state_bytes([optimizer] if optimizer else [])}
+                      "optimizer": optimizer_state_bytes(optimizers)}
         return {**states, "activations_per_micro_batch": self.activations,
                 "process_peak": peak_memory_bytes(device)}
 

@@ -67,7 +67,7 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.optim import build_optimizer, lr_at
+from fivefold.optim import OptimizerPair, build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
@@ -386,6 +386,12 @@ class Trainer:
         """The torch optimizer(s) DCP saves with the model: none under LOMO."""
         return [] if self.lomo else self.optimizer
 
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """This rank's own torch optimizers, one by one (none under LOMO or the engine)."""
+        if self.optimizer is None:
+            return []
+        return list(self.optimizer) if isinstance(self.optimizer, OptimizerPair) else [self.optimizer]
+
     def _shard_tag(self) -> str:
         return shard_tag(self.pp_axis.rank, self.pp_axis.size, self.tp_axis.rank,
                          self.tp_axis.size)
@@ -468,8 +474,8 @@ class Trainer:
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
         summary["memory"], memory_lines = self.memory.report(
-            self.memory.measured(self.model, self.ledger.model_state_bytes, self.optimizer,
-                                 self.rt.device), self.predicted_memory, self.rt.rank,
+            self.memory.measured(self.model, self.ledger.model_state_bytes,
+                                 self._torch_optimizers(), self.rt.device), self.predicted_memory, self.rt.rank,
             self.rt.device)
         if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
             self.say("no text sample: sampling runs the whole model on whole sequences, which "
