@@ -11,8 +11,11 @@ model's own modules happens here, from outside and in this order (torchtitan's
      attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
      positions are this rank's (its zigzag or contiguous part of every sequence), which the
      trainer's samplers read to hand the rank those tokens,
-  3. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
-  4. torch.compile of each block (`compile_blocks`, the train.compile switch).
+  3. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
+     and MLP linear, plain or tensor-parallel, becomes an `Fp8Linear` of the plan's recipe,
+     emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says),
+  4. activation recomputation (`plan.recompute = "full"`, fivefold.memory.recompute),
+  5. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
 the data-parallel engine (fivefold.parallel.data_parallel, `plan.update == "engine"`) and the
@@ -28,6 +31,8 @@ from torch import nn
 from fivefold.memory.recompute import apply_full_recompute
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
+from fivefold.parallel.fp8.linear import apply_fp8, has_fp8_units
+from fivefold.parallel.fp8.recipe import Fp8Recipe
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
@@ -57,6 +62,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         model.token_positions = context_positions(model.cfg.seq_len, plan.cp_mode, plan.cp,
                                                   cp_axis.rank, plan.cp_ulysses
                                                   ).to(model.rope_cos.device)
+    if plan.precision == "fp8":
+        emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
+                   else not has_fp8_units(mesh.device_type))
+        apply_fp8(model, Fp8Recipe(plan.fp8_recipe, plan.fp8_tensors, emulate), tp_axis)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     if compile_blocks:
