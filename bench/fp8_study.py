@@ -16,13 +16,15 @@ corpus; only the precision of the blocks' linear GEMMs changes:
 on two setups: "small" (2 blocks of width 64, 64-token sequences, 2048-token vocabulary)
 over the default 200-step schedule with every variant, and "default" (the `tiny` preset
 that `fivefold train` trains by default: 4 blocks of width 256, 256 tokens, 8192 vocabulary)
-shortened to `--default-steps` steps with the first four variants, because the emulation's
-element-wise rounding makes an fp8 step about 2.5x an fp32 one here and the full 200 steps
-of all variants would take hours on two cores shared with other work (the study ran under a
-load average of 12-17).
+over `--default-steps` steps (default 200, the default run) with the first four variants;
+the ablation runs on the small setup only, where a run takes seconds.
 
-    python bench/fp8_study.py --json docs/fp8_study.json --plot docs/img/fp8_study.png
-    python bench/fp8_study.py --quick        # smoke test: 10 steps, small setup only
+Run it with one thread per process (OMP_NUM_THREADS=1): on two cores shared with other
+work, two OpenMP threads per process spun so much that runs took 50x longer.
+
+    OMP_NUM_THREADS=1 python bench/fp8_study.py --json docs/fp8_study.json \
+        --plot docs/img/fp8_study.png
+    OMP_NUM_THREADS=1 python bench/fp8_study.py --quick   # smoke test: 10 steps, small only
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--default-steps", type=int, default=10)
+    parser.add_argument("--default-steps", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="10 steps, small setup only")
     parser.add_argument("--json")
     parser.add_argument("--plot")

@@ -242,7 +242,7 @@ def test_fp8_loss_stays_in_band_over_the_default_200_steps(tiny_overrides):
 @pytest.mark.slow
 def test_fp8_loss_stays_in_band_on_the_default_run():
     """The same band on the default `fivefold train` config (tiny preset, built-in corpus,
-    200 steps): about 25 minutes on two shared cores."""
+    200 steps): about 12 minutes with OMP_NUM_THREADS=1."""
     base = ["train.tensorboard=false", "train.sample_tokens=0", "train.device=cpu"]
     fp32, fp32_val = _losses_over_default_schedule(load_config(None, base))
     fp8, fp8_val = _losses_over_default_schedule(load_config(None, base + FP8))
