@@ -22,8 +22,9 @@ Tolerances, and why:
   memory the way the runtime's recipe does: exact byte counts and orderings.
 - Convergence: over the default 200-step schedule (warm-up 20, cosine to 0.1 of lr 1e-3) on
   the tiny test model, the fp8-emulated run's training loss stays within LOSS_BAND of the
-  fp32 run at every step and its final validation loss within VAL_BAND; the same on the
-  default `fivefold train` model under `-m slow`.
+  fp32 run at every step and its final validation loss within VAL_BAND; on the default
+  `fivefold train` model (under `-m slow`) the final validation loss and the mean of the
+  last 20 training losses within DEFAULT_BAND.
 """
 
 from __future__ import annotations
@@ -239,15 +240,21 @@ def test_fp8_loss_stays_in_band_over_the_default_200_steps(tiny_overrides):
     assert fp8 != fp32 and fp32[-1] < fp32[0] - 1.0
 
 
+DEFAULT_BAND = 0.05  # the default run: final val loss, and train loss averaged over its last
+# 20 steps (measured -0.023 and -0.016 by bench/fp8_study.py, the same run). Single steps
+# are not compared: the trajectories part (fp8 perturbs them), and single-batch losses
+# differ by up to 0.39, as another seed's would
+
+
 @pytest.mark.slow
 def test_fp8_loss_stays_in_band_on_the_default_run():
-    """The same band on the default `fivefold train` config (tiny preset, built-in corpus,
-    200 steps): about 12 minutes with OMP_NUM_THREADS=1."""
+    """The default `fivefold train` config (tiny preset, built-in corpus, 200 steps), fp8
+    tensorwise against fp32, within DEFAULT_BAND: about 12 minutes with OMP_NUM_THREADS=1."""
     base = ["train.tensorboard=false", "train.sample_tokens=0", "train.device=cpu"]
     fp32, fp32_val = _losses_over_default_schedule(load_config(None, base))
     fp8, fp8_val = _losses_over_default_schedule(load_config(None, base + FP8))
-    assert max(abs(a - b) for a, b in zip(fp8, fp32)) < LOSS_BAND
-    assert abs(fp8_val - fp32_val) < VAL_BAND
+    assert abs(sum(fp8[-20:]) - sum(fp32[-20:])) / 20 < DEFAULT_BAND
+    assert abs(fp8_val - fp32_val) < DEFAULT_BAND
 
 
 # ---------------------------------------------------------------- layouts
