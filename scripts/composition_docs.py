@@ -53,6 +53,7 @@ def sched(name: str) -> str:
 
 
 # test -> the (world size, overrides) it trains; representative layouts of each parity test
+FP8 = "parallel.precision=fp8"
 TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_data_parallel.py::test_parity_with_one_process": [
         (2, [z(0), micro(1)]), (2, [z(1), micro(1)]), (2, [z(2), micro(1)]),
@@ -123,6 +124,9 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_expert_parallel.py::test_ep2_with_pp2_and_with_tp2_match_one_process": [
         (4, [*MOE, EP(2), PP2, micro(2)]), (4, [*MOE, EP(2), TP2, micro(2)])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
+    "tests/test_fp8.py::test_fp8_layouts_match_the_one_process_fp8_run": [
+        (2, [FP8, micro(4)]), (2, [FP8, z(3), micro(2)]), (2, [FP8, PP2, micro(2)]),
+        (2, [FP8, TP2]), (2, [FP8, TP2, "parallel.fp8_recipe=rowwise"])],
 }
 
 

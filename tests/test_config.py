@@ -287,6 +287,10 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["parallel.hpz=true"], "parallel.hpz", "set parallel.zero_stage = 3"),
     (["parallel.qgz=true"], "parallel.qgz", "set parallel.zero_stage to 1, 2 or 3"),
     (["parallel.reduce_dtype=fp64"], "parallel.reduce_dtype", "'fp64' is not one of"),
+    (["parallel.fp8_recipe=blockwise"], "parallel.fp8_recipe", "'blockwise' is not one of"),
+    (['parallel.fp8_tensors=["input", "activation"]'], "parallel.fp8_tensors",
+     "'activation' is not one of"),
+    (['parallel.fp8_tensors=["input", "input"]'], "parallel.fp8_tensors", "names a class twice"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tp > 1"),
     (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.vpp",
      "virtual stages need parallel.schedule = 'interleaved', not '1f1b'"),
@@ -476,7 +480,18 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "parallel.schedule", "'selective' is not supported with terapipe"),
     (["parallel.recompute=full", "parallel.pp=2", "parallel.schedule=zb",
       "parallel.micro_batch=1"], 2, "parallel.schedule", "not supported with zb"),
-    (["parallel.precision=fp8"], 1, "parallel.precision", "fp8 training is not implemented"),
+    (["parallel.precision=fp8", "parallel.fp8_emulate=false"], 1, "parallel.fp8_emulate",
+     "this device has no fp8 matrix units"),
+    (["parallel.precision=fp8", "train.optimizer=lomo"], 1, "train.optimizer",
+     "keeps no fp32 master weights"),
+    (["parallel.precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true"], 2,
+     "parallel.sequence_parallel", "re-gathered linear inputs are not fp8 linears"),
+    (["parallel.precision=fp8", "parallel.cp=2"], 2, "parallel.cp",
+     "fp8 scales would cover other tokens"),
+    (["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb",
+      "parallel.micro_batch=1"], 2, "parallel.schedule", "zero-bubble weight pass"),
+    (["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=terapipe"], 2,
+     "parallel.schedule", "TeraPipe's token slices would give each slice"),
     (["train.optimizer=lomo"], 2, "train.optimizer", "LOMO updates each parameter inside"),
     (["train.optimizer=lomo", "parallel.micro_batch=2"], 1, "parallel.micro_batch",
      "cannot accumulate micro-batches: leave micro_batch unset or set it to 8"),
@@ -508,6 +523,8 @@ def test_validate_for_training_rejects(overrides, world_size, key, fragment):
 def test_validate_for_training_accepts_runnable_configs():
     validate_for_training(load("train.optimizer=sgd", "parallel.precision=bf16"), 1)
     validate_for_training(load("train.optimizer=muon"), 1)
+    validate_for_training(load("parallel.precision=fp8", "parallel.fp8_emulate=false"), 1,
+                          fp8_units=True)
     validate_for_training(load("train.optimizer=lomo", "parallel.micro_batch=8"), 1)
     validate_for_training(load("train.optimizer=galore"), 1)
     validate_for_training(load("parallel.recompute=full", "parallel.zero_stage=2"), 2)

@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launching:  # the ranks get the plan, not a search
             argv = [*argv, "--plan", str(_write_plan(plan, args.run_dir))]
     else:
-        plan = training_plan(cfg, world_size, device.type)
+        plan = training_plan(cfg, world_size, device.type, _fp8_units(device))
     if launching:
         from fivefold.train.checkpoint import check_resume
         from fivefold.train.data import prepare_data
@@ -100,6 +100,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _launcher_only_removed(argv), args.max_restarts)
     return _train_this_rank(cfg, plan, args.run_dir, args.init_from)
+
+
+def _fp8_units(device) -> bool:
+    """Whether `device` runs fp8 GEMMs (asked of torch, here, not by the torch-free plan)."""
+    from fivefold.parallel.fp8.linear import has_fp8_units
+
+    return has_fp8_units(device.type)
 
 
 def _device(cfg: Config):
@@ -130,7 +137,7 @@ def _auto_plan(cfg: Config, world_size: int, device, plan_file: str | None
         if os.environ.get("RANK", "0") == "0":
             print(auto.summary(), flush=True)
         cfg, plan = auto.cfg, auto.plan
-    trained = training_plan(cfg, world_size, device.type)
+    trained = training_plan(cfg, world_size, device.type, _fp8_units(device))
     if trained != plan:
         raise RuntimeError(f"parallel.auto: the scored plan {plan} is not the plan of its "
                            f"spelled-out config {trained}; please report this")

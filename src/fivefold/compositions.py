@@ -74,6 +74,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             "parallel.precision"),
     Feature("fp16", "precision", lambda c, dp: c.parallel.precision == "fp16",
             "parallel.precision"),
+    Feature("fp8", "precision", lambda c, dp: c.parallel.precision == "fp8",
+            "parallel.precision"),
     Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
@@ -111,6 +113,26 @@ ANY_USE: list[Refusal] = [
 
 # what `fivefold train` does not run (fivefold.validate.validate_for_training)
 REFUSALS: list[Refusal] = [
+    Refusal("fp8", ("optimizer=lomo",), "train.optimizer",
+            "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
+            "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
+            "with precision 'fp8'"),
+    Refusal("fp8", ("moe",), "parallel.precision",
+            "fp8 covers the dense blocks' linears; the experts' grouped GEMMs and the router "
+            "are not fp8 yet; use 'bf16' (GPU) or 'fp32' with model.moe"),
+    Refusal("fp8", ("sequence_parallel",), "parallel.sequence_parallel",
+            "sequence parallelism's re-gathered linear inputs are not fp8 linears yet; turn it "
+            "off with precision 'fp8'"),
+    Refusal("fp8", ("cp>1",), "parallel.cp",
+            "context parallelism splits each sequence, so the activations' fp8 scales would "
+            "cover other tokens than the one-process run's; use parallel.cp = 1 with "
+            "precision 'fp8'"),
+    Refusal("fp8", ("schedule=terapipe",), "parallel.schedule",
+            "TeraPipe's token slices would give each slice its own activation scales; use "
+            "another schedule with precision 'fp8'"),
+    Refusal("fp8", ("schedule=zb",), "parallel.schedule",
+            "the zero-bubble weight pass would re-run the fp8 linear's whole backward (and its "
+            "tp scale exchange); use another schedule with precision 'fp8'"),
     Refusal("moe", ("sequence_parallel",), "parallel.sequence_parallel",
             "MoE layers run whole on every tp rank and need whole sequences; turn sequence "
             "parallelism off with model.moe"),

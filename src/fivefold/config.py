@@ -120,7 +120,18 @@ class ParallelConfig:
     recompute: str = _doc('"none" | "selective" | "full" activation recomputation', "none")
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, '
-                                 'fp32 on CPU', None)
+                                 'fp32 on CPU; fp8: the blocks\' linears in fp8, the rest in '
+                                 'bf16 on GPU, fp32 on CPU', None)
+    fp8_emulate: bool | None = _doc("precision fp8: round each GEMM input to fp8 and run the "
+                                    "GEMM in fp32 (any device) instead of fp8 GEMMs; default "
+                                    "true where the device has no fp8 units (CPU, GPUs before "
+                                    "compute capability 8.9) (docs/fp8.md)", None)
+    fp8_recipe: str = _doc('precision fp8: "tensorwise" (one scale per tensor) | "rowwise" '
+                           "(one per row along each GEMM's contracted dim)", "tensorwise")
+    fp8_tensors: list[str] = _doc('precision fp8: the tensor classes rounded to fp8, of '
+                                  '"input", "weight" (e4m3) and "grad_output" (e5m2); a GEMM '
+                                  "with both operands in fp8 runs on fp8 units", factory=lambda:
+                                  ["input", "weight", "grad_output"])
     reduce_dtype: str | None = _doc('gradient reduce-scatter dtype for zero_stage 2-3 "fp32" | '
                                     '"bf16" | "fp16"; default: the compute dtype (stages 0-1 '
                                     "reduce the gradient buffer itself, in the compute dtype)",

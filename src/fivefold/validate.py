@@ -19,6 +19,8 @@ CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+FP8_RECIPES = ("tensorwise", "rowwise")  # fivefold.parallel.fp8.recipe
+FP8_TENSORS = ("input", "weight", "grad_output")  # the tensor classes a recipe rounds to fp8
 OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
 STACKS = ("fivefold", "megatron", "torchtitan", "deepspeed")  # fivefold.planner.stack
 FFN_TYPES = ("swiglu", "gelu")
@@ -102,6 +104,12 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
     if p.precision is not None:
         _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("parallel.fp8_recipe", p.fp8_recipe, FP8_RECIPES)
+    for name in p.fp8_tensors:
+        _choice("parallel.fp8_tensors", name, FP8_TENSORS)
+    if len(set(p.fp8_tensors)) != len(p.fp8_tensors):
+        raise ConfigError("parallel.fp8_tensors", f"{p.fp8_tensors} names a class twice; list "
+                                                  "each of input, weight, grad_output once")
     if p.reduce_dtype is not None:
         _choice("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16", "fp16"))
     if p.zero_stage not in (0, 1, 2, 3):
@@ -386,8 +394,23 @@ def context_degrees(cp: int, mode: str, cp_ulysses: int | None) -> tuple[int, in
     return cp // cp_ulysses, cp_ulysses
 
 
-def validate_for_training(cfg: Config, world_size: int) -> None:
-    """`validate`, then reject what the runtime cannot execute yet (each says what to use)."""
+def validate_fp8_runtime(cfg: Config, fp8_units: bool) -> None:
+    """What fp8 training (fivefold.parallel.fp8) needs of the device: fp8 GEMM units unless
+    emulated. What it needs of the other features (an optimizer that keeps fp32 master
+    weights, activation scales over the one-process run's tokens; docs/fp8.md, "Layouts")
+    are rows of fivefold.compositions.REFUSALS."""
+    p = cfg.parallel
+    if p.fp8_emulate is False and not fp8_units:
+        raise ConfigError("parallel.fp8_emulate", "this device has no fp8 matrix units (they "
+                                                  "need a GPU of compute capability 8.9 or "
+                                                  "later: Ada, Hopper, Blackwell); set "
+                                                  "parallel.fp8_emulate = true (or leave it "
+                                                  "unset) to emulate fp8 in fp32")
+
+
+def validate_for_training(cfg: Config, world_size: int, fp8_units: bool = False) -> None:
+    """`validate`, then reject what the runtime cannot execute yet (each says what to use);
+    `fp8_units`: whether the device runs fp8 GEMMs (fivefold.train.dist.has_fp8_units)."""
     validate(cfg, world_size)
     p = cfg.parallel
     if cfg.train.stack != "fivefold":
@@ -400,7 +423,6 @@ def validate_for_training(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.ep", "expert parallelism needs model.moe (a dense model "
                                          "has no experts to place); set it to 1")
     if p.precision == "fp8":
-        raise ConfigError("parallel.precision", "fp8 training is not implemented; use 'bf16' "
-                                                "on GPU or 'fp32' on CPU")
+        validate_fp8_runtime(cfg, fp8_units)
     check_compositions(cfg, world_size // (p.tp * p.pp * p.cp), REFUSALS)  # the pairs
 

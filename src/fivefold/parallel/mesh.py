@@ -29,7 +29,7 @@ from fivefold.parallel.plan import MESH_AXES
 
 class Mesh:
     def __init__(self, shape: dict[str, int], device_type: str, ledger: Ledger):
-        self.shape, self.ledger = shape, ledger
+        self.shape, self.ledger, self.device_type = shape, ledger, device_type
         self.world_size = 1
         for size in shape.values():
             self.world_size *= size

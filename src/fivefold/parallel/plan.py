@@ -58,6 +58,9 @@ class ParallelPlan:
     recompute: str
     sequence_parallel: bool
     precision: str
+    fp8_emulate: bool | None  # None: emulate where the device has no fp8 units
+    fp8_recipe: str
+    fp8_tensors: tuple[str, ...]
     cp_mode: str
     cp_ulysses: int | None  # hybrid: the Ulysses degree (context_degrees)
     reduce_dtype: str
@@ -202,6 +205,7 @@ class ParallelPlan:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)
                   if f.name != "auto"}
         fields["stage_layers"] = list(self.stage_layers) if self.stage_layers else None
+        fields["fp8_tensors"] = list(self.fp8_tensors)
         return ParallelConfig(**fields)
 
     def parallel_table(self) -> dict:
@@ -222,7 +226,8 @@ class ParallelPlan:
             raise ValueError(f"a parallel plan has the fields {sorted(names)}; got "
                              f"{sorted(data)}")
         stages = data["stage_layers"]
-        return cls(**{**data, "stage_layers": tuple(stages) if stages else None})
+        return cls(**{**data, "stage_layers": tuple(stages) if stages else None,
+                      "fp8_tensors": tuple(data["fp8_tensors"])})
 
     def replace(self, **changes) -> "ParallelPlan":
         return dataclasses.replace(self, **changes)
@@ -232,8 +237,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
                      ) -> ParallelPlan:
     """The plan a config describes on `world_size` ranks, defaults resolved (precision:
     `default_precision` unless the config sets one; gradients reduce in the compute dtype,
-    bf16 under fp8, unless `parallel.reduce_dtype` says otherwise). No validation: the
-    planner's entry points validate what they need."""
+    under fp8 that of the layers outside fp8 (`fp8_base`), unless `parallel.reduce_dtype`
+    says otherwise). No validation: the planner's entry points validate what they need."""
     p = cfg.parallel
     dp = p.dp or world_size // (p.tp * p.pp * p.cp)
     precision = p.precision or default_precision
@@ -244,10 +249,24 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
+        fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
-        reduce_dtype=p.reduce_dtype or ("bf16" if precision == "fp8" else precision),
+        reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
+                                        else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
         gpus_per_node=cfg.cluster.gpus_per_node)
+
+
+def fp8_base(default_precision: str) -> str:
+    """The dtype of what fp8 training leaves out of fp8 (attention, norms, the head, the
+    reductions): fp32 where that is the device's default (CPU: no bf16 units), else bf16."""
+    return "fp32" if default_precision == "fp32" else "bf16"
+
+
+def compute_precision(precision: str, device_type: str) -> str:
+    """The compute dtype of the modules outside fp8: the precision itself, or under fp8
+    the device's `fp8_base`."""
+    return fp8_base(device_precision(device_type)) if precision == "fp8" else precision
 
 
 def device_precision(device_type: str) -> str:
@@ -256,8 +275,10 @@ def device_precision(device_type: str) -> str:
     return "bf16" if device_type == "cuda" else "fp32"
 
 
-def training_plan(cfg: Config, world_size: int, device_type: str) -> ParallelPlan:
-    """The plan `fivefold train` runs on `world_size` ranks of `device_type`, after the
-    config has passed every check the runtime needs (ConfigError naming the key if not)."""
-    validate_for_training(cfg, world_size)
+def training_plan(cfg: Config, world_size: int, device_type: str,
+                  fp8_units: bool = False) -> ParallelPlan:
+    """The plan `fivefold train` runs on `world_size` ranks of `device_type` (`fp8_units`:
+    whether it runs fp8 GEMMs), after the config has passed every check the runtime needs
+    (ConfigError naming the key if not)."""
+    validate_for_training(cfg, world_size, fp8_units)
     return plan_from_config(cfg, world_size, device_precision(device_type))

@@ -28,6 +28,12 @@ is its 6th matmul and is recomputed).
 
 The root (embedding stage / head stage): token ids (int64), the final norm, the head input,
 the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
+
+fp8 (`fp8_input_copy`): fivefold's fp8 linear keeps the high-precision input and weight and
+quantizes them again in backward, as torchao does, so under either recipe it saves what a
+plain linear saves (tests/test_fp8.py measures it). A stack that keeps its linears' fp8
+inputs (Transformer Engine, `Stack.fp8_saved_inputs`) can do so only where one fp8 copy
+serves both passes: the input class in fp8 and tensorwise scales.
 """
 
 from __future__ import annotations
@@ -37,6 +43,17 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.stack import FIVEFOLD, Stack
+
+
+def fp8_input_copy(lay: ParallelPlan) -> bool:
+    """Whether a linear's input exists as one fp8 copy that both passes can use: precision
+    fp8, the "input" class in fp8, tensorwise scales. Rowwise scales x along K for the
+    forward GEMM and along the tokens for the weight gradient's, so its forward copy does not
+    serve backward; with the input class off there is no fp8 copy. Such a copy is what a
+    stack may save for backward (Stack.fp8_saved_inputs) and what torchao's fp8
+    sequence-parallel all-gather moves (fivefold.planner.simulate)."""
+    return (lay.precision == "fp8" and lay.fp8_recipe == "tensorwise"
+            and "input" in lay.fp8_tensors)
 
 
 def ring_kv_heads(model: ModelConfig, lay: ParallelPlan) -> int | None:
@@ -81,7 +98,8 @@ def te_block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: in
                          sp: bool = False, recompute: str = "none", layer: int = 0,
                          fp8: bool = False) -> float:
     """What a Transformer Engine block (Megatron-Core) keeps, per token: each norm its input
-    and rsigma (aD + 4); each linear its input, in fp8 (1 byte) under fp8 training; fused
+    and rsigma (aD + 4); each linear its input, in fp8 (1 byte) where `fp8` (the
+    `fp8_input_copy` of the plan); fused
     attention q, k and v at their own head counts (GQA not repeated), the output and the
     fp32 log-sum-exp; the MLP the fc1 output (2F for SwiGLU) and the fc2 input. Sequence
     parallelism keeps the D-wide tensors as 1/tp shards (re-gathered in backward).

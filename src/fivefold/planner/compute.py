@@ -8,9 +8,12 @@ expert parallelism have split it) and timed against the hardware profile
   plus one kernel overhead. The two terms add rather than max, which reproduces the measured
   fall-off of narrow GEMMs (h200_measured.json: K = N = 2048 reaches 0.58 of peak, 8192^3
   0.76). Backward runs two GEMMs of the same size (input and weight gradients). fp8 runs
-  the matrix multiplications of linear layers at the fp8 rate and pays the casts
-  (amax, scale, transpose) as memory traffic; attention, norms and the output head stay in
-  bf16, as torchao's Float8 training does.
+  those of the linear layers whose two operands are in fp8 at the fp8 rate (the recipe's
+  tensor classes, fivefold.parallel.fp8.recipe: switching a class off puts the two GEMMs
+  that read it back at the bf16 rate) and pays the casts (amax, scale, transpose) of the
+  classes in fp8 as memory traffic, by the recipe's scaling (`fp8_cast_bytes`); attention,
+  norms and the output head stay in bf16, as torchao's Float8 training does. Rowwise GEMMs
+  are timed at the tensorwise rate: no rowwise fp8 GEMM was measured.
 - Attention: fused causal attention (FlashAttention-2, arXiv 2307.08691). Work is counted per
   score element that is really computed (the causal half plus the diagonal tiles of 128),
   4d FLOPs per score forward and 10d backward (recomputing P, then dV, dP, dQ, dK), plus a
@@ -37,7 +40,9 @@ from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
 from fivefold.hardware import HardwareProfile
+from fivefold.parallel.fp8.recipe import fp8_gemms
 from fivefold.planner.stack import FIVEFOLD, Stack
+from fivefold.validate import FP8_TENSORS
 
 ATTN_TILE = 128  # FlashAttention's block size along both sequence axes
 
@@ -94,21 +99,32 @@ def _compute_precision(act_bytes: int) -> str:
     return "fp32" if act_bytes == 4 else "bf16"
 
 
-def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False) -> tuple[float, float]:
-    """Forward and backward bytes of torchao-style dynamic fp8 scaling around one linear.
+def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
+                   scaling: str = "tensorwise",
+                   tensors: tuple[str, ...] = FP8_TENSORS) -> tuple[float, float]:
+    """Forward and backward bytes of torchao-style dynamic fp8 scaling around one linear,
+    for the tensor classes in fp8 (`tensors`: input m x k, weight k x n, grad_output m x n).
 
-    Forward: amax of input and weight (read), then cast (read, write 1 byte). Backward: the
-    same for the output gradient, plus fp8 transposes of input, weight and gradient for the
-    two backward GEMMs. `fused` (Transformer Engine, fivefold.planner.stack): the casts ride
-    in the kernels that produce the activations and the weights are cast once per step, so
-    only the fp8 copies of the input (forward) and output gradient (backward) are written.
+    Forward: amax of input and weight (read), then cast (read, write 1 byte). Backward,
+    tensorwise: the same for the output gradient, plus fp8 transposes (read and write 1
+    byte) of input, weight and gradient for the two backward GEMMs. Backward, rowwise: the
+    scales run along the other axis, so input and weight are cast again from high precision
+    and the output gradient twice (along n for the input gradient, along m for the weight
+    gradient), each cast writing the layout its GEMM reads. `fused` (Transformer Engine,
+    fivefold.planner.stack): the casts ride in the kernels that produce the activations and
+    the weights are cast once per step, so only the fp8 copies of the input (forward) and
+    output gradient (backward) are written.
     """
+    x = g.m * g.k if "input" in tensors else 0
+    w = g.k * g.n if "weight" in tensors else 0
+    dy = g.m * g.n if "grad_output" in tensors else 0
     if fused:
-        return float(g.m * g.k), float(g.m * g.n)
+        return float(x), float(dy)
     cast = 2 * act_bytes + 1
-    fwd = cast * (g.m * g.k + g.k * g.n)
-    bwd = cast * g.m * g.n + 2 * (g.m * g.k + g.k * g.n + g.m * g.n)
-    return fwd, bwd
+    fwd = cast * (x + w)
+    if scaling == "rowwise":
+        return fwd, cast * (x + w + 2 * dy)
+    return fwd, cast * dy + 2 * (x + w + dy)
 
 
 def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: HardwareProfile,
@@ -157,6 +173,8 @@ class Shard:
     compiled: bool = False  # torch.compile fuses element-wise chains into single passes
     stack: Stack = FIVEFOLD  # the software's switches (fivefold.planner.stack)
     flash2_rate: float = 1.0  # fivefold.planner.fitted: FA2-class attention over measured
+    fp8_recipe: str = "tensorwise"  # precision fp8: the scaling (fivefold.parallel.fp8)
+    fp8_tensors: tuple[str, ...] = FP8_TENSORS  # precision fp8: the classes in fp8
 
     def passes(self, prof: HardwareProfile) -> float:
         return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
@@ -215,16 +233,21 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     a, fp8 = sh.act_bytes, sh.precision == "fp8"
     attn_g, mlp_g = block_gemms(model, sh, moe)
     gemms = attn_g + mlp_g
-    gemm_s = selective_s = cast_f = cast_b = 0.0
+    in_fp8 = fp8_gemms(sh.fp8_tensors)  # which of a linear's three GEMMs run in fp8
+    gemm_s = wgrad_s = bwd_gemm_s = selective_s = cast_f = cast_b = 0.0
     selected = selective_recomputed(gemms, moe)
     for g in gemms:
         quantized = fp8 and g.name != "router"
-        t = gemm_time(g, prof, quantized, a)
-        gemm_s += t
+        t_fwd, t_dgrad, t_wgrad = (gemm_time(g, prof, quantized and kind in in_fp8, a)
+                                   for kind in ("forward", "grad_input", "grad_weight"))
+        gemm_s += t_fwd
+        wgrad_s += t_wgrad
+        bwd_gemm_s += t_dgrad + t_wgrad
         if g.name in selected:
-            selective_s += t
+            selective_s += t_fwd
         if quantized:
-            cf, cb = fp8_cast_bytes(g, a, sh.stack.fp8_fused_casts)
+            cf, cb = fp8_cast_bytes(g, a, sh.stack.fp8_fused_casts, sh.fp8_recipe,
+                                    sh.fp8_tensors)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
     at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
@@ -236,7 +259,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     cast_tf = eltwise_time(cast_f, prof, 0, 1.0)
     cast_tb = eltwise_time(cast_b, prof, 0, 1.0)
     f = gemm_s + at_f + ew_f + cast_tf
-    b = 2 * gemm_s + at_b + ew_b + cast_tb
+    b = bwd_gemm_s + at_b + ew_b + cast_tb
     if sh.stack.selective_modules:  # norms and activations only, no GEMM
         selective_s, selected = 0.0, ()
     rec = {"full": f, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
@@ -245,7 +268,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
                     * sh.seq_len * sh.seq_len / sh.cp)
     rec_fl = {"full": model_fl / 3, "none": 0.0,
               "selective": sum(g.flops for g in gemms if g.name in selected)}
-    return OpTimes(f, b, gemm_s, rec, model_fl, model_fl + rec_fl[sh.recompute])
+    return OpTimes(f, b, wgrad_s, rec, model_fl, model_fl + rec_fl[sh.recompute])
 
 
 def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:

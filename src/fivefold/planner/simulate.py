@@ -17,7 +17,8 @@ Overlap rules (each technique's own):
 - tensor parallelism (Megatron-LM, arXiv 1909.08053): two all-reduces per block forward and
   two backward (all-gather + reduce-scatter pairs with sequence parallelism, arXiv
   2205.05198), on the critical path; full recomputation repeats the forward ones. Under fp8
-  the sequence-parallel all-gather moves fp8 activations (torchao's Float8 tensor parallel).
+  the sequence-parallel all-gather moves fp8 activations (torchao's Float8 tensor parallel)
+  where the input class is in fp8 with tensorwise scales (activations.fp8_input_copy).
   Sequence parallelism gathers each region's input again in backward for its weight
   gradients, hidden behind those matmuls (2205.05198, Sec. 4.2.2). The end stages add the
   embedding's, final norm's and vocabulary-parallel loss's collectives as the runtime
@@ -181,7 +182,7 @@ class StepModel:
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
         self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
                            lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
-                           self.stack, fit.flash2_rate)
+                           self.stack, fit.flash2_rate, lay.fp8_recipe, lay.fp8_tensors)
         self.a = PRECISION_BYTES[lay.precision]
 
     # ------------------------------------------------------------ per-block costs
@@ -203,7 +204,8 @@ class StepModel:
     def _shape_key(self) -> tuple:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, lay.micro_batch, lay.recompute,
-                lay.precision, lay.cp_mode, self.cfg.cluster.gpus_per_node, self.stack.name)
+                lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
+                self.cfg.cluster.gpus_per_node, self.stack.name)
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
         """(compute times, forward comm, backward comm) of one block and micro-batch, before
@@ -217,7 +219,7 @@ class StepModel:
         act = sh.tokens * m.hidden * self.a  # one full-width activation of the micro-batch
         regather = 0.0
         if lay.sequence_parallel:  # fp8: the gathered activation travels as fp8 (torchao)
-            gathered = act / self.a if lay.precision == "fp8" else act
+            gathered = act / self.a if A.fp8_input_copy(lay) else act
             ag = self._coll("all_gather", gathered, self.tp_group)
             tp_one = ag + self._coll("reduce_scatter", act, self.tp_group)
             # each region's input gathered again for its weight gradients (2205.05198,
@@ -515,7 +517,7 @@ class StepModel:
         lay = self.lay
         return A.block_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp,
                                    lay.sequence_parallel, lay.recompute, i, self.stack,
-                                   lay.precision == "fp8", A.ring_kv_heads(self.model, lay))
+                                   A.fp8_input_copy(lay), A.ring_kv_heads(self.model, lay))
 
     def rank_fixed_bytes(self, rank: int, inflight: float) -> float:
         """What pipeline rank `rank` holds besides its blocks: root parameters and their
@@ -552,7 +554,7 @@ class StepModel:
                          if not self.stack.fp8_saved_inputs else
                          A.block_saved_bytes(m, self.shard.tokens, self.a, lay.tp,
                                              lay.sequence_parallel, "none", 0, self.stack,
-                                             lay.precision == "fp8"))
+                                             A.fp8_input_copy(lay)))
         mem = {"params": states["params"], "grads": states["grads"],
                "optimizer": states["master"] + states["optimizer"],
                "activations": int(peak_act), "other": int(self.other_bytes(rank))}

@@ -73,7 +73,8 @@ from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import MESH_AXES, ParallelPlan, device_precision, plan_from_config
+from fivefold.parallel.plan import (MESH_AXES, ParallelPlan, compute_precision,
+                                    device_precision, plan_from_config)
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -144,6 +145,8 @@ class Trainer:
         self.micro_batch = plan.micro_batch
         self.global_tokens = plan.global_batch * m.seq_len
         self.precision = plan.precision
+        # the dtype of everything outside fp8's linears (all of it without fp8)
+        self.compute = compute_precision(plan.precision, rt.device.type)
         self.data = data or prepare_data(cfg, log=self.say)
         torch.manual_seed(cfg.train.seed)
         self.model = parallelize(self._build_model(init_from), plan, self.mesh,
@@ -162,7 +165,7 @@ class Trainer:
         if plan.update == "engine":
             zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
-                                             rt.device, DTYPES[self.precision],
+                                             rt.device, DTYPES[self.compute],
                                              DTYPES[plan.reduce_dtype], zero_pp,
                                              plan.shard_axes, self.expert_axes)
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
@@ -204,9 +207,9 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def autocast(self):
-        if self.precision == "fp32":
+        if self.compute == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.rt.device.type, dtype=DTYPES[self.precision])
+        return torch.autocast(self.rt.device.type, dtype=DTYPES[self.compute])
 
     def micro_batch_loss(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy (fp32) of one micro-batch."""
@@ -214,7 +217,7 @@ class Trainer:
             if self.loss_chunk:
                 return linear_cross_entropy_sum(self.model.hidden_states(tokens_BT),
                                                 self.model.output_weight(), targets_BT,
-                                                self.loss_chunk, DTYPES[self.precision],
+                                                self.loss_chunk, DTYPES[self.compute],
                                                 self.cfg.train.compile)
             logits_BTV = self.model(tokens_BT)
         if self.tp_axis.size > 1:  # this rank's vocabulary columns only
