@@ -159,6 +159,8 @@ class TrainConfig:
     galore_update_gap: int = _doc("GaLore: steps between refreshes of each matrix's gradient "
                                   "subspace (its rank is a quarter of the smaller side)", 200)
     galore_scale: float = _doc("GaLore: scale of the projected-back update", 0.25)
+    galore_svd: str = _doc('GaLore: the subspace refresh by "exact" SVD or "randomized" SVD '
+                           "(GaLore 2, arXiv 2504.20437: cheaper on large matrices)", "exact")
     beta2: float = _doc("AdamW beta2", 0.95)
     eps: float = _doc("AdamW epsilon", 1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", 1.0)

@@ -110,7 +110,7 @@ def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
             optimizers.append(GaLoreAdamW(matrices, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                           eps=cfg.eps, weight_decay=cfg.weight_decay,
                                           update_gap=cfg.galore_update_gap,
-                                          scale=cfg.galore_scale))
+                                          scale=cfg.galore_scale, svd=cfg.galore_svd))
         if rest:
             optimizers.append(torch.optim.AdamW(rest, **adamw))
         return OptimizerPair(*optimizers)

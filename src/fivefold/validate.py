@@ -249,6 +249,7 @@ def validate_train(cfg: Config) -> None:
     _positive("train.checkpoint_minutes", t.checkpoint_minutes)
     _positive("train.galore_update_gap", t.galore_update_gap)
     _positive("train.galore_scale", t.galore_scale)
+    _choice("train.galore_svd", t.galore_svd, ("exact", "randomized"))
     for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",

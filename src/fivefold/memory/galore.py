@@ -9,6 +9,14 @@ moments then take 2 r n instead of 2 m n values, plus the projection; with the p
 rank of a quarter of the smaller side (r = D/4 in its runs) that is 2 bytes per parameter
 for the moments in fp32 (fivefold.planner.memory counts the same, projection included).
 
+The subspace refresh is an exact SVD (`svd = "exact"`, the first paper) or, as GaLore 2 does
+to make refreshes cheap at scale (arXiv 2504.20437, Sec. 3.1), a randomized SVD
+(`svd = "randomized"`: Halko et al.'s range finder with `oversample` extra columns and
+`power_iters` power iterations, torch.svd_lowrank, which costs O(m n (r + p)) instead of
+O(m n min(m, n))). Its random test matrix is drawn from a generator seeded by the matrix's
+index and step, inside a forked RNG, so a run is deterministic, resumes exactly and leaves
+the global RNG untouched.
+
 `GaLoreAdamW` handles the blocks' weight matrices; fivefold.optim pairs it with AdamW
 for the embedding, head and norm gains, as for Muon. Weight decay is decoupled and
 full-rank, as AdamW's. The moments carry over when the projection is refreshed (they are
@@ -27,9 +35,11 @@ def galore_rank(shape: torch.Size | tuple[int, int]) -> int:
 
 class GaLoreAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, update_gap: int, scale: float):
+                 weight_decay: float, update_gap: int, scale: float, svd: str = "exact",
+                 oversample: int = 8, power_iters: int = 2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       update_gap=update_gap, scale=scale))
+        self.svd, self.oversample, self.power_iters = svd, oversample, power_iters
 
     def init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero state of matrix `p` (also what a checkpoint load fills)."""
@@ -53,16 +63,15 @@ class GaLoreAdamW(torch.optim.Optimizer):
             raise ValueError("GaLoreAdamW.step takes no closure")
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
+            for index, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 state = self.init_state(p)
                 grad, left = p.grad.float(), p.shape[0] <= p.shape[1]
                 k = int(state["step"])
                 if k % group["update_gap"] == 0:  # a new subspace from this gradient
-                    u, _, vh = torch.linalg.svd(grad, full_matrices=False)
-                    r = state["proj"].shape[1]
-                    state["proj"].copy_(u[:, :r] if left else vh[:r].T)
+                    state["proj"].copy_(self.subspace(grad, state["proj"].shape[1], left,
+                                                      seed=index * 1_000_003 + k))
                 proj = state["proj"]
                 low = proj.T @ grad if left else grad @ proj
                 k += 1
@@ -75,3 +84,15 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 update = proj @ normalized if left else normalized @ proj.T
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"] * group["scale"])
+
+    def subspace(self, grad: torch.Tensor, r: int, left: bool, seed: int) -> torch.Tensor:
+        """The top-r left (or right) singular vectors of `grad`, exact or randomized."""
+        if self.svd == "exact":
+            u, _, vh = torch.linalg.svd(grad, full_matrices=False)
+            return u[:, :r] if left else vh[:r].T
+        q = min(r + self.oversample, *grad.shape)
+        devices = [grad.device.index or 0] if grad.is_cuda else []
+        with torch.random.fork_rng(devices=devices, device_type=grad.device.type):
+            torch.manual_seed(seed)
+            u, _, v = torch.svd_lowrank(grad, q=q, niter=self.power_iters)
+        return u[:, :r] if left else v[:, :r]
