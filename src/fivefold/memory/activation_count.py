@@ -42,8 +42,7 @@ class SavedActivations:
         self._seen: set[int] = set()
         self._saved: list[weakref.ref] = []  # every saved tensor, for `resident_bytes`
         self.resident_bytes = 0  # at exit: what the saved storages still hold (docstring)
-        self._state = {t.untyped_storage().data_ptr() for t in
-                       [*model.parameters(), *model.buffers()]}
+        self._state = _state_pointers(model)
         self._label = ["root"]
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -56,9 +55,10 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._state:
-            self._saved.append(weakref.ref(t))
-        if ptr not in self._state and ptr not in self._seen:
+        if ptr in self._state:
+            return t
+        self._saved.append(weakref.ref(t))
+        if ptr not in self._seen:
             self._seen.add(ptr)
             self.bytes_by_label[self._label[0]] += storage.nbytes()
         return t
@@ -76,8 +76,7 @@ class SavedActivations:
     def __exit__(self, *exc) -> None:
         self._selective.__exit__(*exc)
         self._hooks.__exit__(*exc)
-        state = {t.untyped_storage().data_ptr() for t in
-                 [*self.model.parameters(), *self.model.buffers()]}
+        state = _state_pointers(self.model)  # ZeRO-3's gathered storages are new ones
         resident = {}
         for t in (ref() for ref in self._saved):
             if t is not None and t.untyped_storage().data_ptr() not in state:
@@ -88,3 +87,8 @@ class SavedActivations:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _state_pointers(model: nn.Module) -> set[int]:
+    """Storage addresses of the model's parameters and buffers as they are now."""
+    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}

@@ -45,56 +45,46 @@ class MemoryProbe:
         self.activations: int | None = None
         self.grads: int | None = None
 
+    @contextlib.contextmanager
     def count_activations(self, model: nn.Module):
-        """Context for the first micro-batch's forward: counts what autograd saves."""
+        """Around the run's first micro-batch's forward: counts what autograd saves (later
+        calls count nothing)."""
         if self.activations is not None:
-            return contextlib.nullcontext()
-        return _Counting(self, model)
+            yield
+            return
+        with SavedActivations(model) as counter:
+            yield
+        self.activations = counter.resident_bytes
 
     def note_grads(self, grads: Iterable[torch.Tensor]) -> None:
         """The plain path's gradients, at the first update (before they are freed)."""
         if self.grads is None:
             self.grads = _unique_bytes(grads)
 
-    def measured(self, model: nn.Module, model_state: dict[str, int],
-                 optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> dict:
-        """`optimizers`: the plain path's torch optimizers (an OptimizerPair's two, or none)."""
-        if model_state:  # the data-parallel engine's record
+    def report(self, model: nn.Module, model_state: dict[str, int],
+               optimizers: Iterable[torch.optim.Optimizer], predicted: dict | None, rank: int,
+               device: torch.device) -> tuple[dict, list[str]]:
+        """(the summary.json entry, the lines printed at the end of the run). `model_state`:
+        the engine's record (empty on the plain path); `optimizers`: the plain path's torch
+        optimizers (an OptimizerPair's two, or none)."""
+        if model_state:
             states = {"params": model_state["params"], "grads": model_state["grads"],
                       "optimizer": model_state["master"] + model_state["optimizer"]}
         else:
             states = {"params": _unique_bytes(model.parameters()), "grads": self.grads or 0,
                       "optimizer": optimizer_state_bytes(optimizers)}
-        return {**states, "activations_per_micro_batch": self.activations,
-                "process_peak": peak_memory_bytes(device)}
-
-    def report(self, measured: dict, predicted: dict | None, rank: int,
-               device: torch.device) -> tuple[dict, list[str]]:
-        """(the summary.json entry, the lines printed at the end of the run)."""
-        mib = 2 ** 20
+        measured = {**states, "activations_per_micro_batch": self.activations,
+                    "process_peak": peak_memory_bytes(device)}
         lines = [f"memory on rank {rank} (MiB, measured / planner):"]
         for key, label in ROWS:
-            got = measured[key]
             want = None if predicted is None else predicted[key]
-            lines.append(f"  {label:36s} {_mib(got, mib):>10s} / {_mib(want, mib)}")
+            lines.append(f"  {label:36s} {_mib(measured[key]):>10s} / {_mib(want)}")
         if predicted and predicted["micro_batches_in_flight"] > 1:
             lines.append(f"  (the pipeline holds up to {predicted['micro_batches_in_flight']} "
                          "micro-batches' activations at its peak)")
         peak = "allocator peak" if device.type == "cuda" else "resident set size, a bound"
-        lines.append(f"  process peak ({peak}) {_mib(measured['process_peak'], mib):>10s}")
+        lines.append(f"  process peak ({peak}) {_mib(measured['process_peak']):>10s}")
         return {"rank": rank, "measured": measured, "predicted": predicted}, lines
-
-
-class _Counting:
-    def __init__(self, probe: MemoryProbe, model: nn.Module):
-        self.probe, self.counter = probe, SavedActivations(model)
-
-    def __enter__(self):
-        self.counter.__enter__()
-
-    def __exit__(self, *exc):
-        self.counter.__exit__(*exc)
-        self.probe.activations = self.counter.resident_bytes
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -107,5 +97,5 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _mib(value: float | None, mib: int) -> str:
-    return "-" if value is None else f"{value / mib:.2f}"
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2 ** 20:.2f}"

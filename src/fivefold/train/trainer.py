@@ -393,7 +393,8 @@ class Trainer:
         """This rank's own torch optimizers, one by one (none under LOMO or the engine)."""
         if self.optimizer is None:
             return []
-        return list(self.optimizer) if isinstance(self.optimizer, OptimizerPair) else [self.optimizer]
+        return list(self.optimizer if isinstance(self.optimizer, OptimizerPair)
+                    else [self.optimizer])
 
     def _shard_tag(self) -> str:
         return shard_tag(self.pp_axis.rank, self.pp_axis.size, self.tp_axis.rank,
@@ -477,9 +478,8 @@ class Trainer:
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
                    "train_time_s": time.perf_counter() - run_start}
         summary["memory"], memory_lines = self.memory.report(
-            self.memory.measured(self.model, self.ledger.model_state_bytes,
-                                 self._torch_optimizers(), self.rt.device), self.predicted_memory, self.rt.rank,
-            self.rt.device)
+            self.model, self.ledger.model_state_bytes, self._torch_optimizers(),
+            self.predicted_memory, self.rt.rank, self.rt.device)
         if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
             self.say("no text sample: sampling runs the whole model on whole sequences, which "
                      "pp > 1 and cp > 1 split")
