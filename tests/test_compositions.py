@@ -45,9 +45,13 @@ def test_tested_configurations_are_accepted_and_their_tests_exist():
 
 # one configuration per refusal row: (world size, overrides) with the pair
 REFUSED = [
+    (1, ["parallel.offload=cpu", "train.optimizer=lomo"]),
+    (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "train.optimizer=lomo"]),
     (2, ["parallel.qwz=true", "parallel.zero_stage=1"]),
     (2, ["parallel.hpz=true", "parallel.zero_stage=2"]),
     (2, ["parallel.qgz=true"]),
+    (1, ["parallel.offload=cpu", "train.optimizer=muon"]),
+    (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "train.optimizer=galore"]),
     (1, ["parallel.precision=fp8", "train.optimizer=lomo"]),
     (1, ["parallel.precision=fp8", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true"]),

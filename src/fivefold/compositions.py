@@ -76,6 +76,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
             "parallel.precision"),
     Feature("fp8", "precision", lambda c, dp: c.parallel.precision == "fp8",
             "parallel.precision"),
+    *(Feature(f"offload={o}", "memory",
+              (lambda o: lambda c, dp: c.parallel.offload == o)(o), "parallel.offload")
+      for o in ("cpu", "nvme")),
     Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
@@ -100,6 +103,10 @@ class Refusal:
 
 # what no command accepts (fivefold.validate.validate: plan and simulate too)
 ANY_USE: list[Refusal] = [
+    *(Refusal(f"offload={o}", ("optimizer=lomo",), "parallel.offload",
+              "LOMO keeps no optimizer state and no master weights (its update is fused into "
+              "backward), so there is nothing to offload: set parallel.offload = 'none', or "
+              "use train.optimizer = 'adamw' with offload") for o in ("cpu", "nvme")),
     Refusal("qwz", ("zero=0", "zero=1", "zero=2"), "parallel.qwz",
             "ZeRO++ weight communication applies to sharded parameters; set "
             "parallel.zero_stage = 3"),
@@ -113,6 +120,11 @@ ANY_USE: list[Refusal] = [
 
 # what `fivefold train` does not run (fivefold.validate.validate_for_training)
 REFUSALS: list[Refusal] = [
+    *(Refusal(f"offload={o}", ("optimizer=muon", "optimizer=galore", "optimizer=sgd",
+                               "schedule=pipedream-2bw"), "parallel.offload",
+              "the offloaded optimizer step is AdamW's on the data-parallel engine's flat "
+              "master weights; use train.optimizer = 'adamw' (and a synchronous schedule) with "
+              "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
     Refusal("fp8", ("optimizer=lomo",), "train.optimizer",
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "

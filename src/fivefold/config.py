@@ -118,6 +118,14 @@ class ParallelConfig:
                                    None)
     global_batch: int = _doc("sequences per optimizer step, all ranks together", 8)
     recompute: str = _doc('"none" | "selective" | "full" activation recomputation', "none")
+    offload: str = _doc('"none" | "cpu" (fp32 master weights and optimizer states in host '
+                        'memory, the optimizer step on the CPU) | "nvme" (optimizer states in '
+                        'files under offload_path, streamed through the CPU step) '
+                        '(ZeRO-Offload / ZeRO-Infinity; docs/memory.md)', "none")
+    offload_path: str | None = _doc('offload = "nvme": a writable directory for the '
+                                    'optimizer-state files (one subdirectory per rank)', None)
+    offload_fraction: float = _doc("share of the optimizer (by parameters, Megatron-style) "
+                                   "that offload moves off the device; in (0, 1]", 1.0)
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, '
                                  'fp32 on CPU; fp8: the blocks\' linears in fp8, the rest in '

@@ -10,6 +10,7 @@ and the fix; nothing here touches torch.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
@@ -18,6 +19,7 @@ from fivefold.config import Config, ConfigError
 CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
 RECOMPUTE = ("none", "selective", "full")
+OFFLOADS = ("none", "cpu", "nvme")  # fivefold.memory.offload
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 FP8_RECIPES = ("tensorwise", "rowwise")  # fivefold.parallel.fp8.recipe
 FP8_TENSORS = ("input", "weight", "grad_output")  # the tensor classes a recipe rounds to fp8
@@ -102,6 +104,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
+    validate_offload(cfg)
     if p.precision is not None:
         _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("parallel.fp8_recipe", p.fp8_recipe, FP8_RECIPES)
@@ -163,6 +166,30 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("parallel.vpp", f"virtual stages need parallel.schedule = "
                                           f"'interleaved', not {p.schedule!r}")
     validate_pipeline(cfg, dp)
+
+
+def validate_offload(cfg: Config) -> None:
+    """`parallel.offload` and its two companions: a known tier, a fraction in (0, 1], and
+    for "nvme" a directory that exists (or can be made) and is writable, checked here so
+    that no rank finds out in its first optimizer step."""
+    p = cfg.parallel
+    _choice("parallel.offload", p.offload, OFFLOADS)
+    if not 0.0 < p.offload_fraction <= 1.0:  # also rejects NaN
+        raise ConfigError("parallel.offload_fraction", f"must lie in (0, 1], got "
+                                                       f"{p.offload_fraction}")
+    if p.offload != "nvme":
+        return
+    if p.offload_path is None:
+        raise ConfigError("parallel.offload_path", "offload = \"nvme\" needs a directory for "
+                                                   "the optimizer-state files; set "
+                                                   "parallel.offload_path")
+    path = Path(p.offload_path)
+    existing = next((q for q in (path, *path.parents) if q.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("parallel.offload_path", f"{p.offload_path!r} is not a writable "
+                                                   "directory (nor can it be created in one); "
+                                                   "give a directory on a local NVMe drive "
+                                                   "that this user can write")
 
 
 def validate_pipeline(cfg: Config, dp: int) -> None:
