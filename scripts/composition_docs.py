@@ -54,6 +54,7 @@ def sched(name: str) -> str:
 
 # test -> the (world size, overrides) it trains; representative layouts of each parity test
 FP8 = "parallel.precision=fp8"
+GALORE, LOMO = "train.optimizer=galore", "train.optimizer=lomo"
 TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_data_parallel.py::test_parity_with_one_process": [
         (2, [z(0), micro(1)]), (2, [z(1), micro(1)]), (2, [z(2), micro(1)]),
@@ -109,6 +110,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_train.py::test_lomo_is_sgd_fused_into_backward": [
         (1, ["train.optimizer=lomo", "train.grad_clip=0"]),
         (1, ["train.optimizer=sgd", "train.grad_clip=0"])],
+    "tests/test_galore_dp.py::test_data_parallel_galore_and_lomo_match_one_process": [
+        (2, [GALORE, z(0)]), (2, [GALORE, z(1)]), (2, [GALORE, z(2), micro(1)]),
+        (4, [GALORE, z(1), micro(1)]), (4, [GALORE, z(2)]), (2, [LOMO]),
+        (2, [LOMO, "train.grad_clip=0"]), (4, [LOMO])],
     "tests/test_reliability.py::test_lomo_skips_before_its_applying_pass": [
         (1, ["train.optimizer=lomo", "train.on_nonfinite=skip"])],
     "tests/test_reliability.py::test_nonfinite_guard_agrees_across_ranks": [

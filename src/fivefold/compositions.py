@@ -202,10 +202,15 @@ REFUSALS: list[Refusal] = [
               "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
               "or weight versions) that recomputation would bypass; use recompute = 'none' "
               "with it, or 1f1b") for r in ("full", "selective")),
-    Refusal("optimizer=galore", (*SPLITS, *SHARDED), "train.optimizer",
-            "GaLore runs on one rank with parallel.zero_stage = 0 (its per-matrix subspaces "
-            "are not built for data-parallel shards or pipeline stages); use 'adamw' or "
-            "'muon' here"),
+    Refusal("optimizer=galore", ("tp>1", "pp>1", "cp>1", "zero=3", "ep>1", "zero_group",
+                                 "qwz", "hpz", "qgz"), "train.optimizer",
+            "GaLore runs with data parallelism at parallel.zero_stage 0, 1 or 2 (every rank "
+            "holds whole matrices, fivefold.memory.galore_dp); tensor, pipeline, context and "
+            "expert splits, ZeRO-3, hierarchical sharding and ZeRO++ are not built for it: "
+            "use dp with zero_stage <= 2, or 'adamw' here"),
+    Refusal("optimizer=galore", ("fp8",), "parallel.precision",
+            "GaLore over several ranks or ZeRO is not built with fp8 linears; use bf16 or fp32, "
+            "or one rank", when=("dp>1",)),
     Refusal("on_nonfinite=skip", ("schedule=pipedream-2bw",), "train.on_nonfinite",
             "PipeDream-2BW updates each stage inside its schedule, before any global norm is "
             "known, so a step cannot be skipped: use 'stop', or a synchronous schedule"),
@@ -213,9 +218,10 @@ REFUSALS: list[Refusal] = [
             "LOMO without clipping applies each gradient inside its only backward, before "
             "the norm is known: set train.grad_clip > 0 (two passes, the first measures) or "
             "use 'stop'", when=("grad_clip=0",)),
-    Refusal("optimizer=lomo", (*SPLITS, *SHARDED), "train.optimizer",
-            "LOMO updates each parameter inside backward and keeps no gradient to reduce: it "
-            "runs on one rank with parallel.zero_stage = 0"),
+    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", *SHARDED), "train.optimizer",
+            "LOMO updates each parameter inside backward, right after its gradient's "
+            "all-reduce over the data-parallel ranks, and keeps no gradient or state to shard: "
+            "it runs with data parallelism only, at parallel.zero_stage = 0"),
     Refusal("optimizer=lomo", ("accumulation",), "parallel.micro_batch",
             "LOMO applies the update during backward, so it cannot accumulate micro-batches: "
             "leave micro_batch unset or set it to {parallel.global_batch}"),

@@ -71,28 +71,49 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 k = int(state["step"])
                 if k % group["update_gap"] == 0:  # a new subspace from this gradient
                     state["proj"].copy_(self.subspace(grad, state["proj"].shape[1], left,
-                                                      seed=index * 1_000_003 + k))
+                                                      seed=refresh_seed(index, k)))
                 proj = state["proj"]
                 low = proj.T @ grad if left else grad @ proj
                 k += 1
                 state["step"].fill_(k)
-                state["exp_avg"].lerp_(low, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(low, low, value=1 - beta2)
-                m_hat = state["exp_avg"] / (1 - beta1 ** k)
-                v_hat = state["exp_avg_sq"] / (1 - beta2 ** k)
-                normalized = m_hat / (v_hat.sqrt() + group["eps"])
+                normalized = adam_direction(state["exp_avg"], state["exp_avg_sq"], low, k,
+                                            beta1, beta2, group["eps"])
                 update = proj @ normalized if left else normalized @ proj.T
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"] * group["scale"])
 
     def subspace(self, grad: torch.Tensor, r: int, left: bool, seed: int) -> torch.Tensor:
         """The top-r left (or right) singular vectors of `grad`, exact or randomized."""
-        if self.svd == "exact":
-            u, _, vh = torch.linalg.svd(grad, full_matrices=False)
-            return u[:, :r] if left else vh[:r].T
-        q = min(r + self.oversample, *grad.shape)
-        devices = [grad.device.index or 0] if grad.is_cuda else []
-        with torch.random.fork_rng(devices=devices, device_type=grad.device.type):
-            torch.manual_seed(seed)
-            u, _, v = torch.svd_lowrank(grad, q=q, niter=self.power_iters)
-        return u[:, :r] if left else v[:, :r]
+        return subspace(grad, r, left, seed, self.svd, self.oversample, self.power_iters)
+
+
+def refresh_seed(index: int, step: int) -> int:
+    """The randomized refresh's seed of matrix `index` (its place among the optimizer's
+    matrices) at step `step`: the same on every rank of a data-parallel run."""
+    return index * 1_000_003 + step
+
+
+def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, low: torch.Tensor, k: int,
+                   beta1: float, beta2: float, eps: float) -> torch.Tensor:
+    """Adam's normalized step of the projected gradient `low` at step `k` (1-based), the
+    moments updated in place (Algorithm 2's Adam in the subspace)."""
+    exp_avg.lerp_(low, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(low, low, value=1 - beta2)
+    m_hat = exp_avg / (1 - beta1 ** k)
+    v_hat = exp_avg_sq / (1 - beta2 ** k)
+    return m_hat / (v_hat.sqrt() + eps)
+
+
+def subspace(grad: torch.Tensor, r: int, left: bool, seed: int, svd: str = "exact",
+             oversample: int = 8, power_iters: int = 2) -> torch.Tensor:
+    """The top-r left (or right) singular vectors of `grad` (m x n), m x r (or n x r), by
+    exact or randomized SVD (module docstring)."""
+    if svd == "exact":
+        u, _, vh = torch.linalg.svd(grad, full_matrices=False)
+        return u[:, :r] if left else vh[:r].T
+    q = min(r + oversample, *grad.shape)
+    devices = [grad.device.index or 0] if grad.is_cuda else []
+    with torch.random.fork_rng(devices=devices, device_type=grad.device.type):
+        torch.manual_seed(seed)
+        u, _, v = torch.svd_lowrank(grad, q=q, niter=power_iters)
+    return u[:, :r] if left else v[:, :r]

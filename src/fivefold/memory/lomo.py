@@ -12,6 +12,15 @@ two-pass clipping), and gradients cannot be accumulated over micro-batches.
 clipping. The arithmetic is exactly torch's `clip_grad_norm_` followed by `torch.optim.SGD`
 without momentum over fivefold's parameter groups (L2 weight decay on matrices, as torch's
 SGD applies it), so a LOMO step equals that step (tests/test_train.py).
+
+With data parallelism (`axis`, the data-parallel ranks) the hook first sums the gradient
+over the ranks (each rank's loss is already divided by the global batch's tokens), then
+measures or applies it: the update follows the gradient's all-reduce, one parameter at a
+time, in backward's order, which is the same on every rank. The two-pass clipping
+all-reduces in both passes (the first pass's norm is the averaged gradient's, so it is
+global and the same on every rank), twice the bytes of one pass; no gradient is kept
+between them. Parameters stay equal on every rank because each applies the same reduced
+gradient (tests/test_galore_dp.py).
 """
 
 from __future__ import annotations
@@ -22,14 +31,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fivefold.comm import collectives as C
 from fivefold.config import TrainConfig
 
 
 class FusedSGD:
     """SGD applied from inside backward, one parameter at a time."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig):
-        self.weight_decay = cfg.weight_decay
+    def __init__(self, model: nn.Module, cfg: TrainConfig, axis: C.Axis | None = None):
+        self.weight_decay, self.axis = cfg.weight_decay, axis
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.index = {id(q): i for i, q in enumerate(self.params)}
         self.norms: dict[int, torch.Tensor] = {}  # parameter index: its gradient's norm
@@ -42,6 +52,8 @@ class FusedSGD:
     def _on_gradient(self, q: torch.Tensor) -> None:
         """The gradient of `q` is complete: measure it, apply it, or both; then drop it."""
         grad, q.grad = q.grad, None
+        if self.axis is not None:  # one copy of the summed gradient on every rank
+            C.all_reduce(grad, self.axis, "grads")
         if self.measure:
             self.norms[self.index[id(q)]] = torch.linalg.vector_norm(grad)
         if self.apply:

@@ -137,14 +137,23 @@ class ParallelPlan:
         """Who owns parameters, gradients and the optimizer step:
         "engine"         fivefold.parallel.data_parallel (DDP / ZeRO, flat units), every
                          layout with more than one rank or a ZeRO stage, pipelines included
+        "galore-dp"      GaLore over data-parallel ranks and ZeRO-1/2
+                         (fivefold.memory.galore_dp)
         "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
-        "lomo"           SGD fused into backward (fivefold.memory.lomo), one rank
+        "lomo"           SGD fused into backward (fivefold.memory.lomo), its gradients
+                         all-reduced over the data-parallel ranks in backward
         "plain"          torch's optimizer on the plain model, one rank: the reference"""
         if self.asynchronous:
             return "pipedream-2bw"
+        data_only = self.tp == self.pp == self.cp == self.ep == 1  # what these two run on
+        if self.optimizer == "lomo" and data_only and self.zero_stage == 0:
+            return "lomo"
+        if self.optimizer == "galore" and data_only and self.zero_stage <= 2 and (
+                self.gpus > 1 or self.zero_stage > 0):
+            return "galore-dp"
         if self.gpus > 1 or self.zero_stage > 0:
             return "engine"
-        return "lomo" if self.optimizer == "lomo" else "plain"
+        return "plain"
 
     @property
     def context_degrees(self) -> tuple[int, int]:
@@ -173,7 +182,7 @@ class ParallelPlan:
         Copies that are equal (dp_replicate, and without ZeRO every data-parallel rank after
         the all-reduce) are not summed."""
         axes = []
-        if self.update == "engine" and self.zero_stage >= 1:
+        if self.update in ("engine", "galore-dp") and self.zero_stage >= 1:
             axes.append(self.shard_axes)
         for axis in ("tp", "pp"):
             if getattr(self, axis) > 1:

@@ -57,6 +57,7 @@ from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
                                                zero3_block_gathers)
+from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 
 # fp8 training communicates in bf16 outside its linears, as on a GPU (on the CPU the
@@ -73,8 +74,10 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
     units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
+    if lay.update in ("galore-dp", "lomo"):  # outside the engine (their own module)
+        return update_path_ledger(cfg, lay)
     ledger = Ledger()
-    if lay.update in ("plain", "lomo"):
+    if lay.update == "plain":
         return ledger  # the plain single-process path: no engine, no collectives
     _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last)).run()
     ledger.model_state_bytes = model_state_bytes(units, lay)

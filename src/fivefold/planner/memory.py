@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from fivefold.config import ModelConfig
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
 from fivefold.planner.params import (block_matrix_shapes, block_params, block_vector_params,
-                                     root_params)
+                                     root_params, total_params)
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0}  # per element; GaLore: Unit
 
@@ -77,6 +77,34 @@ def galore_state_bytes(model: ModelConfig, layer: int, tp: int = 1) -> int:
         r = max(1, a // 4)
         total += 8 * r * b + 4 * a * r
     return total
+
+
+def galore_dp_segment(model: ModelConfig, n: int) -> tuple[int, int]:
+    """(elements of one rank's segment, of which the full-rank parameters' share) of
+    data-parallel GaLore's flat bucket over n shards (fivefold.memory.galore_dp): each block
+    matrix's longer side padded to a multiple of n, the rest flat and padded."""
+    shapes = [s for i in range(model.layers) for s in block_matrix_shapes(model, i)]
+    rest = total_params(model) - sum(a * b for a, b in shapes)
+    rows = sum(math.ceil(max(s) / n) * min(s) for s in shapes)
+    return rows + math.ceil(rest / n), math.ceil(rest / n)
+
+
+def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan) -> dict[str, int]:
+    """{params, grads, master, optimizer, total} of data-parallel GaLore on one rank, as
+    fivefold.memory.galore_dp records them: the whole fp32 model; the gradient bucket
+    (stages 0-1) or its 1/n segment (stage 2); the fp32 shard of the full-rank parameters
+    AdamW steps; the projections (whole, 4 A r), this rank's rows of the projected moments
+    (8 r ceil(B / n)) and AdamW's moments of its shard."""
+    n = lay.dp if lay.zero_stage >= 1 else 1
+    seg, rest_chunk = galore_dp_segment(model, n)
+    shapes = [sorted(s) for i in range(model.layers) for s in block_matrix_shapes(model, i)]
+    low_rank = sum(4 * a * max(1, a // 4) + 8 * math.ceil(b / n) * max(1, a // 4)
+                   for a, b in shapes)
+    params = 4 * total_params(model)
+    grads = 4 * seg * (n if lay.zero_stage <= 1 else 1)
+    master, optimizer = 4 * rest_chunk, low_rank + 8 * rest_chunk
+    return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
+            "total": params + grads + master + optimizer}
 
 
 def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first: bool, last: bool,

@@ -1,7 +1,8 @@
 """What one rank of `fivefold train` holds, predicted: the memory report's planner column.
 
 Model states are fivefold.planner.memory's (the data-parallel engine's flat units, equal to
-what the engine records); on the plain one-rank path the model stays fp32 under autocast and
+what the engine records; data-parallel GaLore's bucket and sharded projected states, equal to
+what fivefold.memory.galore_dp records); on the plain one-rank path the model stays fp32 under autocast and
 torch's optimizer keeps its state per parameter, so the same count is taken at fp32 with no
 master copy. Activations are one micro-batch's saved bytes on this rank (this stage's blocks
 and its share of the root, fivefold.planner.activations), which the trainer measures with
@@ -25,7 +26,7 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
     micro_batches_in_flight} of global rank `rank` under `plan`, in bytes."""
     m = cfg.model
     layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
-    if plan.update == "engine":
+    if plan.update in ("engine", "galore-dp"):
         states = predict_ledger(cfg, plan, rank).model_state_bytes
     else:
         fp32 = plan.replace(precision="fp32")

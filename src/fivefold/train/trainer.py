@@ -78,6 +78,7 @@ from fivefold.parallel.plan import (MESH_AXES, ParallelPlan, compute_precision,
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
+from fivefold.memory.galore_dp import GaLoreDataParallel
 from fivefold.memory.lomo import FusedSGD
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
                                        remove_partials, save_checkpoint, shard_tag)
@@ -160,7 +161,7 @@ class Trainer:
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp,
                                         positions)
-        self.engine, self.optimizer, self.lomo = None, None, None
+        self.engine, self.optimizer, self.lomo, self.galore = None, None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
             zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
@@ -169,7 +170,10 @@ class Trainer:
                                              DTYPES[plan.reduce_dtype], zero_pp,
                                              plan.shard_axes, self.expert_axes)
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
-            self.lomo = FusedSGD(self.model, cfg.train)
+            self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None)
+        elif plan.update == "galore-dp":  # whole matrices on every rank, states sharded
+            self.galore = GaLoreDataParallel(self.model, cfg.train, plan.zero_stage,
+                                             self.dp_axis, self.ledger)
         else:  # plain, or each PipeDream-2BW stage's own
             self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
         self.pipeline = None
@@ -237,17 +241,18 @@ class Trainer:
             grad_norm = torch.tensor(math.nan)
         elif self.lomo:  # one micro-batch (validation), updated during its backward
             inputs, targets = self.train_sampler.rank_batch(step)
-            loss_sum = self.micro_batch_loss(inputs.to(self.rt.device),
-                                             targets.to(self.rt.device))
-            grad_norm = self.lomo.step(loss_sum / self.global_tokens, lr, clip,
+            local_sum = self.micro_batch_loss(inputs.to(self.rt.device),
+                                              targets.to(self.rt.device))
+            loss_sum = local_sum.detach().clone()  # the global loss, before the guard reads it
+            C.all_reduce(loss_sum, self.token_axis, "loss")
+            grad_norm = self.lomo.step(local_sum / self.global_tokens, lr, clip,
                                        lambda norm: self._keep_update(step, loss_sum, norm))
-            loss_sum = loss_sum.detach()
         else:  # the synchronous step: every micro-batch's passes, then one update
             loss_sum = (self.pipeline.forward_backward(step) if self.pipeline else
                         self._accumulate(*self.train_sampler.rank_batch(step)))
             C.all_reduce(loss_sum, self.token_axis, "loss")  # before the update: guarded
             grad_norm = self._update(lr, clip, step, loss_sum)
-        if self.plan.update == "pipedream-2bw" or self.lomo:
+        if self.plan.update == "pipedream-2bw":
             C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
         moe = (moe_step(self.model, self.token_axis, self.cfg.model.moe.bias_update_rate,
@@ -270,6 +275,8 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             if self.engine:
                 self.engine.after_backward()
+            if self.galore:
+                self.galore.after_backward(last=j == n_micro - 1)
             loss_sum += ce_sum.detach()
         return loss_sum
 
@@ -284,6 +291,8 @@ class Trainer:
             counted = counted_masks(self.engine.units, self.tp_axis.rank)
             if self.expert_axes and self.plan.zero_stage == 0:
                 counted = expert_counted_masks(self.engine, self.expert_axes[0].rank)
+        elif self.galore:
+            grads, counted = self.galore.norm_grads()
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -294,16 +303,16 @@ class Trainer:
             counted = None
         grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
         if not self._keep_update(step, loss_sum, grad_norm):
-            if self.engine:
-                self.engine.zero_grad()
+            if self.engine or self.galore:
+                (self.engine or self.galore).zero_grad()
             else:
                 if self.scaler:  # it has unscaled this step's gradients: close the step
                     self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
-        if self.engine:
-            self.engine.step(lr)
-            self.engine.zero_grad()
+        if self.engine or self.galore:
+            (self.engine or self.galore).step(lr)
+            (self.engine or self.galore).zero_grad()
         elif self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -330,6 +339,8 @@ class Trainer:
         if self.engine:
             return first_nonfinite(flat_unit_grads(self.engine.units,
                                                    [m.grad for m in self.engine.masters]))
+        if self.galore:
+            return first_nonfinite(self.galore.named_grads())
         named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
         if self.lomo:  # gradients are gone: their norms, measured in backward, remain
             return first_nonfinite((named[i][0], norm) for i, norm in
@@ -374,7 +385,7 @@ class Trainer:
             meta, extra = load_checkpoint(self.rt, path, state)
             if self.engine:
                 self.engine.after_checkpoint_load()
-            else:
+            elif not self.galore:  # GaLore's state loaded in place with the model
                 set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
                                optim_state_dict=state["optim" + self._shard_tag()])
                 if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
@@ -408,6 +419,8 @@ class Trainer:
         own parameter groups (its parameters and versions keep the whole model's names, so
         the stages' "model" entries together are the whole model's state)."""
         tag = self._shard_tag()
+        if self.galore:
+            return self.galore.checkpoint_state()
         if self.engine:  # with the MoE balancing biases, the same on every rank of a stage
             biases = {f"expert_bias.{name}": moe.expert_bias
                       for name, moe in moe_layers(self.model) if moe.balance_bias}

@@ -1,0 +1,299 @@
+"""GaLore with data parallelism: averaged gradients, projected Adam states sharded (ZeRO-1/2).
+
+GaLore pretrains beyond one device with data parallelism (arXiv 2403.03507, Sec. 5), and
+GaLore 2 (arXiv 2504.20437, Sec. 3) makes it compose with sharded data parallelism (FSDP).
+This is fivefold's data-parallel GaLore (`ParallelPlan.update == "galore-dp"`): every rank
+holds the whole fp32 model, so every block matrix is whole where its subspace is taken,
+and the ZeRO stage says what of the rest is divided over the n dp ranks:
+
+  stage 0   gradients all-reduced; every rank holds every state and does every update
+  stage 1   gradients reduce-scattered; each rank holds 1/n of the projected moments (and of
+            the full-rank parameters' AdamW moments), computes 1/n of the update and the
+            updated weights are all-gathered
+  stage 2   the same, and each micro-batch's gradient is reduce-scattered at once, so only a
+            1/n shard of the gradient outlives a micro-batch's backward
+
+Rows of a matrix shard everything. An m x n block matrix W is seen as T (b x a), a = min(m, n)
+the side GaLore projects (T = W^T when m <= n: the left singular vectors P, m x r; T = W when
+m > n: the right ones, n x r; r = a / 4, fivefold.memory.galore). The projected gradient is
+then T_G P (b x r), row for row, Adam's moments are b x r, and the update is N P^T (b x a),
+row for row again: the rank holding rows [k c, (k + 1) c) of T's gradient (b padded to n c)
+needs nothing else but P to update rows [k c, (k + 1) c) of T. Each rank's segment of one
+flat bucket holds its rows of every matrix, then its 1/n of the full-rank parameters (the
+embedding, norms and head, AdamW's, flat and padded), so a step sends one reduce-scatter of
+the gradients and one all-gather of the updated weights, each 4 bytes per (padded) parameter.
+
+The subspace refresh (every `train.galore_update_gap` steps) takes the SVD of the whole
+averaged gradient: that step all-reduces the bucket instead (twice the bytes of the
+reduce-scatter) and, at stage 2, accumulates its micro-batches' gradients whole first. Each
+rank then takes the SVD of the same bits itself, with the seed of fivefold.memory.galore's
+`refresh_seed` under the randomized refresh, so P is the same on every rank without being
+sent. Reducing the projected gradient P^T G (r / a of the bytes) instead, as the projection
+is linear, is not built: the global gradient norm that clipping and the non-finite guard
+read is the full gradient's.
+
+Clipping sees this rank's segment (its rows and its shard of the rest), the squared norm
+summed over the dp ranks (ParallelPlan.grad_norm_axes); on a refresh step it scales the whole
+averaged bucket and counts only this rank's segment. The arithmetic is GaLoreAdamW's and
+AdamW's (decoupled weight decay on matrices), so a run matches the one-process GaLore run up
+to the order of the gradient sums (tests/test_galore_dp.py).
+
+Not overlapped with backward: the bucket is reduced after the (micro-batch's) backward.
+Every collective goes through fivefold.comm.collectives; the model-state bytes land in the
+ledger: params (the whole fp32 model), grads (the bucket at stages 0-1, the shard at stage 2),
+master (the fp32 shard of the full-rank parameters AdamW steps) and optimizer (projections,
+projected moments, AdamW's moments).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.comm import collectives as C
+from fivefold.comm.ledger import Ledger
+from fivefold.config import TrainConfig
+from fivefold.memory.galore import adam_direction, galore_rank, refresh_seed, subspace
+from fivefold.optim import is_block_matrix
+
+
+@dataclass
+class _Matrix:
+    """One block matrix in the bucket: its rows b (of T), width a, rank r, rows per rank c,
+    and its offset in each rank's segment."""
+
+    name: str
+    param: nn.Parameter
+    left: bool  # m <= n: T = W^T
+    b: int
+    a: int
+    r: int
+    c: int
+    offset: int
+
+    def t_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (m x n, W's shape) seen as T (b x a)."""
+        return tensor.T if self.left else tensor
+
+    def untransposed(self, t: torch.Tensor) -> torch.Tensor:
+        """T-shaped `t` (b x a) seen in W's shape."""
+        return t.T if self.left else t
+
+
+class GaLoreDataParallel:
+    """Owns gradients and optimizer state of a data-parallel GaLore run.
+
+    Per optimizer step: `after_backward(last)` after each micro-batch's backward, clipping of
+    `norm_grads()` (fivefold.parallel.grad_clip), then `step(lr)` and `zero_grad()`."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, stage: int, axis: C.Axis,
+                 ledger: Ledger):
+        self.model, self.cfg, self.stage, self.ledger = model, train, stage, ledger
+        self.axis = axis  # the data-parallel ranks: all-reduce at stage 0, shards at 1-2
+        self.n = axis.size if stage >= 1 else 1
+        self.k = axis.rank if stage >= 1 else 0
+        named = [(name, q) for name, q in model.named_parameters() if q.requires_grad]
+        self.matrices, offset = [], 0
+        for name, q in named:
+            if is_block_matrix(name, q):
+                m, n = q.shape
+                a, b = min(m, n), max(m, n)
+                c = math.ceil(b / self.n)
+                self.matrices.append(_Matrix(name, q, m <= n, b, a, galore_rank(q.shape), c,
+                                             offset))
+                offset += c * a
+        self.rest = [q for name, q in named if not is_block_matrix(name, q)]
+        self.rest_numel = sum(q.numel() for q in self.rest)
+        self.rest_chunk = math.ceil(self.rest_numel / self.n)
+        self.rest_offset = offset
+        self.seg = offset + self.rest_chunk  # elements of one rank's segment
+        device = named[0][1].device
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
+        # persistent gradient storage: the whole bucket (stages 0-1), or this rank's shard
+        self.bucket = zeros(self.n * self.seg) if stage <= 1 else None
+        self.shard = self.bucket.view(self.n, self.seg)[self.k] if stage <= 1 else zeros(self.seg)
+        self.full: torch.Tensor | None = None  # a refresh step's whole averaged bucket
+        self.step_count = torch.zeros(())  # GaLore's step, the same for every matrix
+        self.proj = [zeros(w.a, w.r) for w in self.matrices]
+        self.exp_avg = [zeros(w.c, w.r) for w in self.matrices]
+        self.exp_avg_sq = [zeros(w.c, w.r) for w in self.matrices]
+        # the full-rank parameters: this rank's fp32 shard, stepped by torch's AdamW
+        flat = torch.cat([q.detach().reshape(-1).float() for q in self.rest]) if self.rest \
+            else zeros(0)
+        padded = torch.cat([flat, zeros(self.n * self.rest_chunk - self.rest_numel)])
+        self.rest_master = nn.Parameter(padded.view(self.n, -1)[self.k].clone())
+        self.rest_decay = self._rest_decay_mask(device)
+        self.adamw = torch.optim.AdamW([self.rest_master], lr=train.lr, weight_decay=0.0,
+                                       betas=(train.beta1, train.beta2), eps=train.eps)
+        state = self.adamw.state[self.rest_master]  # created now, so a checkpoint load fills it
+        state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(self.rest_master),
+                     exp_avg_sq=torch.zeros_like(self.rest_master))
+        self.record_model_state()
+
+    def _rest_decay_mask(self, device: torch.device) -> torch.Tensor:
+        """This rank's shard of the full-rank parameters: True where weight decay applies
+        (matrices: the embedding and head; not the norm gains), as fivefold.optim's groups."""
+        flags = [torch.full((q.numel(),), q.dim() >= 2, device=device) for q in self.rest]
+        flat = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
+        pad = torch.zeros(self.n * self.rest_chunk - self.rest_numel, dtype=torch.bool,
+                          device=device)
+        return torch.cat([flat, pad]).view(self.n, -1)[self.k].clone()
+
+    # ------------------------------------------------------------------ gradients
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether this step takes new subspaces (from the whole averaged gradient)."""
+        return int(self.step_count) % self.cfg.galore_update_gap == 0
+
+    def _pack(self, out: torch.Tensor) -> torch.Tensor:
+        """Lay every parameter's gradient into bucket `out` (n x seg: rank k's rows of each
+        matrix, then its share of the full-rank parameters), dropping each .grad as it goes."""
+        rows = out.view(self.n, self.seg)
+        for w in self.matrices:
+            padded = torch.zeros(self.n * w.c, w.a, dtype=out.dtype, device=out.device)
+            padded[:w.b].copy_(w.t_view(w.param.grad))
+            rows[:, w.offset:w.offset + w.c * w.a].copy_(padded.view(self.n, -1))
+            w.param.grad = None
+        if self.rest:
+            flat = torch.zeros(self.n * self.rest_chunk, dtype=out.dtype, device=out.device)
+            torch.cat([q.grad.reshape(-1) for q in self.rest], out=flat[:self.rest_numel])
+            rows[:, self.rest_offset:].copy_(flat.view(self.n, -1))
+            for q in self.rest:
+                q.grad = None
+        return out
+
+    def after_backward(self, last: bool) -> None:
+        """After a micro-batch's backward (`last`: the step's last one): reduce what is due.
+        Stage 2 reduce-scatters every micro-batch into its shard, except on refresh steps;
+        otherwise the gradients accumulate in .grad until the last micro-batch."""
+        per_micro = self.stage == 2 and not self.refreshing
+        if not (last or per_micro):
+            return
+        if self.refreshing:
+            self.full = self._pack(self.bucket if self.bucket is not None
+                                   else torch.empty(self.n * self.seg, device=self.shard.device))
+            C.all_reduce(self.full, self.axis, "grads")
+            return
+        if self.stage == 0:
+            C.all_reduce(self._pack(self.bucket), self.axis, "grads")
+        elif self.stage == 1:
+            C.reduce_scatter(self.shard, self._pack(self.bucket), self.axis, "grads")
+        else:
+            part = torch.empty_like(self.shard)
+            C.reduce_scatter(part, self._pack(torch.empty(self.n * self.seg,
+                                                          device=self.shard.device)),
+                             self.axis, "grads")
+            self.shard += part
+
+    def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
+        """(gradients, counted masks) for clipping: this rank's segment, or on a refresh step
+        the whole averaged bucket, of which this rank counts its own segment."""
+        if self.full is None:
+            return [self.shard], None
+        if self.n == 1:
+            return [self.full], None
+        mask = torch.zeros(self.n, self.seg, dtype=torch.bool, device=self.full.device)
+        mask[self.k] = True
+        return [self.full], [mask.view(-1)]
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, gradient) of this rank's segment, for the non-finite guard's report."""
+        grad = self.full.view(self.n, self.seg)[self.k] if self.full is not None else self.shard
+        out = [(w.name, grad[w.offset:w.offset + w.c * w.a]) for w in self.matrices]
+        return out + [("embedding, norms and head", grad[self.rest_offset:])]
+
+    # ------------------------------------------------------------------ the update
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """GaLore's update of this rank's rows of every matrix (new subspaces first on a
+        refresh step), AdamW on its shard of the rest, then all-gather the new weights."""
+        t = self.cfg
+        k = int(self.step_count)
+        grad = self.full.view(self.n, self.seg)[self.k] if self.full is not None else self.shard
+        send = torch.zeros(self.seg, device=grad.device)
+        for index, w in enumerate(self.matrices):
+            if self.full is not None:
+                whole = self.full.view(self.n, self.seg)[:, w.offset:w.offset + w.c * w.a]
+                g = w.untransposed(whole.reshape(self.n * w.c, w.a)[:w.b])
+                self.proj[index].copy_(subspace(g, w.r, w.left, refresh_seed(index, k),
+                                                t.galore_svd))
+            rows = grad[w.offset:w.offset + w.c * w.a].view(w.c, w.a)
+            normalized = adam_direction(self.exp_avg[index], self.exp_avg_sq[index],
+                                        rows @ self.proj[index], k + 1, t.beta1, t.beta2,
+                                        t.eps)
+            update = normalized @ self.proj[index].T
+            weights = send[w.offset:w.offset + w.c * w.a].view(w.c, w.a)
+            mine = w.t_view(w.param)[self.k * w.c:(self.k + 1) * w.c]
+            weights[:mine.shape[0]].copy_(mine)
+            weights.mul_(1 - lr * t.weight_decay)
+            weights.add_(update, alpha=-lr * t.galore_scale)
+        self.step_count.fill_(k + 1)
+        self.rest_master.grad = grad[self.rest_offset:]
+        self.rest_master.mul_(torch.where(self.rest_decay, 1.0 - lr * t.weight_decay, 1.0))
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        self.rest_master.grad = None
+        send[self.rest_offset:].copy_(self.rest_master)
+        self._publish(send)
+
+    def _publish(self, send: torch.Tensor) -> None:
+        """All-gather every rank's segment of new weights and write them into the model."""
+        gathered = send
+        if self.n > 1:
+            gathered = torch.empty(self.n * self.seg, device=send.device)
+            C.all_gather(gathered, send, self.axis, "params")
+        rows = gathered.view(self.n, self.seg)
+        for w in self.matrices:
+            whole = rows[:, w.offset:w.offset + w.c * w.a].reshape(self.n * w.c, w.a)
+            w.t_view(w.param).copy_(whole[:w.b])
+        flat = rows[:, self.rest_offset:].reshape(-1)
+        start = 0
+        for q in self.rest:
+            q.view(-1).copy_(flat[start:start + q.numel()])
+            start += q.numel()
+
+    def zero_grad(self) -> None:
+        """Forget this step's gradients (after the update, or when the guard skips it)."""
+        self.full = None
+        for q in self.model.parameters():
+            q.grad = None
+        self.shard.zero_()
+        if self.bucket is not None:
+            self.bucket.zero_()
+
+    # ------------------------------------------------------------------ ledger, checkpoints
+
+    def record_model_state(self) -> None:
+        """Bytes of parameters, gradients, master shard and optimizer states on this rank."""
+        params = sum(q.nbytes for q in self.model.parameters())
+        grads = (self.bucket if self.bucket is not None else self.shard).nbytes
+        master = self.rest_master.nbytes
+        state = self.adamw.state[self.rest_master]
+        optimizer = (sum(t.nbytes for t in (*self.proj, *self.exp_avg, *self.exp_avg_sq))
+                     + state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes)
+        self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
+                                         "optimizer": optimizer,
+                                         "total": params + grads + master + optimizer}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Tensors to save and load in place: the model and projections (the same on every
+        rank, one key each) and this rank's shards of the moments (`.shard{k}of{n}`)."""
+        tag = f"shard{self.k}of{self.n}"
+        state = self.adamw.state[self.rest_master]
+        out = {f"model.{name}": q for name, q in self.model.named_parameters()}
+        out["galore.step"] = self.step_count
+        for w, proj, m, v in zip(self.matrices, self.proj, self.exp_avg, self.exp_avg_sq):
+            out[f"galore.proj.{w.name}"] = proj
+            out[f"galore.exp_avg.{w.name}.{tag}"] = m
+            out[f"galore.exp_avg_sq.{w.name}.{tag}"] = v
+        out.update({f"rest.master.{tag}": self.rest_master.data,
+                    f"rest.exp_avg.{tag}": state["exp_avg"],
+                    f"rest.exp_avg_sq.{tag}": state["exp_avg_sq"],
+                    f"rest.step.{tag}": state["step"]})
+        return out
