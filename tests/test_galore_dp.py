@@ -33,6 +33,7 @@ from fivefold.config import load_config
 from fivefold.models.llama import build_model
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.rank_memory import predicted_rank_memory
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
 
@@ -130,7 +131,7 @@ def test_galore_dp_shards_the_projected_states(parity_overrides):
     records: the parity test above compares them exactly) on 4 ranks: the projections
     stay whole, ZeRO-1 keeps a quarter of the projected moments and of the full-rank
     parameters' AdamW moments, ZeRO-2 a quarter of the gradient too, counted here from the
-    model's parameters."""
+    model's parameters; the memory report's planner column takes the same figures."""
     states = {}
     for stage in (0, 1, 2):
         cfg = _config(parity_overrides, [*GALORE, f"parallel.zero_stage={stage}"])
@@ -151,4 +152,7 @@ def test_galore_dp_shards_the_projected_states(parity_overrides):
     assert states[0]["params"] == states[1]["params"] == states[2]["params"] == 4 * total
     assert states[0]["grads"] == states[1]["grads"] == 4 * total
     assert states[2]["grads"] == total
-    assert states[1]["master"] == 4 * rest // 4
+    assert states[1]["master"] == 4 * rest // 4 and states[0]["master"] == 0
+    report = predicted_rank_memory(cfg, plan_from_config(cfg, 4, "fp32"), 0)  # the report's
+    assert (report["params"], report["grads"], report["optimizer"]) == (
+        states[2]["params"], states[2]["grads"], states[2]["master"] + states[2]["optimizer"])

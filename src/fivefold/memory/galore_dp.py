@@ -41,8 +41,9 @@ to the order of the gradient sums (tests/test_galore_dp.py).
 Not overlapped with backward: the bucket is reduced after the (micro-batch's) backward.
 Every collective goes through fivefold.comm.collectives; the model-state bytes land in the
 ledger: params (the whole fp32 model), grads (the bucket at stages 0-1, the shard at stage 2),
-master (the fp32 shard of the full-rank parameters AdamW steps) and optimizer (projections,
-projected moments, AdamW's moments).
+master (the fp32 shard of the full-rank parameters AdamW steps, at stages 1-2; at stage 0
+the parameters are views of it) and optimizer (projections, projected moments, AdamW's
+moments).
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ class GaLoreDataParallel:
             else zeros(0)
         padded = torch.cat([flat, zeros(self.n * self.rest_chunk - self.rest_numel)])
         self.rest_master = nn.Parameter(padded.view(self.n, -1)[self.k].clone())
+        if self.n == 1:  # the shard is all of it: the parameters become views of it
+            start = 0
+            for q in self.rest:
+                q.data = self.rest_master.data[start:start + q.numel()].view_as(q)
+                start += q.numel()
         self.rest_decay = self._rest_decay_mask(device)
         self.adamw = torch.optim.AdamW([self.rest_master], lr=train.lr, weight_decay=0.0,
                                        betas=(train.beta1, train.beta2), eps=train.eps)
@@ -252,6 +258,8 @@ class GaLoreDataParallel:
         for w in self.matrices:
             whole = rows[:, w.offset:w.offset + w.c * w.a].reshape(self.n * w.c, w.a)
             w.t_view(w.param).copy_(whole[:w.b])
+        if self.n == 1:
+            return  # the full-rank parameters are views of the stepped master
         flat = rows[:, self.rest_offset:].reshape(-1)
         start = 0
         for q in self.rest:
@@ -273,7 +281,7 @@ class GaLoreDataParallel:
         """Bytes of parameters, gradients, master shard and optimizer states on this rank."""
         params = sum(q.nbytes for q in self.model.parameters())
         grads = (self.bucket if self.bucket is not None else self.shard).nbytes
-        master = self.rest_master.nbytes
+        master = self.rest_master.nbytes if self.n > 1 else 0  # stage 0: the parameters
         state = self.adamw.state[self.rest_master]
         optimizer = (sum(t.nbytes for t in (*self.proj, *self.exp_avg, *self.exp_avg_sq))
                      + state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes)

@@ -93,7 +93,7 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan) -> dict[str, in
     """{params, grads, master, optimizer, total} of data-parallel GaLore on one rank, as
     fivefold.memory.galore_dp records them: the whole fp32 model; the gradient bucket
     (stages 0-1) or its 1/n segment (stage 2); the fp32 shard of the full-rank parameters
-    AdamW steps; the projections (whole, 4 A r), this rank's rows of the projected moments
+    AdamW steps (stages 1-2); the projections (whole, 4 A r), this rank's rows of the projected moments
     (8 r ceil(B / n)) and AdamW's moments of its shard."""
     n = lay.dp if lay.zero_stage >= 1 else 1
     seg, rest_chunk = galore_dp_segment(model, n)
@@ -102,7 +102,8 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan) -> dict[str, in
                    for a, b in shapes)
     params = 4 * total_params(model)
     grads = 4 * seg * (n if lay.zero_stage <= 1 else 1)
-    master, optimizer = 4 * rest_chunk, low_rank + 8 * rest_chunk
+    master = 4 * rest_chunk if n > 1 else 0  # stage 0: the parameters are the master
+    optimizer = low_rank + 8 * rest_chunk
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer}
 
