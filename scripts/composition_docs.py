@@ -118,7 +118,8 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (1, ["train.optimizer=lomo", "train.on_nonfinite=skip"])],
     "tests/test_reliability.py::test_nonfinite_guard_agrees_across_ranks": [
         (2, [z(1), micro(2), "train.on_nonfinite=skip"]),
-        (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"])],
+        (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"]),
+        (2, [GALORE, z(2), micro(2), "train.on_nonfinite=skip"])],
     "tests/test_restart.py::test_sigkilled_rank_restarts_and_ends_bit_identical": [
         (2, [z(0)])],
     "tests/test_expert_parallel.py::test_ep4_and_ep2_with_zero_stages_match_one_process": [

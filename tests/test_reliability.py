@@ -191,8 +191,9 @@ def _nonfinite_on_ranks(rt: Runtime, sets: list[str], run_dir: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", [["parallel.zero_stage=1"],
-                                    ["parallel.pp=2", "parallel.schedule=1f1b"]],
-                         ids=["zero1-dp2", "pp2-1f1b"])
+                                    ["parallel.pp=2", "parallel.schedule=1f1b"],
+                                    ["train.optimizer=galore", "parallel.zero_stage=2"]],
+                         ids=["zero1-dp2", "pp2-1f1b", "galore-zero2-dp2"])
 def test_nonfinite_guard_agrees_across_ranks(tiny_overrides, tmp_path, layout):
     """2 gloo ranks, a NaN gradient on rank 1 only: under "skip" both ranks drop the update
     (the norm they share is NaN) and keep parameters and optimizer state; under "stop" both

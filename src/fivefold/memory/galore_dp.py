@@ -290,11 +290,12 @@ class GaLoreDataParallel:
                                          "total": params + grads + master + optimizer}
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Tensors to save and load in place: the model and projections (the same on every
-        rank, one key each) and this rank's shards of the moments (`.shard{k}of{n}`)."""
+        """Tensors to save and load in place: the model (parameters and buffers) and the
+        projections (the same on every rank, one key each) and this rank's shards of the
+        moments (`.shard{k}of{n}`)."""
         tag = f"shard{self.k}of{self.n}"
         state = self.adamw.state[self.rest_master]
-        out = {f"model.{name}": q for name, q in self.model.named_parameters()}
+        out = {f"model.{name}": t for name, t in self.model.state_dict().items()}
         out["galore.step"] = self.step_count
         for w, proj, m, v in zip(self.matrices, self.proj, self.exp_avg, self.exp_avg_sq):
             out[f"galore.proj.{w.name}"] = proj

@@ -1,10 +1,10 @@
 """What one rank of `fivefold train` holds, predicted: the memory report's planner column.
 
 Model states are fivefold.planner.memory's (the data-parallel engine's flat units, equal to
-what the engine records; data-parallel GaLore's bucket and sharded projected states, equal to
-what fivefold.memory.galore_dp records); on the plain one-rank path the model stays fp32 under autocast and
-torch's optimizer keeps its state per parameter, so the same count is taken at fp32 with no
-master copy. Activations are one micro-batch's saved bytes on this rank (this stage's blocks
+what the engine records; data-parallel GaLore's bucket and sharded projected states, equal
+to what fivefold.memory.galore_dp records); on the plain one-rank path the model stays fp32
+under autocast and torch's optimizer keeps its state per parameter, so the same count is
+taken at fp32 with no master copy. Activations are one micro-batch's saved bytes on this rank (this stage's blocks
 and its share of the root, fivefold.planner.activations), which the trainer measures with
 saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
 in-flight micro-batches of them, which the report states but does not measure.

@@ -33,6 +33,12 @@ A step whose loss or gradient norm is not finite is skipped or stops the run
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
 
+GaLore with more than one rank or a ZeRO stage (`plan.update == "galore-dp"`) keeps the plain
+model on every rank and hands gradients, clipping's view of them and the step to
+fivefold.memory.galore_dp; LOMO with data parallelism all-reduces each gradient inside its
+fused update (fivefold.memory.lomo), the step's loss summed before backward so that the
+non-finite guard reads the global one.
+
 With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
 experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
 stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
@@ -284,8 +290,8 @@ class Trainer:
                 ) -> torch.Tensor:
         """The synchronous update of every layout: clip the global gradient norm over the
         plan's axes (fivefold.parallel.grad_clip), then, unless the non-finite guard drops
-        the update, step the data-parallel engine or, on one plain rank, torch's optimizer
-        (with the fp16 scaler); return the norm."""
+        the update, step the data-parallel engine, data-parallel GaLore or, on one plain
+        rank, torch's optimizer (with the fp16 scaler); return the norm."""
         if self.engine:
             grads = [master.grad for master in self.engine.masters]
             counted = counted_masks(self.engine.units, self.tp_axis.rank)
@@ -302,17 +308,18 @@ class Trainer:
             self.memory.note_grads(grads)
             counted = None
         grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
+        owner = self.engine or self.galore  # gradients and step not torch's optimizer's
         if not self._keep_update(step, loss_sum, grad_norm):
-            if self.engine or self.galore:
-                (self.engine or self.galore).zero_grad()
+            if owner:
+                owner.zero_grad()
             else:
                 if self.scaler:  # it has unscaled this step's gradients: close the step
                     self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
-        if self.engine or self.galore:
-            (self.engine or self.galore).step(lr)
-            (self.engine or self.galore).zero_grad()
+        if owner:
+            owner.step(lr)
+            owner.zero_grad()
         elif self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
