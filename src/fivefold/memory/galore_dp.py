@@ -8,20 +8,24 @@ and the ZeRO stage says what of the rest is divided over the n dp ranks:
 
   stage 0   gradients all-reduced; every rank holds every state and does every update
   stage 1   gradients reduce-scattered; each rank holds 1/n of the projected moments (and of
-            the full-rank parameters' AdamW moments), computes 1/n of the update and the
-            updated weights are all-gathered
+            the full-rank parameters' AdamW moments), computes 1/n of the low-rank step,
+            and the steps (and the full-rank parameters' new values) are all-gathered
   stage 2   the same, and each micro-batch's gradient is reduce-scattered at once, so only a
             1/n shard of the gradient outlives a micro-batch's backward
 
 Rows of a matrix shard everything. An m x n block matrix W is seen as T (b x a), a = min(m, n)
 the side GaLore projects (T = W^T when m <= n: the left singular vectors P, m x r; T = W when
 m > n: the right ones, n x r; r = a / 4, fivefold.memory.galore). The projected gradient is
-then T_G P (b x r), row for row, Adam's moments are b x r, and the update is N P^T (b x a),
-row for row again: the rank holding rows [k c, (k + 1) c) of T's gradient (b padded to n c)
-needs nothing else but P to update rows [k c, (k + 1) c) of T. Each rank's segment of one
-flat bucket holds its rows of every matrix, then its 1/n of the full-rank parameters (the
-embedding, norms and head, AdamW's, flat and padded), so a step sends one reduce-scatter of
-the gradients and one all-gather of the updated weights, each 4 bytes per (padded) parameter.
+then T_G P (b x r), row for row, Adam's moments are b x r, and so is its normalized step N:
+the rank holding rows [k c, (k + 1) c) of T's gradient (b padded to n c) needs nothing else
+but P to compute rows [k c, (k + 1) c) of N. Each rank's segment of a flat bucket holds its
+rows of every matrix, then its 1/n of the full-rank parameters (the embedding, norms and
+head, AdamW's, flat and padded). A step sends one reduce-scatter of the gradient bucket (4
+bytes per padded parameter) and one all-gather of a bucket of the same layout with r
+columns per matrix: every rank's rows of N, and the new values of the full-rank
+parameters. Each rank then applies the whole update N P^T (b x a) itself, so the all-gather
+moves r / a of a matrix's bytes (a quarter), at the price of every rank computing every
+back-projection.
 
 The subspace refresh (every `train.galore_update_gap` steps) takes the SVD of the whole
 averaged gradient: that step all-reduces the bucket instead (twice the bytes of the
@@ -61,19 +65,69 @@ from fivefold.memory.galore import adam_direction, galore_rank, refresh_seed, su
 from fivefold.optim import is_block_matrix
 
 
+class _Layout:
+    """A flat bucket of n segments, one per rank: segment k holds rows [k c, (k + 1) c) of
+    each matrix's (b x width) tensor (b padded to n c), then the k-th share of the
+    full-rank parameters' flat vector (padded to n shares)."""
+
+    def __init__(self, n: int, shapes: list[tuple[int, int]], rest_numel: int):
+        self.n, self.rest_numel = n, rest_numel
+        self.chunks = [math.ceil(b / n) for b, _ in shapes]  # rows per rank, c
+        self.shapes, self.offsets, offset = shapes, [], 0
+        for (_, width), c in zip(shapes, self.chunks):
+            self.offsets.append(offset)
+            offset += c * width
+        self.rest_chunk = math.ceil(rest_numel / n)
+        self.rest_offset = offset
+        self.seg = offset + self.rest_chunk
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.n * self.seg, device=device)
+
+    def _columns(self, i: int) -> slice:
+        c, width = self.chunks[i], self.shapes[i][1]
+        return slice(self.offsets[i], self.offsets[i] + c * width)
+
+    def pack(self, out: torch.Tensor, matrices: list[torch.Tensor],
+             rest: list[torch.Tensor]) -> torch.Tensor:
+        """Lay the (b x width) `matrices` and the flattened `rest` into bucket `out`."""
+        segments = out.view(self.n, self.seg)
+        for i, t in enumerate(matrices):
+            padded = torch.zeros(self.n * self.chunks[i], t.shape[1], device=out.device)
+            padded[:t.shape[0]].copy_(t)
+            segments[:, self._columns(i)].copy_(padded.view(self.n, -1))
+        flat = torch.zeros(self.n * self.rest_chunk, device=out.device)
+        if rest:
+            torch.cat([t.reshape(-1) for t in rest], out=flat[:self.rest_numel])
+        segments[:, self.rest_offset:].copy_(flat.view(self.n, -1))
+        return out
+
+    def mine(self, segment: torch.Tensor, i: int) -> torch.Tensor:
+        """Matrix i's rows (c x width) in one rank's `segment` (seg elements), a view."""
+        return segment[self._columns(i)].view(self.chunks[i], self.shapes[i][1])
+
+    def whole(self, bucket: torch.Tensor, i: int) -> torch.Tensor:
+        """Matrix i (b x width) from a whole bucket (n x seg elements)."""
+        rows = bucket.view(self.n, self.seg)[:, self._columns(i)]
+        return rows.reshape(self.n * self.chunks[i], -1)[:self.shapes[i][0]]
+
+    def rest_of(self, segment: torch.Tensor) -> torch.Tensor:
+        """The full-rank parameters' share in one rank's `segment`, a view."""
+        return segment[self.rest_offset:]
+
+    def rest_whole(self, bucket: torch.Tensor) -> torch.Tensor:
+        """The full-rank parameters' flat vector from a whole bucket."""
+        return bucket.view(self.n, self.seg)[:, self.rest_offset:].reshape(-1)[:self.rest_numel]
+
+
 @dataclass
 class _Matrix:
-    """One block matrix in the bucket: its rows b (of T), width a, rank r, rows per rank c,
-    and its offset in each rank's segment."""
+    """One block matrix: W (m x n) seen as T (b x a), a the projected side, rank r."""
 
     name: str
     param: nn.Parameter
     left: bool  # m <= n: T = W^T
-    b: int
-    a: int
     r: int
-    c: int
-    offset: int
 
     def t_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (m x n, W's shape) seen as T (b x a)."""
@@ -97,41 +151,37 @@ class GaLoreDataParallel:
         self.n = axis.size if stage >= 1 else 1
         self.k = axis.rank if stage >= 1 else 0
         named = [(name, q) for name, q in model.named_parameters() if q.requires_grad]
-        self.matrices, offset = [], 0
-        for name, q in named:
-            if is_block_matrix(name, q):
-                m, n = q.shape
-                a, b = min(m, n), max(m, n)
-                c = math.ceil(b / self.n)
-                self.matrices.append(_Matrix(name, q, m <= n, b, a, galore_rank(q.shape), c,
-                                             offset))
-                offset += c * a
+        self.matrices = [_Matrix(name, q, q.shape[0] <= q.shape[1], galore_rank(q.shape))
+                         for name, q in named if is_block_matrix(name, q)]
         self.rest = [q for name, q in named if not is_block_matrix(name, q)]
-        self.rest_numel = sum(q.numel() for q in self.rest)
-        self.rest_chunk = math.ceil(self.rest_numel / self.n)
-        self.rest_offset = offset
-        self.seg = offset + self.rest_chunk  # elements of one rank's segment
+        rest_numel = sum(q.numel() for q in self.rest)
+        ta = [(max(w.param.shape), min(w.param.shape)) for w in self.matrices]  # (b, a)
+        self.grads = _Layout(self.n, ta, rest_numel)  # gradients: T's rows
+        self.steps = _Layout(self.n, [(b, w.r) for (b, _), w in zip(ta, self.matrices)],
+                             rest_numel)  # the all-gather: rows of N, new full-rank values
         device = named[0][1].device
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         # persistent gradient storage: the whole bucket (stages 0-1), or this rank's shard
-        self.bucket = zeros(self.n * self.seg) if stage <= 1 else None
-        self.shard = self.bucket.view(self.n, self.seg)[self.k] if stage <= 1 else zeros(self.seg)
+        self.bucket = zeros(self.n * self.grads.seg) if stage <= 1 else None
+        self.shard = (self.bucket.view(self.n, -1)[self.k] if stage <= 1
+                      else zeros(self.grads.seg))
         self.full: torch.Tensor | None = None  # a refresh step's whole averaged bucket
         self.step_count = torch.zeros(())  # GaLore's step, the same for every matrix
-        self.proj = [zeros(w.a, w.r) for w in self.matrices]
-        self.exp_avg = [zeros(w.c, w.r) for w in self.matrices]
-        self.exp_avg_sq = [zeros(w.c, w.r) for w in self.matrices]
+        self.proj = [zeros(a, w.r) for (_, a), w in zip(ta, self.matrices)]
+        self.exp_avg = [zeros(c, w.r) for c, w in zip(self.grads.chunks, self.matrices)]
+        self.exp_avg_sq = [zeros(c, w.r) for c, w in zip(self.grads.chunks, self.matrices)]
         # the full-rank parameters: this rank's fp32 shard, stepped by torch's AdamW
-        flat = torch.cat([q.detach().reshape(-1).float() for q in self.rest]) if self.rest \
-            else zeros(0)
-        padded = torch.cat([flat, zeros(self.n * self.rest_chunk - self.rest_numel)])
+        padded = zeros(self.n * self.grads.rest_chunk)
+        if self.rest:
+            torch.cat([q.detach().reshape(-1).float() for q in self.rest],
+                      out=padded[:rest_numel])
         self.rest_master = nn.Parameter(padded.view(self.n, -1)[self.k].clone())
         if self.n == 1:  # the shard is all of it: the parameters become views of it
             start = 0
             for q in self.rest:
                 q.data = self.rest_master.data[start:start + q.numel()].view_as(q)
                 start += q.numel()
-        self.rest_decay = self._rest_decay_mask(device)
+        self.rest_decay = self._rest_decay_mask(device, rest_numel)
         self.adamw = torch.optim.AdamW([self.rest_master], lr=train.lr, weight_decay=0.0,
                                        betas=(train.beta1, train.beta2), eps=train.eps)
         state = self.adamw.state[self.rest_master]  # created now, so a checkpoint load fills it
@@ -139,14 +189,15 @@ class GaLoreDataParallel:
                      exp_avg_sq=torch.zeros_like(self.rest_master))
         self.record_model_state()
 
-    def _rest_decay_mask(self, device: torch.device) -> torch.Tensor:
+    def _rest_decay_mask(self, device: torch.device, rest_numel: int) -> torch.Tensor:
         """This rank's shard of the full-rank parameters: True where weight decay applies
         (matrices: the embedding and head; not the norm gains), as fivefold.optim's groups."""
-        flags = [torch.full((q.numel(),), q.dim() >= 2, device=device) for q in self.rest]
-        flat = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
-        pad = torch.zeros(self.n * self.rest_chunk - self.rest_numel, dtype=torch.bool,
-                          device=device)
-        return torch.cat([flat, pad]).view(self.n, -1)[self.k].clone()
+        flags = torch.zeros(self.n * self.grads.rest_chunk, dtype=torch.bool, device=device)
+        start = 0
+        for q in self.rest:
+            flags[start:start + q.numel()] = q.dim() >= 2
+            start += q.numel()
+        return flags.view(self.n, -1)[self.k].clone()
 
     # ------------------------------------------------------------------ gradients
 
@@ -156,20 +207,11 @@ class GaLoreDataParallel:
         return int(self.step_count) % self.cfg.galore_update_gap == 0
 
     def _pack(self, out: torch.Tensor) -> torch.Tensor:
-        """Lay every parameter's gradient into bucket `out` (n x seg: rank k's rows of each
-        matrix, then its share of the full-rank parameters), dropping each .grad as it goes."""
-        rows = out.view(self.n, self.seg)
-        for w in self.matrices:
-            padded = torch.zeros(self.n * w.c, w.a, dtype=out.dtype, device=out.device)
-            padded[:w.b].copy_(w.t_view(w.param.grad))
-            rows[:, w.offset:w.offset + w.c * w.a].copy_(padded.view(self.n, -1))
-            w.param.grad = None
-        if self.rest:
-            flat = torch.zeros(self.n * self.rest_chunk, dtype=out.dtype, device=out.device)
-            torch.cat([q.grad.reshape(-1) for q in self.rest], out=flat[:self.rest_numel])
-            rows[:, self.rest_offset:].copy_(flat.view(self.n, -1))
-            for q in self.rest:
-                q.grad = None
+        """Lay every parameter's gradient into gradient bucket `out`, then drop the .grad."""
+        self.grads.pack(out, [w.t_view(w.param.grad) for w in self.matrices],
+                        [q.grad for q in self.rest])
+        for q in self.model.parameters():
+            q.grad = None
         return out
 
     def after_backward(self, last: bool) -> None:
@@ -179,21 +221,23 @@ class GaLoreDataParallel:
         per_micro = self.stage == 2 and not self.refreshing
         if not (last or per_micro):
             return
+        device = self.shard.device
         if self.refreshing:
             self.full = self._pack(self.bucket if self.bucket is not None
-                                   else torch.empty(self.n * self.seg, device=self.shard.device))
+                                   else self.grads.empty(device))
             C.all_reduce(self.full, self.axis, "grads")
-            return
-        if self.stage == 0:
+        elif self.stage == 0:
             C.all_reduce(self._pack(self.bucket), self.axis, "grads")
         elif self.stage == 1:
             C.reduce_scatter(self.shard, self._pack(self.bucket), self.axis, "grads")
         else:
             part = torch.empty_like(self.shard)
-            C.reduce_scatter(part, self._pack(torch.empty(self.n * self.seg,
-                                                          device=self.shard.device)),
-                             self.axis, "grads")
+            C.reduce_scatter(part, self._pack(self.grads.empty(device)), self.axis, "grads")
             self.shard += part
+
+    def _segment(self) -> torch.Tensor:
+        """This rank's segment of the averaged gradient (seg elements)."""
+        return (self.full.view(self.n, -1)[self.k] if self.full is not None else self.shard)
 
     def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
         """(gradients, counted masks) for clipping: this rank's segment, or on a refresh step
@@ -202,66 +246,60 @@ class GaLoreDataParallel:
             return [self.shard], None
         if self.n == 1:
             return [self.full], None
-        mask = torch.zeros(self.n, self.seg, dtype=torch.bool, device=self.full.device)
+        mask = torch.zeros(self.n, self.grads.seg, dtype=torch.bool, device=self.full.device)
         mask[self.k] = True
         return [self.full], [mask.view(-1)]
 
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, gradient) of this rank's segment, for the non-finite guard's report."""
-        grad = self.full.view(self.n, self.seg)[self.k] if self.full is not None else self.shard
-        out = [(w.name, grad[w.offset:w.offset + w.c * w.a]) for w in self.matrices]
-        return out + [("embedding, norms and head", grad[self.rest_offset:])]
+        segment = self._segment()
+        out = [(w.name, self.grads.mine(segment, i)) for i, w in enumerate(self.matrices)]
+        return out + [("embedding, norms and head", self.grads.rest_of(segment))]
 
     # ------------------------------------------------------------------ the update
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """GaLore's update of this rank's rows of every matrix (new subspaces first on a
-        refresh step), AdamW on its shard of the rest, then all-gather the new weights."""
+        """GaLore's normalized step of this rank's rows of every matrix (new subspaces
+        first on a refresh step) and AdamW on its shard of the rest; then every rank's
+        rows and shard are all-gathered and applied (`_apply`)."""
         t = self.cfg
         k = int(self.step_count)
-        grad = self.full.view(self.n, self.seg)[self.k] if self.full is not None else self.shard
-        send = torch.zeros(self.seg, device=grad.device)
-        for index, w in enumerate(self.matrices):
+        segment = self._segment()
+        send = torch.zeros(self.steps.seg, device=segment.device)
+        for i, w in enumerate(self.matrices):
             if self.full is not None:
-                whole = self.full.view(self.n, self.seg)[:, w.offset:w.offset + w.c * w.a]
-                g = w.untransposed(whole.reshape(self.n * w.c, w.a)[:w.b])
-                self.proj[index].copy_(subspace(g, w.r, w.left, refresh_seed(index, k),
-                                                t.galore_svd))
-            rows = grad[w.offset:w.offset + w.c * w.a].view(w.c, w.a)
-            normalized = adam_direction(self.exp_avg[index], self.exp_avg_sq[index],
-                                        rows @ self.proj[index], k + 1, t.beta1, t.beta2,
-                                        t.eps)
-            update = normalized @ self.proj[index].T
-            weights = send[w.offset:w.offset + w.c * w.a].view(w.c, w.a)
-            mine = w.t_view(w.param)[self.k * w.c:(self.k + 1) * w.c]
-            weights[:mine.shape[0]].copy_(mine)
-            weights.mul_(1 - lr * t.weight_decay)
-            weights.add_(update, alpha=-lr * t.galore_scale)
+                g = w.untransposed(self.grads.whole(self.full, i))
+                self.proj[i].copy_(subspace(g, w.r, w.left, refresh_seed(i, k), t.galore_svd))
+            low = self.grads.mine(segment, i) @ self.proj[i]
+            self.steps.mine(send, i).copy_(adam_direction(
+                self.exp_avg[i], self.exp_avg_sq[i], low, k + 1, t.beta1, t.beta2, t.eps))
         self.step_count.fill_(k + 1)
-        self.rest_master.grad = grad[self.rest_offset:]
+        self.rest_master.grad = self.grads.rest_of(segment)
         self.rest_master.mul_(torch.where(self.rest_decay, 1.0 - lr * t.weight_decay, 1.0))
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
         self.rest_master.grad = None
-        send[self.rest_offset:].copy_(self.rest_master)
-        self._publish(send)
-
-    def _publish(self, send: torch.Tensor) -> None:
-        """All-gather every rank's segment of new weights and write them into the model."""
+        self.steps.rest_of(send).copy_(self.rest_master)
         gathered = send
         if self.n > 1:
-            gathered = torch.empty(self.n * self.seg, device=send.device)
+            gathered = self.steps.empty(send.device)
             C.all_gather(gathered, send, self.axis, "params")
-        rows = gathered.view(self.n, self.seg)
-        for w in self.matrices:
-            whole = rows[:, w.offset:w.offset + w.c * w.a].reshape(self.n * w.c, w.a)
-            w.t_view(w.param).copy_(whole[:w.b])
+        self._apply(gathered, lr)
+
+    def _apply(self, gathered: torch.Tensor, lr: float) -> None:
+        """Every matrix: decoupled weight decay, then the projected-back update N P^T
+        (GaLoreAdamW's order); the full-rank parameters take their gathered new values."""
+        t = self.cfg
+        for i, w in enumerate(self.matrices):
+            update = self.steps.whole(gathered, i) @ self.proj[i].T  # b x a
+            weights = w.t_view(w.param)
+            weights.mul_(1 - lr * t.weight_decay)
+            weights.add_(update, alpha=-lr * t.galore_scale)
         if self.n == 1:
             return  # the full-rank parameters are views of the stepped master
-        flat = rows[:, self.rest_offset:].reshape(-1)
-        start = 0
+        flat, start = self.steps.rest_whole(gathered), 0
         for q in self.rest:
             q.view(-1).copy_(flat[start:start + q.numel()])
             start += q.numel()

@@ -5,8 +5,8 @@ GaLore, on a step without subspace refresh (every step but one in `train.galore_
 a refresh step all-reduces the whole bucket instead): at stage 0 one all-reduce of the
 gradient bucket, at stage 1 one reduce-scatter of it, at stage 2 one per micro-batch; at
 stages 1-2 the squared gradient norm's 4-byte all-reduce over the shard axis and one
-all-gather of the updated weights; the bucket is 4 bytes per element of n segments
-(fivefold.planner.memory.galore_dp_segment). LOMO: every parameter's fp32 gradient
+all-gather of the low-rank steps and the full-rank parameters' new values; each bucket is 4
+bytes per element of n segments (fivefold.planner.memory.galore_dp_segment). LOMO: every parameter's fp32 gradient
 all-reduced in backward, in each of its passes (two with clipping). Both all-reduce the
 step's loss (4 bytes) over the data-parallel ranks.
 """
@@ -35,14 +35,14 @@ def update_path_ledger(cfg: Config, lay: ParallelPlan) -> Ledger:
         record("all_reduce", dp, 4 * total_params(cfg.model), "grads", passes)
         return ledger
     n = lay.dp if lay.zero_stage >= 1 else 1
-    bucket = 4 * n * galore_dp_segment(cfg.model, n)[0]
+    grads, steps, _ = (4 * n * seg for seg in galore_dp_segment(cfg.model, n))
     if lay.zero_stage == 0:
-        record("all_reduce", dp, bucket, "grads")
+        record("all_reduce", dp, grads, "grads")
     else:
-        record("reduce_scatter", dp, bucket, "grads",
+        record("reduce_scatter", dp, grads, "grads",
                lay.micro_batches if lay.zero_stage == 2 else 1)
         record("all_reduce", "+".join(lay.shard_axes), 4, "grad_norm")
-        record("all_gather", dp, bucket, "params")
+        record("all_gather", dp, steps, "params")
     record("all_reduce", dp, 4, "loss")
     ledger.model_state_bytes = galore_dp_state_bytes(cfg.model, lay)
     return ledger

@@ -79,14 +79,16 @@ def galore_state_bytes(model: ModelConfig, layer: int, tp: int = 1) -> int:
     return total
 
 
-def galore_dp_segment(model: ModelConfig, n: int) -> tuple[int, int]:
-    """(elements of one rank's segment, of which the full-rank parameters' share) of
-    data-parallel GaLore's flat bucket over n shards (fivefold.memory.galore_dp): each block
-    matrix's longer side padded to a multiple of n, the rest flat and padded."""
-    shapes = [s for i in range(model.layers) for s in block_matrix_shapes(model, i)]
-    rest = total_params(model) - sum(a * b for a, b in shapes)
-    rows = sum(math.ceil(max(s) / n) * min(s) for s in shapes)
-    return rows + math.ceil(rest / n), math.ceil(rest / n)
+def galore_dp_segment(model: ModelConfig, n: int) -> tuple[int, int, int]:
+    """Elements of one rank's segment of data-parallel GaLore's two buckets over n shards
+    (fivefold.memory.galore_dp): the gradients' (each block matrix's longer side B padded to
+    a multiple of n, A columns), the all-gathered steps' (the same rows, r columns), and of
+    the full-rank parameters' share in each (flat, padded)."""
+    shapes = [sorted(s) for i in range(model.layers) for s in block_matrix_shapes(model, i)]
+    rest = math.ceil((total_params(model) - sum(a * b for a, b in shapes)) / n)
+    grads = sum(math.ceil(b / n) * a for a, b in shapes) + rest
+    steps = sum(math.ceil(b / n) * max(1, a // 4) for a, b in shapes) + rest
+    return grads, steps, rest
 
 
 def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan) -> dict[str, int]:
@@ -96,7 +98,7 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan) -> dict[str, in
     AdamW steps (stages 1-2); the projections (whole, 4 A r), this rank's rows of the projected moments
     (8 r ceil(B / n)) and AdamW's moments of its shard."""
     n = lay.dp if lay.zero_stage >= 1 else 1
-    seg, rest_chunk = galore_dp_segment(model, n)
+    seg, _, rest_chunk = galore_dp_segment(model, n)
     shapes = [sorted(s) for i in range(model.layers) for s in block_matrix_shapes(model, i)]
     low_rank = sum(4 * a * max(1, a // 4) + 8 * math.ceil(b / n) * max(1, a // 4)
                    for a, b in shapes)
