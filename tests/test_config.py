@@ -221,6 +221,9 @@ def test_set_on_a_value_not_a_table(tmp_path):
 # ---------------------------------------------------------------- rejected inputs
 
 @pytest.mark.parametrize("overrides, key, fragment", [
+    (["train.optimizer=galore", "train.galore_reduce=projected"], "train.galore_reduce",
+     "set train.grad_clip = 0"),
+    (["train.galore_reduce=sum"], "train.galore_reduce", "is not one of"),
     # structure
     (["model.layer=2"], "model.layer", "unknown key; known keys are preset, layers"),
     (["model.layer=2"], "model.layer", "did you mean layers"),

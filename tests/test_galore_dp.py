@@ -2,8 +2,9 @@
 
 GaLore (fivefold.memory.galore_dp) on 2 ranks at ZeRO-0/1/2 (ZeRO-2 with micro-batches of
 one sequence, so each micro-batch is reduce-scattered; ZeRO-1 also with GaLore 2's
-randomized refresh) and on 4 ranks at ZeRO-1/2, each against the one-process GaLore run of
-the same config; LOMO (fivefold.memory.lomo, its gradient all-reduced in backward) on 2 and
+randomized refresh, and reducing the projected gradient) and on 4 ranks at ZeRO-1/2 (ZeRO-2
+also projected, per micro-batch), each against the one-process GaLore run of the same
+config (without clipping for the projected reduction, which refuses it); LOMO (fivefold.memory.lomo, its gradient all-reduced in backward) on 2 and
 4 ranks, with the two-pass clipping and without clipping, against one-process LOMO.
 
 Tolerance: the parity tests' (tests/test_data_parallel.py): after 5 steps losses rel 2e-5,
@@ -40,6 +41,7 @@ from fivefold.train.trainer import Trainer
 GALORE = ["train.optimizer=galore", "train.galore_update_gap=3"]
 LOMO = ["train.optimizer=lomo", "train.lr=1.0"]
 RANDOMIZED = ["train.galore_svd=randomized", "train.galore_update_gap=5"]  # refresh: step 0
+PROJECTED = ["train.galore_reduce=projected", "train.grad_clip=0"]  # against grad_clip 0
 
 # (label, overrides) per world size: each against the one-process run of the same
 # optimizer settings (`_reference_key`)
@@ -48,10 +50,13 @@ CASES = {
         ("galore zero1", [*GALORE, "parallel.zero_stage=1"]),
         ("galore zero2 micro1", [*GALORE, "parallel.zero_stage=2", "parallel.micro_batch=1"]),
         ("galore zero1 randomized", [*GALORE, *RANDOMIZED, "parallel.zero_stage=1"]),
+        ("galore zero1 projected", [*GALORE, *PROJECTED, "parallel.zero_stage=1"]),
         ("lomo clip", [*LOMO]),
         ("lomo noclip", [*LOMO, "train.grad_clip=0"])],
     4: [("galore zero1 micro1", [*GALORE, "parallel.zero_stage=1", "parallel.micro_batch=1"]),
         ("galore zero2", [*GALORE, "parallel.zero_stage=2"]),
+        ("galore zero2 projected micro1", [*GALORE, *PROJECTED, "parallel.zero_stage=2",
+                                           "parallel.micro_batch=1"]),
         ("lomo clip", [*LOMO])],
 }
 

@@ -170,6 +170,11 @@ class TrainConfig:
     galore_scale: float = _doc("GaLore: scale of the projected-back update", 0.25)
     galore_svd: str = _doc('GaLore: the subspace refresh by "exact" SVD or "randomized" SVD '
                            "(GaLore 2, arXiv 2504.20437: cheaper on large matrices)", "exact")
+    galore_reduce: str = _doc('GaLore with data parallelism: what the ranks reduce on steps '
+                              'without a subspace refresh, the "full" gradient or its '
+                              '"projected" one (a quarter of each matrix\'s bytes; needs '
+                              'grad_clip = 0, and grad_norm is then the projected gradient\'s)',
+                              "full")
     beta2: float = _doc("AdamW beta2", 0.95)
     eps: float = _doc("AdamW epsilon", 1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", 1.0)

@@ -277,6 +277,13 @@ def validate_train(cfg: Config) -> None:
     _positive("train.galore_update_gap", t.galore_update_gap)
     _positive("train.galore_scale", t.galore_scale)
     _choice("train.galore_svd", t.galore_svd, ("exact", "randomized"))
+    _choice("train.galore_reduce", t.galore_reduce, ("full", "projected"))
+    if t.galore_reduce == "projected" and t.grad_clip:
+        raise ConfigError("train.galore_reduce", "'projected' reduces each matrix's projected "
+                                                 "gradient, from which the full gradient's "
+                                                 "global norm cannot be had, so clipping by "
+                                                 "it is not possible: set train.grad_clip = 0 "
+                                                 "or galore_reduce = 'full'")
     for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",

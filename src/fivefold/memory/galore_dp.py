@@ -32,9 +32,15 @@ averaged gradient: that step all-reduces the bucket instead (twice the bytes of 
 reduce-scatter) and, at stage 2, accumulates its micro-batches' gradients whole first. Each
 rank then takes the SVD of the same bits itself, with the seed of fivefold.memory.galore's
 `refresh_seed` under the randomized refresh, so P is the same on every rank without being
-sent. Reducing the projected gradient P^T G (r / a of the bytes) instead, as the projection
-is linear, is not built: the global gradient norm that clipping and the non-finite guard
-read is the full gradient's.
+sent.
+
+`train.galore_reduce = "projected"` reduces, on steps without refresh, each rank's projected
+gradient T_G P instead (the projection is linear, so the sum of the ranks' projections is
+the projection of their sum): the reduce-scatter then carries r / a of each matrix's bytes
+too. The full gradient's global norm is then never formed, so clipping is refused with it
+(validate.py) and the logged norm is that of the projected gradient and the full-rank
+parameters' gradient; a refresh step reduces the whole gradient, takes the subspaces in
+`after_backward` and projects this rank's rows itself.
 
 Clipping sees this rank's segment (its rows and its shard of the rest), the squared norm
 summed over the dp ranks (ParallelPlan.grad_norm_axes); on a refresh step it scales the whole
@@ -43,6 +49,10 @@ AdamW's (decoupled weight decay on matrices), so a run matches the one-process G
 to the order of the gradient sums (tests/test_galore_dp.py).
 
 Not overlapped with backward: the bucket is reduced after the (micro-batch's) backward.
+Autograd accumulates each parameter's local gradient in its own .grad, which is packed into
+the bucket and dropped (the bucket interleaves every matrix's rows by rank, so .grad cannot
+be a view of it, as the engine's are of its flat units): a full local gradient exists from
+a micro-batch's backward until its packing, beside the bucket, and is not in the count below.
 Every collective goes through fivefold.comm.collectives; the model-state bytes land in the
 ledger: params (the whole fp32 model), grads (the bucket at stages 0-1, the shard at stage 2),
 master (the fp32 shard of the full-rank parameters AdamW steps, at stages 1-2; at stage 0
@@ -159,12 +169,16 @@ class GaLoreDataParallel:
         self.grads = _Layout(self.n, ta, rest_numel)  # gradients: T's rows
         self.steps = _Layout(self.n, [(b, w.r) for (b, _), w in zip(ta, self.matrices)],
                              rest_numel)  # the all-gather: rows of N, new full-rank values
+        # what the ranks reduce on steps without refresh: the gradient, or its projection
+        # (train.galore_reduce = "projected": rows of T_G P, the steps' layout)
+        self.projected = train.galore_reduce == "projected"
+        self.reduced = self.steps if self.projected else self.grads
         device = named[0][1].device
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         # persistent gradient storage: the whole bucket (stages 0-1), or this rank's shard
-        self.bucket = zeros(self.n * self.grads.seg) if stage <= 1 else None
+        self.bucket = zeros(self.n * self.reduced.seg) if stage <= 1 else None
         self.shard = (self.bucket.view(self.n, -1)[self.k] if stage <= 1
-                      else zeros(self.grads.seg))
+                      else zeros(self.reduced.seg))
         self.full: torch.Tensor | None = None  # a refresh step's whole averaged bucket
         self.step_count = torch.zeros(())  # GaLore's step, the same for every matrix
         self.proj = [zeros(a, w.r) for (_, a), w in zip(ta, self.matrices)]
@@ -206,13 +220,25 @@ class GaLoreDataParallel:
         """Whether this step takes new subspaces (from the whole averaged gradient)."""
         return int(self.step_count) % self.cfg.galore_update_gap == 0
 
-    def _pack(self, out: torch.Tensor) -> torch.Tensor:
-        """Lay every parameter's gradient into gradient bucket `out`, then drop the .grad."""
-        self.grads.pack(out, [w.t_view(w.param.grad) for w in self.matrices],
-                        [q.grad for q in self.rest])
+    def _pack(self, out: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        """Lay every parameter's gradient (each matrix's projected onto its subspace, in the
+        steps' layout) into bucket `out`, then drop the .grad."""
+        matrices = [w.t_view(w.param.grad) for w in self.matrices]
+        if layout is self.steps:
+            matrices = [t @ proj for t, proj in zip(matrices, self.proj)]
+        layout.pack(out, matrices, [q.grad for q in self.rest])
         for q in self.model.parameters():
             q.grad = None
         return out
+
+    def _refresh(self, full: torch.Tensor) -> None:
+        """New subspaces from the whole averaged gradient bucket `full` (every rank the same,
+        the randomized refresh seeded per matrix and step)."""
+        k = int(self.step_count)
+        for i, w in enumerate(self.matrices):
+            g = w.untransposed(self.grads.whole(full, i))
+            self.proj[i].copy_(subspace(g, w.r, w.left, refresh_seed(i, k),
+                                        self.cfg.galore_svd))
 
     def after_backward(self, last: bool) -> None:
         """After a micro-batch's backward (`last`: the step's last one): reduce what is due.
@@ -223,16 +249,26 @@ class GaLoreDataParallel:
             return
         device = self.shard.device
         if self.refreshing:
-            self.full = self._pack(self.bucket if self.bucket is not None
-                                   else self.grads.empty(device))
-            C.all_reduce(self.full, self.axis, "grads")
+            full = self._pack(self.bucket if self.bucket is not None and not self.projected
+                              else self.grads.empty(device), self.grads)
+            C.all_reduce(full, self.axis, "grads")
+            if not self.projected:
+                self.full = full  # clipped whole, then refreshed from, in `step`
+                return
+            self._refresh(full)  # and this rank's projected rows, from the whole gradient
+            segment = full.view(self.n, -1)[self.k]
+            for i, proj in enumerate(self.proj):
+                self.steps.mine(self.shard, i).copy_(self.grads.mine(segment, i) @ proj)
+            self.steps.rest_of(self.shard).copy_(self.grads.rest_of(segment))
         elif self.stage == 0:
-            C.all_reduce(self._pack(self.bucket), self.axis, "grads")
+            C.all_reduce(self._pack(self.bucket, self.reduced), self.axis, "grads")
         elif self.stage == 1:
-            C.reduce_scatter(self.shard, self._pack(self.bucket), self.axis, "grads")
+            C.reduce_scatter(self.shard, self._pack(self.bucket, self.reduced), self.axis,
+                             "grads")
         else:
             part = torch.empty_like(self.shard)
-            C.reduce_scatter(part, self._pack(self.grads.empty(device)), self.axis, "grads")
+            C.reduce_scatter(part, self._pack(self.reduced.empty(device), self.reduced),
+                             self.axis, "grads")
             self.shard += part
 
     def _segment(self) -> torch.Tensor:
@@ -241,7 +277,8 @@ class GaLoreDataParallel:
 
     def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
         """(gradients, counted masks) for clipping: this rank's segment, or on a refresh step
-        the whole averaged bucket, of which this rank counts its own segment."""
+        the whole averaged bucket, of which this rank counts its own segment. Under
+        "projected" always the segment: its matrices' rows are projected gradients."""
         if self.full is None:
             return [self.shard], None
         if self.n == 1:
@@ -253,8 +290,8 @@ class GaLoreDataParallel:
     def named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, gradient) of this rank's segment, for the non-finite guard's report."""
         segment = self._segment()
-        out = [(w.name, self.grads.mine(segment, i)) for i, w in enumerate(self.matrices)]
-        return out + [("embedding, norms and head", self.grads.rest_of(segment))]
+        out = [(w.name, self.reduced.mine(segment, i)) for i, w in enumerate(self.matrices)]
+        return out + [("embedding, norms and head", self.reduced.rest_of(segment))]
 
     # ------------------------------------------------------------------ the update
 
@@ -267,15 +304,16 @@ class GaLoreDataParallel:
         k = int(self.step_count)
         segment = self._segment()
         send = torch.zeros(self.steps.seg, device=segment.device)
-        for i, w in enumerate(self.matrices):
-            if self.full is not None:
-                g = w.untransposed(self.grads.whole(self.full, i))
-                self.proj[i].copy_(subspace(g, w.r, w.left, refresh_seed(i, k), t.galore_svd))
-            low = self.grads.mine(segment, i) @ self.proj[i]
+        if self.full is not None:
+            self._refresh(self.full)
+        for i in range(len(self.matrices)):
+            low = self.reduced.mine(segment, i)
+            if not self.projected:
+                low = low @ self.proj[i]
             self.steps.mine(send, i).copy_(adam_direction(
                 self.exp_avg[i], self.exp_avg_sq[i], low, k + 1, t.beta1, t.beta2, t.eps))
         self.step_count.fill_(k + 1)
-        self.rest_master.grad = self.grads.rest_of(segment)
+        self.rest_master.grad = self.reduced.rest_of(segment)
         self.rest_master.mul_(torch.where(self.rest_decay, 1.0 - lr * t.weight_decay, 1.0))
         for group in self.adamw.param_groups:
             group["lr"] = lr

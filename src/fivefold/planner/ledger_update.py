@@ -2,13 +2,14 @@
 (fivefold.memory.galore_dp) and LOMO with data parallelism (fivefold.memory.lomo).
 
 GaLore, on a step without subspace refresh (every step but one in `train.galore_update_gap`;
-a refresh step all-reduces the whole bucket instead): at stage 0 one all-reduce of the
-gradient bucket, at stage 1 one reduce-scatter of it, at stage 2 one per micro-batch; at
-stages 1-2 the squared gradient norm's 4-byte all-reduce over the shard axis and one
-all-gather of the low-rank steps and the full-rank parameters' new values; each bucket is 4
-bytes per element of n segments (fivefold.planner.memory.galore_dp_segment). LOMO: every parameter's fp32 gradient
-all-reduced in backward, in each of its passes (two with clipping). Both all-reduce the
-step's loss (4 bytes) over the data-parallel ranks.
+a refresh step all-reduces the whole gradient bucket instead): at stage 0 one all-reduce of
+the gradient bucket (of the projected gradient under `train.galore_reduce = "projected"`),
+at stage 1 one reduce-scatter of it, at stage 2 one per micro-batch; at stages 1-2 the
+squared gradient norm's 4-byte all-reduce over the shard axis and one all-gather of the
+low-rank steps and the full-rank parameters' new values; each bucket is 4 bytes per element
+of n segments (fivefold.planner.memory.galore_dp_segment). LOMO: every parameter's fp32
+gradient all-reduced in backward, in each of its passes (two with clipping). Both
+all-reduce the step's loss (4 bytes) over the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def update_path_ledger(cfg: Config, lay: ParallelPlan) -> Ledger:
         record("all_reduce", dp, 4 * total_params(cfg.model), "grads", passes)
         return ledger
     n = lay.dp if lay.zero_stage >= 1 else 1
+    projected = cfg.train.galore_reduce == "projected"
     grads, steps, _ = (4 * n * seg for seg in galore_dp_segment(cfg.model, n))
+    grads = steps if projected else grads  # the projected gradient has the steps' layout
     if lay.zero_stage == 0:
         record("all_reduce", dp, grads, "grads")
     else:
@@ -44,5 +47,5 @@ def update_path_ledger(cfg: Config, lay: ParallelPlan) -> Ledger:
         record("all_reduce", "+".join(lay.shard_axes), 4, "grad_norm")
         record("all_gather", dp, steps, "params")
     record("all_reduce", dp, 4, "loss")
-    ledger.model_state_bytes = galore_dp_state_bytes(cfg.model, lay)
+    ledger.model_state_bytes = galore_dp_state_bytes(cfg.model, lay, projected)
     return ledger
