@@ -18,9 +18,9 @@ the side GaLore projects (T = W^T when m <= n: the left singular vectors P, m x 
 m > n: the right ones, n x r; r = a / 4, fivefold.memory.galore). The projected gradient is
 then T_G P (b x r), row for row, Adam's moments are b x r, and so is its normalized step N:
 the rank holding rows [k c, (k + 1) c) of T's gradient (b padded to n c) needs nothing else
-but P to compute rows [k c, (k + 1) c) of N. Each rank's segment of a flat bucket holds its
-rows of every matrix, then its 1/n of the full-rank parameters (the embedding, norms and
-head, AdamW's, flat and padded). A step sends one reduce-scatter of the gradient bucket (4
+but P to compute rows [k c, (k + 1) c) of N. Each rank's segment of a flat bucket
+(fivefold.memory.row_bucket) holds its rows of every matrix, then its 1/n of the full-rank
+parameters (the embedding, norms and head, AdamW's, flat and padded). A step sends one reduce-scatter of the gradient bucket (4
 bytes per padded parameter) and one all-gather of a bucket of the same layout with r
 columns per matrix: every rank's rows of N, and the new values of the full-rank
 parameters. Each rank then applies the whole update N P^T (b x a) itself, so the all-gather
@@ -62,7 +62,6 @@ moments).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -72,62 +71,8 @@ from fivefold.comm import collectives as C
 from fivefold.comm.ledger import Ledger
 from fivefold.config import TrainConfig
 from fivefold.memory.galore import adam_direction, galore_rank, refresh_seed, subspace
+from fivefold.memory.row_bucket import RowBucket
 from fivefold.optim import is_block_matrix
-
-
-class _Layout:
-    """A flat bucket of n segments, one per rank: segment k holds rows [k c, (k + 1) c) of
-    each matrix's (b x width) tensor (b padded to n c), then the k-th share of the
-    full-rank parameters' flat vector (padded to n shares)."""
-
-    def __init__(self, n: int, shapes: list[tuple[int, int]], rest_numel: int):
-        self.n, self.rest_numel = n, rest_numel
-        self.chunks = [math.ceil(b / n) for b, _ in shapes]  # rows per rank, c
-        self.shapes, self.offsets, offset = shapes, [], 0
-        for (_, width), c in zip(shapes, self.chunks):
-            self.offsets.append(offset)
-            offset += c * width
-        self.rest_chunk = math.ceil(rest_numel / n)
-        self.rest_offset = offset
-        self.seg = offset + self.rest_chunk
-
-    def empty(self, device: torch.device) -> torch.Tensor:
-        return torch.empty(self.n * self.seg, device=device)
-
-    def _columns(self, i: int) -> slice:
-        c, width = self.chunks[i], self.shapes[i][1]
-        return slice(self.offsets[i], self.offsets[i] + c * width)
-
-    def pack(self, out: torch.Tensor, matrices: list[torch.Tensor],
-             rest: list[torch.Tensor]) -> torch.Tensor:
-        """Lay the (b x width) `matrices` and the flattened `rest` into bucket `out`."""
-        segments = out.view(self.n, self.seg)
-        for i, t in enumerate(matrices):
-            padded = torch.zeros(self.n * self.chunks[i], t.shape[1], device=out.device)
-            padded[:t.shape[0]].copy_(t)
-            segments[:, self._columns(i)].copy_(padded.view(self.n, -1))
-        flat = torch.zeros(self.n * self.rest_chunk, device=out.device)
-        if rest:
-            torch.cat([t.reshape(-1) for t in rest], out=flat[:self.rest_numel])
-        segments[:, self.rest_offset:].copy_(flat.view(self.n, -1))
-        return out
-
-    def mine(self, segment: torch.Tensor, i: int) -> torch.Tensor:
-        """Matrix i's rows (c x width) in one rank's `segment` (seg elements), a view."""
-        return segment[self._columns(i)].view(self.chunks[i], self.shapes[i][1])
-
-    def whole(self, bucket: torch.Tensor, i: int) -> torch.Tensor:
-        """Matrix i (b x width) from a whole bucket (n x seg elements)."""
-        rows = bucket.view(self.n, self.seg)[:, self._columns(i)]
-        return rows.reshape(self.n * self.chunks[i], -1)[:self.shapes[i][0]]
-
-    def rest_of(self, segment: torch.Tensor) -> torch.Tensor:
-        """The full-rank parameters' share in one rank's `segment`, a view."""
-        return segment[self.rest_offset:]
-
-    def rest_whole(self, bucket: torch.Tensor) -> torch.Tensor:
-        """The full-rank parameters' flat vector from a whole bucket."""
-        return bucket.view(self.n, self.seg)[:, self.rest_offset:].reshape(-1)[:self.rest_numel]
 
 
 @dataclass
@@ -166,8 +111,8 @@ class GaLoreDataParallel:
         self.rest = [q for name, q in named if not is_block_matrix(name, q)]
         rest_numel = sum(q.numel() for q in self.rest)
         ta = [(max(w.param.shape), min(w.param.shape)) for w in self.matrices]  # (b, a)
-        self.grads = _Layout(self.n, ta, rest_numel)  # gradients: T's rows
-        self.steps = _Layout(self.n, [(b, w.r) for (b, _), w in zip(ta, self.matrices)],
+        self.grads = RowBucket(self.n, ta, rest_numel)  # gradients: T's rows
+        self.steps = RowBucket(self.n, [(b, w.r) for (b, _), w in zip(ta, self.matrices)],
                              rest_numel)  # the all-gather: rows of N, new full-rank values
         # what the ranks reduce on steps without refresh: the gradient, or its projection
         # (train.galore_reduce = "projected": rows of T_G P, the steps' layout)
@@ -220,7 +165,7 @@ class GaLoreDataParallel:
         """Whether this step takes new subspaces (from the whole averaged gradient)."""
         return int(self.step_count) % self.cfg.galore_update_gap == 0
 
-    def _pack(self, out: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    def _pack(self, out: torch.Tensor, layout: RowBucket) -> torch.Tensor:
         """Lay every parameter's gradient (each matrix's projected onto its subspace, in the
         steps' layout) into bucket `out`, then drop the .grad."""
         matrices = [w.t_view(w.param.grad) for w in self.matrices]
