@@ -31,6 +31,7 @@ from parity import (CPU, STEPS, assert_params_close, full_parameters, resumed_lo
                     train_steps)
 
 from fivefold.config import load_config
+from fivefold.memory.row_bucket import RowBucket
 from fivefold.models.llama import build_model
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.ledger_model import predict_ledger
@@ -42,6 +43,7 @@ GALORE = ["train.optimizer=galore", "train.galore_update_gap=3"]
 LOMO = ["train.optimizer=lomo", "train.lr=1.0"]
 RANDOMIZED = ["train.galore_svd=randomized", "train.galore_update_gap=5"]  # refresh: step 0
 PROJECTED = ["train.galore_reduce=projected", "train.grad_clip=0"]  # against grad_clip 0
+ODD_FFN = "model.ffn_hidden=90"  # the MLP's 90 rows: 23 per rank on 4 ranks, 2 padding rows
 
 # (label, overrides) per world size: each against the one-process run of the same
 # optimizer settings (`_reference_key`)
@@ -57,13 +59,14 @@ CASES = {
         ("galore zero2", [*GALORE, "parallel.zero_stage=2"]),
         ("galore zero2 projected micro1", [*GALORE, *PROJECTED, "parallel.zero_stage=2",
                                            "parallel.micro_batch=1"]),
+        ("galore zero1 padded rows", [*GALORE, "parallel.zero_stage=1", ODD_FFN]),
         ("lomo clip", [*LOMO])],
 }
 
 
 def _reference_key(sets: list[str]) -> tuple[str, ...]:
-    """The optimizer settings of a case (what its one-process reference runs)."""
-    return tuple(s for s in sets if s.startswith("train."))
+    """The model and optimizer settings of a case (what its one-process reference runs)."""
+    return tuple(s for s in sets if s.startswith(("train.", "model.")))
 
 
 def _config(overrides: list[str], sets) -> object:
@@ -92,15 +95,16 @@ def _runs(rt, overrides, cases, tmp):
 
 @pytest.fixture(scope="module")
 def references(parity_overrides, tmp_path_factory):
-    """The one-process runs of every optimizer setting the cases use, and the initial
+    """Per model and optimizer setting of the cases: the one-process run and the initial
     parameters."""
     keys = {_reference_key(sets) for cases in CASES.values() for _, sets in cases}
-    refs = {key: train_steps(CPU, _config(parity_overrides, list(key)),
-                             tmp_path_factory.mktemp("ref")) for key in keys}
-    cfg = _config(parity_overrides, [])
-    initial = {n: q.detach().clone() for n, q in
-               build_model(cfg.model, cfg.train.seed, torch.device("cpu")).named_parameters()}
-    return refs, initial
+    refs = {}
+    for key in keys:
+        cfg = _config(parity_overrides, list(key))
+        model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+        refs[key] = (train_steps(CPU, cfg, tmp_path_factory.mktemp("ref")),
+                     {n: q.detach().clone() for n, q in model.named_parameters()})
+    return refs
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -110,11 +114,10 @@ def test_data_parallel_galore_and_lomo_match_one_process(world, parity_overrides
     tolerances); every rank's parameters equal; the last step's collectives and model-state
     bytes equal the planner's prediction exactly; a GaLore ZeRO-1 run resumed from its
     step-2 checkpoint continues bit-identically."""
-    refs, initial = references
     results = run_on_ranks(_runs, world, parity_overrides, CASES[world], str(tmp_path),
                            timeout_s=600)
     for k, (label, sets) in enumerate(CASES[world]):
-        ref = refs[_reference_key(sets)]
+        ref, initial = references[_reference_key(sets)]
         losses, params = results[0][0][k][:2]
         lomo = "lomo" in label
         atol, rtol = (1e-6, 1e-5) if lomo else (1e-5, 1e-4)
@@ -161,3 +164,26 @@ def test_galore_dp_shards_the_projected_states(parity_overrides):
     report = predicted_rank_memory(cfg, plan_from_config(cfg, 4, "fp32"), 0)  # the report's
     assert (report["params"], report["grads"], report["optimizer"]) == (
         states[2]["params"], states[2]["grads"], states[2]["master"] + states[2]["optimizer"])
+
+
+def test_row_bucket_lays_out_uneven_rows_and_shares():
+    """RowBucket on 3 ranks with rows and a flat vector that do not divide by 3: each
+    rank's segment holds its rows and share in order, padding is zero, and `whole` and
+    `rest_whole` give back exactly what was packed."""
+    bucket = RowBucket(3, [(7, 2), (4, 5)], rest_numel=10)
+    assert bucket.chunks == [3, 2] and bucket.rest_chunk == 4
+    assert bucket.seg == 3 * 2 + 2 * 5 + 4
+    a, b = torch.randn(7, 2), torch.randn(4, 5)
+    rest = [torch.randn(2, 3), torch.randn(4)]
+    flat = bucket.pack(bucket.empty(torch.device("cpu")), [a, b], rest)
+    segments = flat.view(3, -1)
+    torch.testing.assert_close(bucket.mine(segments[1], 0), a[3:6], rtol=0, atol=0)
+    torch.testing.assert_close(bucket.mine(segments[2], 0)[:1], a[6:], rtol=0, atol=0)
+    assert not bucket.mine(segments[2], 0)[1:].any() and not bucket.mine(segments[2], 1).any()
+    torch.testing.assert_close(bucket.mine(segments[1], 1), b[2:], rtol=0, atol=0)
+    whole_rest = torch.cat([t.reshape(-1) for t in rest])
+    torch.testing.assert_close(bucket.rest_of(segments[2])[:2], whole_rest[8:], rtol=0, atol=0)
+    assert not bucket.rest_of(segments[2])[2:].any()
+    torch.testing.assert_close(bucket.whole(flat, 0), a, rtol=0, atol=0)
+    torch.testing.assert_close(bucket.whole(flat, 1), b, rtol=0, atol=0)
+    torch.testing.assert_close(bucket.rest_whole(flat), whole_rest, rtol=0, atol=0)
