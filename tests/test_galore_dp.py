@@ -3,9 +3,11 @@
 GaLore (fivefold.memory.galore_dp) on 2 ranks at ZeRO-0/1/2 (ZeRO-2 with micro-batches of
 one sequence, so each micro-batch is reduce-scattered; ZeRO-1 also with GaLore 2's
 randomized refresh, and reducing the projected gradient) and on 4 ranks at ZeRO-1/2 (ZeRO-2
-also projected, per micro-batch), each against the one-process GaLore run of the same
-config (without clipping for the projected reduction, which refuses it); LOMO (fivefold.memory.lomo, its gradient all-reduced in backward) on 2 and
-4 ranks, with the two-pass clipping and without clipping, against one-process LOMO.
+also projected, per micro-batch; ZeRO-1 also with an MLP of 90 rows, 2 of them padding on
+the last rank), each against the one-process GaLore run of the same config
+(without clipping for the projected reduction, which refuses it); LOMO
+(fivefold.memory.lomo, its gradient all-reduced in backward) on 2 and 4 ranks, with the
+two-pass clipping and without clipping, against one-process LOMO.
 
 Tolerance: the parity tests' (tests/test_data_parallel.py): after 5 steps losses rel 2e-5,
 parameters atol 1e-5 + rtol 1e-4. The layouts sum gradients in another order; GaLore then

@@ -20,12 +20,12 @@ then T_G P (b x r), row for row, Adam's moments are b x r, and so is its normali
 the rank holding rows [k c, (k + 1) c) of T's gradient (b padded to n c) needs nothing else
 but P to compute rows [k c, (k + 1) c) of N. Each rank's segment of a flat bucket
 (fivefold.memory.row_bucket) holds its rows of every matrix, then its 1/n of the full-rank
-parameters (the embedding, norms and head, AdamW's, flat and padded). A step sends one reduce-scatter of the gradient bucket (4
-bytes per padded parameter) and one all-gather of a bucket of the same layout with r
-columns per matrix: every rank's rows of N, and the new values of the full-rank
-parameters. Each rank then applies the whole update N P^T (b x a) itself, so the all-gather
-moves r / a of a matrix's bytes (a quarter), at the price of every rank computing every
-back-projection.
+parameters (the embedding, norms and head, AdamW's, flat and padded). A step sends one
+reduce-scatter of the gradient bucket (4 bytes per padded parameter) and one all-gather of a
+bucket of the same layout with r columns per matrix: every rank's rows of N, and the new
+values of the full-rank parameters. Each rank then applies the whole update N P^T (b x a)
+itself, so the all-gather moves r / a of a matrix's bytes (a quarter), at the price of every
+rank computing every back-projection.
 
 The subspace refresh (every `train.galore_update_gap` steps) takes the SVD of the whole
 averaged gradient: that step all-reduces the bucket instead (twice the bytes of the
@@ -113,7 +113,7 @@ class GaLoreDataParallel:
         ta = [(max(w.param.shape), min(w.param.shape)) for w in self.matrices]  # (b, a)
         self.grads = RowBucket(self.n, ta, rest_numel)  # gradients: T's rows
         self.steps = RowBucket(self.n, [(b, w.r) for (b, _), w in zip(ta, self.matrices)],
-                             rest_numel)  # the all-gather: rows of N, new full-rank values
+                               rest_numel)  # the all-gather: rows of N, new full-rank values
         # what the ranks reduce on steps without refresh: the gradient, or its projection
         # (train.galore_reduce = "projected": rows of T_G P, the steps' layout)
         self.projected = train.galore_reduce == "projected"

@@ -96,9 +96,9 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan, projected: bool
     """{params, grads, master, optimizer, total} of data-parallel GaLore on one rank, as
     fivefold.memory.galore_dp records them: the whole fp32 model; the gradient bucket
     (stages 0-1) or its 1/n segment (stage 2), of the projected gradient with `projected`
-    (train.galore_reduce); the fp32 shard of the full-rank parameters
-    AdamW steps (stages 1-2); the projections (whole, 4 A r), this rank's rows of the projected moments
-    (8 r ceil(B / n)) and AdamW's moments of its shard."""
+    (train.galore_reduce); the fp32 shard of the full-rank parameters AdamW steps (stages
+    1-2); the projections (whole, 4 A r), this rank's rows of the projected moments (8 r
+    ceil(B / n)) and AdamW's moments of its shard."""
     n = lay.dp if lay.zero_stage >= 1 else 1
     grads_seg, steps_seg, rest_chunk = galore_dp_segment(model, n)
     seg = steps_seg if projected else grads_seg  # what is reduced and kept
