@@ -112,6 +112,7 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (1, ["train.optimizer=sgd", "train.grad_clip=0"])],
     "tests/test_galore_dp.py::test_data_parallel_galore_and_lomo_match_one_process": [
         (2, [GALORE, z(0)]), (2, [GALORE, z(1)]), (2, [GALORE, z(2), micro(1)]),
+        (2, [GALORE, z(2), *MOE]),
         (4, [GALORE, z(1), micro(1)]), (4, [GALORE, z(2)]), (2, [LOMO]),
         (2, [LOMO, "train.grad_clip=0"]), (4, [LOMO])],
     "tests/test_reliability.py::test_lomo_skips_before_its_applying_pass": [
