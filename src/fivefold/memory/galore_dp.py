@@ -29,10 +29,11 @@ rank computing every back-projection.
 
 The subspace refresh (every `train.galore_update_gap` steps) takes the SVD of the whole
 averaged gradient: that step all-reduces the bucket instead (twice the bytes of the
-reduce-scatter) and, at stage 2, accumulates its micro-batches' gradients whole first. Each
-rank then takes the SVD of the same bits itself, with the seed of fivefold.memory.galore's
-`refresh_seed` under the randomized refresh, so P is the same on every rank without being
-sent.
+reduce-scatter) and, at stage 2, accumulates its micro-batches' gradients whole first. The
+SVDs, the refresh's cost that GaLore 2 sets out to cut, are divided over the dp ranks: rank
+i mod n takes matrix i's (with fivefold.memory.galore's `refresh_seed` under the randomized
+refresh, so a run is deterministic and matches one process) and broadcasts its projection,
+4 A r bytes per matrix on refresh steps only, so every rank holds the same P.
 
 `train.galore_reduce = "projected"` reduces, on steps without refresh, each rank's projected
 gradient T_G P instead (the projection is linear, so the sum of the ranks' projections is
@@ -177,13 +178,17 @@ class GaLoreDataParallel:
         return out
 
     def _refresh(self, full: torch.Tensor) -> None:
-        """New subspaces from the whole averaged gradient bucket `full` (every rank the same,
-        the randomized refresh seeded per matrix and step)."""
-        k = int(self.step_count)
+        """New subspaces from the whole averaged gradient bucket `full`: dp rank i mod n takes
+        matrix i's SVD (the randomized refresh seeded per matrix and step), all of its own
+        first, then each projection is broadcast from its rank, in order."""
+        k, ranks, me = int(self.step_count), self.axis.size, self.axis.rank
         for i, w in enumerate(self.matrices):
-            g = w.untransposed(self.grads.whole(full, i))
-            self.proj[i].copy_(subspace(g, w.r, w.left, refresh_seed(i, k),
-                                        self.cfg.galore_svd))
+            if i % ranks == me:
+                g = w.untransposed(self.grads.whole(full, i))
+                self.proj[i].copy_(subspace(g, w.r, w.left, refresh_seed(i, k),
+                                            self.cfg.galore_svd))
+        for i, proj in enumerate(self.proj):
+            C.broadcast(proj, self.axis, i % ranks, "galore_subspace")
 
     def after_backward(self, last: bool) -> None:
         """After a micro-batch's backward (`last`: the step's last one): reduce what is due.

@@ -2,7 +2,8 @@
 (fivefold.memory.galore_dp) and LOMO with data parallelism (fivefold.memory.lomo).
 
 GaLore, on a step without subspace refresh (every step but one in `train.galore_update_gap`;
-a refresh step all-reduces the whole gradient bucket instead): at stage 0 one all-reduce of
+a refresh step all-reduces the whole gradient bucket instead and broadcasts each matrix's
+new projection from the rank that took its SVD): at stage 0 one all-reduce of
 the gradient bucket (of the projected gradient under `train.galore_reduce = "projected"`),
 at stage 1 one reduce-scatter of it, at stage 2 one per micro-batch; at stages 1-2 the
 squared gradient norm's 4-byte all-reduce over the shard axis and one all-gather of the
