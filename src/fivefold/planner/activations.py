@@ -87,7 +87,7 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         w2_saved = a * D if moe or model.ffn_type == "swiglu" else 0.0  # 7th matmul, not 6th
         per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + w2_saved
     else:
-        norms = 2 * ((4 + a) * D + 4)
+        norms = 2 * ((4 + a) * D + (4 / tp if sp else 4))  # SP: rsqrt of 1/tp of the tokens
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
         attention = a * D + qkv_out + 4 * heads + a * hd
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D, moe)
@@ -150,14 +150,23 @@ def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
 
 
 def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
-                     first: bool = True, last: bool = True, stack: Stack = FIVEFOLD) -> float:
+                     first: bool = True, last: bool = True, stack: Stack = FIVEFOLD,
+                     sp: bool = False) -> float:
     """Bytes saved outside the blocks: token ids; final norm, head input, loss (its fp32
     log-softmax unless the stack's fused loss keeps only its logits buffer, which the
-    simulator counts with the loss's other bytes)."""
+    simulator counts with the loss's other bytes). Under sequence parallelism the final norm
+    runs on this rank's 1/tp of the tokens and the head saves its all-gathered input. With
+    tp > 1 the vocabulary-parallel embedding and loss each keep a bool mask per token
+    (fivefold.parallel.tensor, fivefold.parallel.vocab_parallel_loss) and the loss no fp32
+    scalar; one process's cross-entropy keeps its 4-byte total weight."""
     a = act_bytes
     n = 8 * tokens if first else 0.0
+    if first and tp > 1:
+        n += tokens  # the embedding's out-of-shard mask
     if last:
         D = model.hidden
         logp = 4 * model.vocab / tp if stack.loss_saves_fp32 else 0.0
-        n += tokens * ((4 + a) * D + 4 + a * D + logp + 8) + 4
+        norm = ((4 + a) * D + 4) / (tp if sp else 1)
+        n += tokens * (norm + a * D + logp + 8)
+        n += tokens if tp > 1 else 4  # the loss's target mask, or its total weight
     return n
