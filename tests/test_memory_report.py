@@ -54,3 +54,12 @@ def test_zero3_tp_run_reports_each_ranks_memory(tiny_overrides, tmp_path):
     for rank, memory in enumerate(memories):
         assert memory["rank"] == rank
         _check(memory, f"rank {rank}")
+
+
+def test_moe_run_reports_its_memory(tiny_overrides, tmp_path):
+    """A dropless MoE model with a shared expert and both auxiliary losses: the router,
+    dispatch, grouped expert matmuls and combine save what the planner counts, to the byte."""
+    sets = tiny_overrides + ["train.steps=2", "train.sample_tokens=0", "model.moe.experts=4",
+                             "model.moe.expert_ffn_hidden=128", "model.moe.shared_experts=1",
+                             "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]
+    _check(_run(CPU, sets, tmp_path), "moe")
