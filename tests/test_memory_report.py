@@ -24,8 +24,7 @@ def _check(memory: dict, label: str) -> None:
     got, want = memory["measured"], memory["predicted"]
     for key in STATES:
         assert got[key] == want[key], (label, key, got[key], want[key])
-    assert got["activations_per_micro_batch"] == pytest.approx(
-        want["activations_per_micro_batch"], rel=0.05), label
+    assert got["activations_per_micro_batch"] == want["activations_per_micro_batch"], label
     assert got["process_peak"] > got["params"], label
 
 
@@ -48,9 +47,19 @@ def test_default_run_reports_its_memory(tiny_overrides, tmp_path, capsys):
 
 def test_zero3_tp_run_reports_each_ranks_memory(tiny_overrides, tmp_path):
     sets = tiny_overrides + ["train.steps=2", "train.sample_tokens=0", "parallel.tp=2",
-                             "parallel.zero_stage=3", "parallel.micro_batch=1"]
+                             "parallel.sequence_parallel=true", "parallel.zero_stage=3",
+                             "parallel.micro_batch=1"]
     prepare_data(load_config(None, sets))  # once, in this process
     memories = run_on_ranks(_run, 4, sets, str(tmp_path), timeout_s=300)
     for rank, memory in enumerate(memories):
         assert memory["rank"] == rank
         _check(memory, f"rank {rank}")
+
+
+def test_moe_run_reports_its_memory(tiny_overrides, tmp_path):
+    """A dropless MoE model with a shared expert and both auxiliary losses: the router,
+    dispatch, grouped expert matmuls and combine save what the planner counts, to the byte."""
+    sets = tiny_overrides + ["train.steps=2", "train.sample_tokens=0", "model.moe.experts=4",
+                             "model.moe.expert_ffn_hidden=128", "model.moe.shared_experts=1",
+                             "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]
+    _check(_run(CPU, sets, tmp_path), "moe")

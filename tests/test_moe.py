@@ -219,3 +219,15 @@ def test_moe_bench_quick_writes_consistent_json(tmp_path):
     assert res["ep"][0]["all_to_all_share"] == 0 and 0 < res["ep"][1]["all_to_all_share"] < 1
     assert all(row["tokens_per_s"] > 0 for row in res["ep"])
     assert [row["matmul"] for row in res["expert_matmul"]] == ["grouped", "padded", "loop"]
+
+
+def test_grouped_matmul_probe_ignores_the_callers_grad_mode():
+    """The probe's answer is cached for the process, and a run's first MoE forward may be an
+    evaluation under no_grad: the probe must answer the same there (before, it failed its
+    own backward and sent the whole run down the padded path)."""
+    grouped_mm_runs.cache_clear()
+    with torch.no_grad():
+        under_no_grad = grouped_mm_runs("cpu", torch.float32)
+    grouped_mm_runs.cache_clear()
+    assert under_no_grad == grouped_mm_runs("cpu", torch.float32)
+    assert under_no_grad == hasattr(torch, "_grouped_mm")  # torch 2.13 runs it on the CPU

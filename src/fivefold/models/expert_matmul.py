@@ -38,14 +38,17 @@ def grouped_mm(x_MD: torch.Tensor, w_XFD: torch.Tensor, offsets_X: torch.Tensor)
 
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward here (a 2-expert probe)."""
+    """Whether torch._grouped_mm runs forward and backward here (a 2-expert probe). The
+    probe runs with gradients enabled whatever the caller's mode: the first call may come
+    from an evaluation under no_grad, and the answer is cached for the process."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        w = torch.zeros(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        x = torch.zeros(16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
-        grouped_mm(x, w, offsets).sum().backward()
+        with torch.enable_grad():
+            w = torch.zeros(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+            x = torch.zeros(16, 16, device=device_type, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([8, 16], device=device_type, dtype=torch.int32)
+            grouped_mm(x, w, offsets).sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False

@@ -56,6 +56,9 @@ class ParallelPlan:
     micro_batch: int
     global_batch: int
     recompute: str
+    offload: str  # "none" | "cpu" | "nvme": where offloaded optimizer states live
+    offload_path: str | None
+    offload_fraction: float
     sequence_parallel: bool
     precision: str
     fp8_emulate: bool | None  # None: emulate where the device has no fp8 units
@@ -136,7 +139,8 @@ class ParallelPlan:
     def update(self) -> str:
         """Who owns parameters, gradients and the optimizer step:
         "engine"         fivefold.parallel.data_parallel (DDP / ZeRO, flat units), every
-                         layout with more than one rank or a ZeRO stage, pipelines included
+                         layout with more than one rank, a ZeRO stage or offload, pipelines
+                         included
         "galore-dp"      GaLore over data-parallel ranks and ZeRO-1/2
                          (fivefold.memory.galore_dp)
         "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
@@ -145,13 +149,14 @@ class ParallelPlan:
         "plain"          torch's optimizer on the plain model, one rank: the reference"""
         if self.asynchronous:
             return "pipedream-2bw"
-        data_only = self.tp == self.pp == self.cp == self.ep == 1  # what these two run on
+        # what these two run on (offload with either is refused: fivefold.compositions)
+        data_only = self.tp == self.pp == self.cp == self.ep == 1 and self.offload == "none"
         if self.optimizer == "lomo" and data_only and self.zero_stage == 0:
             return "lomo"
         if self.optimizer == "galore" and data_only and self.zero_stage <= 2 and (
                 self.gpus > 1 or self.zero_stage > 0):
             return "galore-dp"
-        if self.gpus > 1 or self.zero_stage > 0:
+        if self.gpus > 1 or self.zero_stage > 0 or self.offload != "none":
             return "engine"
         return "plain"
 
@@ -257,7 +262,9 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
-        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
+        recompute=p.recompute, offload=p.offload, offload_path=p.offload_path,
+        offload_fraction=p.offload_fraction,
+        sequence_parallel=p.sequence_parallel, precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"

@@ -87,10 +87,13 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         w2_saved = a * D if moe or model.ffn_type == "swiglu" else 0.0  # 7th matmul, not 6th
         per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + w2_saved
     else:
-        norms = 2 * ((4 + a) * D + 4)
+        norms = 2 * ((4 + a) * D + (4 / tp if sp else 4))  # SP: rsqrt of 1/tp of the tokens
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
         attention = a * D + qkv_out + 4 * heads + a * hd
-        per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D, moe)
+        if moe:
+            return tokens * (norms + attention + moe_saved_per_token(model, a)) + \
+                moe_saved_constant(model)
+        per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D)
     return tokens * per_token
 
 
@@ -133,14 +136,52 @@ def _expert_width(model: ModelConfig, tp: int) -> float:
     return (m.top_k + m.shared_experts) * ffn / tp
 
 
-def _mlp_saved(model: ModelConfig, a: int, tp: int, D: float, moe: bool) -> float:
-    if not moe:
-        F = model.ffn_hidden / tp
-        return 4 * a * F if model.ffn_type == "swiglu" else 2 * a * F
+def _mlp_saved(model: ModelConfig, a: int, tp: int, D: float) -> float:
+    F = model.ffn_hidden / tp
+    return 4 * a * F if model.ffn_type == "swiglu" else 2 * a * F
+
+
+def moe_saved_per_token(model: ModelConfig, a: int) -> float:
+    """What fivefold.models.moe saves per token of a dropless MoE layer (replicated over tp,
+    so no width is divided), counted from its forward with E experts, top-k, expert width F:
+
+      router        its fp32 input (4D; in fp32 that is the MLP input itself), the scores
+                    (4E, softmax or sigmoid output), the chosen ids (int64, 8k), the
+                    renormalization's numerator and sum (4k + 4)
+      dispatch      token and assignment ids of the sorted copies (int64, 2 x 8k), the
+                    gathered copies (k a D)
+      experts       SwiGLU per copy: w1 and w3 outputs, silu output, w2 input (4 k a F)
+      combine       the expert outputs and their gates (k a D + 4k), the gated copies that
+                    index_add sums (k a D)
+      shared        a SwiGLU of the shared experts' width (4 a F_shared), which saves the
+                    compute-dtype MLP input apart from the router's fp32 copy when a < 4
+      aux losses    load balancing: a second score matrix and its sum (4E + 4); z-loss: the
+                    fp32 logits and their log-sum-exp (4E + 4)
+
+    A capacity factor drops copies: this is then the bound for no drops."""
     m = model.moe
-    # router logits and fp32 probabilities, the gathered token copies per chosen expert,
-    # SwiGLU inside each expert, the gated expert outputs
-    return 8 * m.experts + 2 * m.top_k * a * D + 4 * a * _expert_width(model, tp)
+    E, k, D = m.experts, m.top_k, model.hidden
+    F = m.expert_ffn_hidden or model.ffn_hidden
+    shared = m.shared_experts * F
+    n = 4 * D + 4 * E + 8 * k + 4 * k + 4
+    n += 16 * k + k * a * D
+    n += 4 * k * a * F
+    n += 2 * k * a * D + 4 * k
+    if shared:
+        n += 4 * a * shared + (a * D if a < 4 else 0)
+    if m.aux_loss_weight:
+        n += 4 * E + 4
+    if m.z_loss_weight:
+        n += 4 * E + 4
+    return n
+
+
+def moe_saved_constant(model: ModelConfig) -> float:
+    """Per-micro-batch bytes of an MoE layer that do not grow with tokens: the grouped
+    matmul's int32 group offsets and the load-balancing loss's fp32 expert shares."""
+    m = model.moe
+    return (4 * m.experts if m.expert_matmul == "grouped" else 0) + \
+        (4 * m.experts if m.aux_loss_weight else 0)
 
 
 def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
@@ -150,14 +191,23 @@ def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
 
 
 def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
-                     first: bool = True, last: bool = True, stack: Stack = FIVEFOLD) -> float:
+                     first: bool = True, last: bool = True, stack: Stack = FIVEFOLD,
+                     sp: bool = False) -> float:
     """Bytes saved outside the blocks: token ids; final norm, head input, loss (its fp32
     log-softmax unless the stack's fused loss keeps only its logits buffer, which the
-    simulator counts with the loss's other bytes)."""
+    simulator counts with the loss's other bytes). Under sequence parallelism the final norm
+    runs on this rank's 1/tp of the tokens and the head saves its all-gathered input. With
+    tp > 1 the vocabulary-parallel embedding and loss each keep a bool mask per token
+    (fivefold.parallel.tensor, fivefold.parallel.vocab_parallel_loss) and the loss no fp32
+    scalar; one process's cross-entropy keeps its 4-byte total weight."""
     a = act_bytes
     n = 8 * tokens if first else 0.0
+    if first and tp > 1:
+        n += tokens  # the embedding's out-of-shard mask
     if last:
         D = model.hidden
         logp = 4 * model.vocab / tp if stack.loss_saves_fp32 else 0.0
-        n += tokens * ((4 + a) * D + 4 + a * D + logp + 8) + 4
+        norm = ((4 + a) * D + 4) / (tp if sp else 1)
+        n += tokens * (norm + a * D + logp + 8)
+        n += tokens if tp > 1 else 4  # the loss's target mask, or its total weight
     return n

@@ -36,7 +36,7 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
     acts = sum(block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel, plan.recompute,
                                  i, fp8=plan.precision == "fp8",
                                  kv_heads=ring_kv_heads(m, plan)) for i in layers)
-    acts += root_saved_bytes(m, tokens, a, plan.tp, first, last)
+    acts += root_saved_bytes(m, tokens, a, plan.tp, first, last, sp=plan.sequence_parallel)
     inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],

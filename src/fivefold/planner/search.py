@@ -163,7 +163,7 @@ class FastScorer:
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         acts = per_block * rank_layers / lay.vpp * inflight + A.root_saved_bytes(
-            m, n, p, lay.tp, True, lay.pp == 1, sm.stack) * inflight
+            m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
         if lay.recompute != "none":
             acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
         other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * sm.stack.logit_bytes(p)

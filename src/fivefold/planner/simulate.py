@@ -443,7 +443,7 @@ class StepModel:
         total = sum(self.block_saved_bytes(i) for i in self.stage_ranges[g])
         first, last = g == 0, g == len(self.stage_layers) - 1
         return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last,
-                                          self.stack)
+                                          self.stack, sp=lay.sequence_parallel)
 
     def dp_sync(self, rank: int, last_backward_s: float) -> tuple[float, float]:
         """(exposed gradient-sync seconds after the last backward, parameter re-gather after
@@ -527,7 +527,7 @@ class StepModel:
         units = stage_units(self.model, lay, [], first, last)
         states = model_state_bytes(units, lay)["total"] if units else 0
         root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last,
-                                  self.stack)
+                                  self.stack, sp=lay.sequence_parallel)
         return states + root * inflight + self.other_bytes(rank)
 
     def other_bytes(self, rank: int) -> float:

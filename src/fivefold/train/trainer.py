@@ -271,7 +271,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.rt.device)
         for j in range(n_micro):
             rows = slice(j * self.micro_batch, (j + 1) * self.micro_batch)
-            x, y = inputs[rows].to(self.rt.device), targets[rows].to(self.rt.device)
+            # copies of this micro-batch alone (as a GPU's host-to-device copy is): a CPU
+            # view would keep the whole window's storage alive as the embedding's saved ids
+            x = inputs[rows].to(self.rt.device, copy=True)
+            y = targets[rows].to(self.rt.device, copy=True)
             self.ledger.recorder.micro_batch = j
             if self.engine:
                 self.engine.prepare_backward(last=j == n_micro - 1)
