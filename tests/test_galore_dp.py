@@ -50,7 +50,7 @@ MOE = ["model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]  # experts 3-D: 
 ODD_FFN = "model.ffn_hidden=90"  # the MLP's 90 rows: 23 per rank on 4 ranks, 2 padding rows
 
 # (label, overrides) per world size: each against the one-process run of the same
-# optimizer settings (`_reference_key`)
+# model and optimizer settings (`_reference_key`)
 CASES = {
     2: [("galore zero0", [*GALORE, "parallel.zero_stage=0"]),
         ("galore zero1", [*GALORE, "parallel.zero_stage=1"]),
