@@ -25,12 +25,17 @@ Overlap rules (each technique's own):
   issues them (`_root_tp_comm`); these are the bytes fivefold.planner.ledger_model predicts.
 - context parallelism: ring attention (arXiv 2310.01889) sends K/V shards around the ring
   while attention computes, so only what exceeds the attention time shows; Ulysses
-  (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path.
+  (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path. A stack
+  with `cp_kv_exchange = "allgather"` (torch 2.5/2.6's experimental context parallelism,
+  torchtitan) all-gathers K/V once per pass, hidden only behind the first attention step,
+  and passes fp32 dK/dV around the ring in backward (`_cp_allgather_exposed`).
 - expert parallelism: dispatch and combine all-to-alls (GShard, arXiv 2006.16668) forward
   and backward, on the critical path.
 - ZeRO-3 / FSDP (arXiv 2304.11277): each block's all-gather is prefetched during the
   previous block's compute, and its gradient reduce-scatter runs during the next block's
   backward; only the excess over that compute shows, plus the first gather of each pass.
+  A stack without `zero3_overlap` (DeepSpeed's ZeRO-3 of early 2021) gathers each parameter
+  tensor with its own synchronous all-gather, all of it exposed (`tensor_gathers_s`).
 - DDP / ZeRO-1/2 (arXiv 2006.15704): a block's gradient bucket is reduced as soon as its
   backward ends, during the remaining backward of the step's last micro-batch; the root
   unit (embeddings, reduced last) is exposed.
