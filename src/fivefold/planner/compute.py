@@ -129,12 +129,13 @@ def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
 
 def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: HardwareProfile,
                    ring: bool = False, precision: str = "bf16",
-                   speedup: float = 1.0) -> tuple[float, float]:
+                   speedup: float = 1.0, fused_merge: bool = True) -> tuple[float, float]:
     """(forward s, backward s) of causal fused attention over `seq` tokens on one of cp
     ranks: 1/cp of the causal score tiles. Ulysses gives each rank heads/cp whole sequences
     (`heads` is then already divided); ring attention (`ring`) runs cp kernel steps, each
     over all seq/cp local queries, so the per-row cost is paid cp times, and merges each
-    step's partial output and log-sum-exp into an fp32 accumulator. `speedup`: the stack's
+    step's partial output and log-sum-exp into an fp32 accumulator (`fused_merge`; a stack
+    that merges with eager ops pays `torch_cp_merge_bytes` instead). `speedup`: the stack's
     kernel's rate over the profile's measured one (fivefold.planner.stack)."""
     e = prof.eff
     tiles = seq / ATTN_TILE
@@ -142,13 +143,39 @@ def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: Hardware
     rows = b * heads * seq / cp * (cp if ring else 1)
     rate = prof.peak_flops("bf16" if precision == "fp8" else precision) * e.attn_eff * speedup
     merge = 0.0
-    if ring and cp > 1:  # read and write the fp32 output and lse once per extra step
+    if ring and cp > 1 and fused_merge:  # read and write fp32 output and lse per extra step
         merge = eltwise_time(rows / cp * (cp - 1) * (d + 1) * 4 * 3, prof, 2 * (cp - 1), 1.0)
     score_s, row_s = e.attn_score_s / speedup, e.attn_row_s / speedup
     fwd = (scores * (4 * d / rate + score_s) + rows * row_s
            + e.kernel_overhead_s * (cp if ring else 1) + merge)
     bwd = (scores * (10 * d / rate + 2 * score_s) + 5 * rows * row_s
            + 3 * e.kernel_overhead_s * (cp if ring else 1) + 2 * merge)
+    return fwd, bwd
+
+
+def torch_cp_merge_bytes(out: float, kv: float, cp: int, a: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of the eager element-wise work around torch 2.5/2.6's
+    all-gather context parallelism (torch/distributed/tensor/experimental/_attention.py,
+    `_templated_ring_attention` and its backward, `convert_to_f32` on) for one attention
+    call on one rank: `out` elements of the local output (tokens x heads x head dim), `kv`
+    elements of each of the local K and V (as the model passes them), cp steps, a bytes per
+    activation. Counted for the rank whose steps are all whole-query (the last: the others
+    update halves and are no slower), one read or write per tensor an op touches:
+
+    forward: each step's output cast to fp32 (a + 4 per element); from the second step the
+    merge `out - sigmoid(lse_b - lse) * (out - out_b)` (three fp32 ops: 12 + 8 + 12); K and
+    V concatenated for the exchange before every step but the last (2a each); the result
+    cast back once (4 + a).
+    backward: fp32 dQ, dK, dV zeroed (4 each); K and V concatenated before every step but
+    the last (2a each); dQ += step dQ each step (8 + a); dK, dV += step grads (8 + a) at the
+    first step, then, the received accumulator updated in its first half (8 + a over half)
+    and re-concatenated (8); the fp32 dK, dV concatenated for the next rank each step (8
+    each); dQ and the final dK, dV cast back (4 + a)."""
+    steps = cp - 1
+    fwd = cp * (a + 4) * out + steps * 32 * out + steps * 2 * (2 * a * kv) + (4 + a) * out
+    bwd = (4 * out + 8 * kv + steps * 2 * (2 * a * kv) + cp * (8 + a) * out
+           + 2 * (8 + a) * kv + steps * 2 * ((8 + a) * kv / 2 + 8 * kv)
+           + cp * 2 * 8 * kv + (4 + a) * (out + 2 * kv))
     return fwd, bwd
 
 
@@ -250,9 +277,17 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
                                     sh.fp8_tensors)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
+    eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
     at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
                                 sh.cp_mode != "ulysses", sh.precision,
-                                sh.stack.attention_speedup(prof.name, sh.flash2_rate))
+                                sh.stack.attention_speedup(prof.name, sh.flash2_rate),
+                                not eager_merge)
+    if eager_merge:
+        kv_heads = heads if sh.stack.sdpa_repeats_kv else max(1, model.n_kv_heads // sh.tp)
+        mf, mb = torch_cp_merge_bytes(sh.tokens * heads * model.d_head,
+                                      sh.tokens * kv_heads * model.d_head, sh.cp, a)
+        at_f += eltwise_time(mf, prof, 5 * sh.cp, 1.0)
+        at_b += eltwise_time(mb, prof, 6 * sh.cp, 1.0)
     ew_bytes = block_eltwise_bytes(model, sh, moe)
     ew_f = eltwise_time(ew_bytes, prof, 12, sh.passes(prof))
     ew_b = eltwise_time(2 * ew_bytes, prof, 24, sh.passes(prof))

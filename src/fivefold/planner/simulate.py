@@ -25,12 +25,17 @@ Overlap rules (each technique's own):
   issues them (`_root_tp_comm`); these are the bytes fivefold.planner.ledger_model predicts.
 - context parallelism: ring attention (arXiv 2310.01889) sends K/V shards around the ring
   while attention computes, so only what exceeds the attention time shows; Ulysses
-  (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path.
+  (arXiv 2309.14509) all-to-alls q, k, v and the output, on the critical path. A stack
+  with `cp_kv_exchange = "allgather"` (torch 2.5/2.6's experimental context parallelism,
+  torchtitan) all-gathers K/V once per pass, hidden only behind the first attention step,
+  and passes fp32 dK/dV around the ring in backward (`_cp_allgather_exposed`).
 - expert parallelism: dispatch and combine all-to-alls (GShard, arXiv 2006.16668) forward
   and backward, on the critical path.
 - ZeRO-3 / FSDP (arXiv 2304.11277): each block's all-gather is prefetched during the
   previous block's compute, and its gradient reduce-scatter runs during the next block's
   backward; only the excess over that compute shows, plus the first gather of each pass.
+  A stack without `zero3_overlap` (DeepSpeed's ZeRO-3 of early 2021) gathers each parameter
+  tensor with its own synchronous all-gather, all of it exposed (`tensor_gathers_s`).
 - DDP / ZeRO-1/2 (arXiv 2006.15704): a block's gradient bucket is reduced as soon as its
   backward ends, during the remaining backward of the step's last micro-batch; the root
   unit (embeddings, reduced last) is exposed.
@@ -54,7 +59,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.hardware import HardwareProfile, load_profile
-from fivefold.models.description import is_moe_layer
+from fivefold.models.description import block_parameters, is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
@@ -62,7 +67,7 @@ from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
                                       embedding_times, head_times, newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
-from fivefold.planner.params import block_matrix_shapes, block_params, root_params
+from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.fitted import FITTED, Fitted, in_training
@@ -275,16 +280,30 @@ class StepModel:
             # for the backward. fivefold's runtime recomputes on the backward gather (two
             # gathers, its ledger), so this term is one gather pessimistic for it; kept for
             # the published runs the simulator is validated against (docs/planner.md)
-            bwd_ag = ag * (self.stack.zero3_recompute_gathers - 1 if lay.recompute == "full"
+            bwd_gathers = (self.stack.zero3_recompute_gathers - 1 if lay.recompute == "full"
                            else 1)
-            z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
-            z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
+            if self.stack.zero3_overlap:
+                bwd_ag = ag * bwd_gathers
+                z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
+                z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
+            else:  # one synchronous gather per parameter tensor (fivefold.planner.stack)
+                ag = self.tensor_gathers_s(moe)
+                z_f = ag
+                z_b = bwd_gathers * ag + max(rs - hide * (t.bwd + t.recompute), (1 - hide) * rs)
         elif lay.zero_stage == 2:
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
             z_b = max(rs - hide * t.bwd, (1 - hide) * rs)
         grad_bytes = numel * (self.a if lay.zero_stage <= 1 else g)
         return LayerCost(t.fwd, f_comm + z_f, t.bwd + t.recompute, b_comm + z_b, t.wgrad,
                          grad_bytes)
+
+    def tensor_gathers_s(self, moe: bool) -> float:
+        """Seconds to all-gather one block's parameters tensor by tensor over the ZeRO-3
+        group, one collective each (a latency term per tensor), none overlapped."""
+        lay = self.lay
+        return sum(self._coll("all_gather", local_numel(self.model, p, lay.tp, lay.ep) * self.a,
+                              self.shard_group)
+                   for p in block_parameters(self.model, self.first_layer(moe)))
 
     def _cp_exposed(self, moe: bool) -> tuple[float, float]:
         m, lay, sh, e = self.model, self.lay, self.shard, self.prof.eff
@@ -293,6 +312,8 @@ class StepModel:
         n = sh.tokens
         kv = max(1, m.n_kv_heads // lay.tp) * m.d_head
         q = m.heads * m.d_head // lay.tp
+        if lay.cp_mode == "ring" and self.stack.cp_kv_exchange == "allgather":
+            return self._cp_allgather_exposed(n, q if self.stack.sdpa_repeats_kv else kv)
         if lay.cp_mode == "ring":
             shard_kv = 2 * n * kv * self.a
             step = self._coll("send", shard_kv, self.cp_group)
@@ -305,6 +326,28 @@ class StepModel:
         a2a = sum(self._coll("all_to_all", n * width * self.a, self.cp_group)
                   for width in (q, kv, kv, q))
         return a2a, a2a
+
+    def _cp_allgather_exposed(self, n: int, kv_width: int) -> tuple[float, float]:
+        """(forward, backward) exposed seconds of torch 2.5/2.6's all-gather context
+        parallelism (fivefold.planner.stack, `cp_kv_exchange = "allgather"`) for one block:
+        the forward's K/V all-gather hides only behind the first of cp equal attention steps;
+        the backward's second all-gather likewise, and of its cp fp32 dK/dV passes each of
+        the first cp - 1 hides behind the next step, the last not at all."""
+        m, lay, e = self.model, self.lay, self.prof.eff
+        cp, hide = lay.cp, e.overlap_eff
+        ag = self._coll("all_gather", cp * 2 * n * kv_width * self.a, self.cp_group)
+        dkv = self._coll("send", 2 * n * kv_width * 4, self.cp_group)
+        at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len, m.d_head,
+                                    cp, self.prof, True, lay.precision,
+                                    self.stack.attention_speedup(self.prof.name,
+                                                                 self.shard.flash2_rate), False)
+
+        def behind(comm: float, window: float) -> float:
+            return max(comm - hide * window, (1 - hide) * comm)
+
+        fwd = behind(ag, at_f / cp)
+        bwd = behind(ag, at_b / cp) + (cp - 1) * behind(dkv, at_b / cp) + dkv
+        return fwd, bwd
 
     def _root_op(self, times) -> OpTimes:
         """`times(model, shard, profile)`, shared through `cache` by equal shard shapes."""

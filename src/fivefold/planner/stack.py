@@ -50,6 +50,31 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   sub-module up to `stage3_max_live_parameters` (default 1e9, DeepSpeed's config
   reference); FSDP2, Megatron-FSDP and fivefold hold the block being computed and the one
   prefetched (0 here).
+- cp_kv_exchange: how ring context parallelism moves key/value shards. "ring": one
+  point-to-point pass per attention step, hidden behind that step (Megatron-Core's
+  Transformer Engine CP, arXiv 2310.01889; fivefold's ring). "allgather": torch's
+  experimental `context_parallel` of torch 2.5/2.6 that torchtitan's Dec 2024 runs used
+  (torch/distributed/tensor/experimental/_attention.py: `_ContextParallelOptions.
+  rotate_method` defaults to ALL_GATHER, `convert_to_f32` and `enable_load_balance` to
+  True): the forward all-gathers every rank's K/V once, issued before the local step and
+  waited before the second, so only the first of cp equal (load-balanced) steps hides it;
+  the backward all-gathers K/V again the same way and passes the fp32 dK/dV accumulators
+  around the ring (an all-to-all permute per step, each waited one step later, the last
+  after the loop); the partial outputs are merged in fp32 by eager element-wise ops
+  (fivefold.planner.compute.torch_cp_merge_bytes).
+- sdpa_repeats_kv: the model repeats grouped K/V heads to every query head before the
+  attention call (torchtitan's Llama `repeat_kv` ahead of `F.scaled_dot_product_attention`),
+  so context parallelism moves and merges query-width K/V; Transformer Engine and fivefold's
+  ring pass the kv heads as they are.
+- zero3_overlap: ZeRO-3's parameter all-gathers run ahead of the compute that needs them
+  (FSDP2's and Megatron-FSDP's prefetch of the next block; fivefold's). DeepSpeed's ZeRO-3
+  of early 2021 (the version arXiv 2104.04473 compared, April 2021) gathered each
+  parameter tensor with its own all-gather and synchronised before the next
+  (DeepSpeed issue #1069: per-parameter all_gather calls with a torch.cuda.synchronize()
+  between them; PR #1170, June 2021, fixed the off-by-one trace that broke its prefetch;
+  issue #1174: ZeRO-3's forward 8x ZeRO-2's, bound by the gathers): False here, so each
+  tensor's gather is on the critical path. Its gradient reduce-scatter stays overlapped
+  (overlap_comm on its own stream).
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -78,6 +103,9 @@ class Stack:
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
+    cp_kv_exchange: str = "ring"  # "ring" | "allgather"
+    sdpa_repeats_kv: bool = False
+    zero3_overlap: bool = True
     source: str = ""
 
     def logit_bytes(self, a: int) -> int:
@@ -101,11 +129,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
     Stack("torchtitan", loss_logit_bytes="8", flash2_attention=True,
+          cp_kv_exchange="allgather", sdpa_repeats_kv=True,
           source="torchtitan Dec 2024 (arXiv 2410.06511): eager blocks unless compiled, SDPA "
-                 "(FlashAttention-2), torchao Float8, FSDP2 prefetch, fp32 cross-entropy"),
+                 "(FlashAttention-2) on K/V repeated to every head, torch 2.5/2.6's "
+                 "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
+                 "cross-entropy"),
     Stack("deepspeed", zero3_recompute_gathers=3, zero3_live_params=10**9,
+          zero3_overlap=False,
           source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
-                 "ZeRO-3 parameter hooks that re-gather for the recomputed forward)"),
+                 "ZeRO-3 parameter hooks that re-gather for the recomputed forward, one "
+                 "synchronous all-gather per parameter tensor: DeepSpeed issues #1069, #1174)"),
 ]}
 
 

@@ -1,0 +1,134 @@
+"""The simulator's terms for what published stacks did differently (issue 20): torch's
+all-gather context parallelism (torchtitan), DeepSpeed 2021's per-tensor ZeRO-3 gathers,
+and the search over virtual pipeline stages.
+
+Each formula is held against an independent count on a tiny case (exact up to float
+rounding, rel 1e-9), and the "fivefold" stack is shown not to take any of them, so that its
+predictions stay the runtime's (tests/test_planner_ledger.py and friends hold those).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.hardware import PROFILES
+from fivefold.models.description import block_parameters
+from fivefold.parallel.plan import plan_from_config
+from fivefold.planner.comm import Group, Links
+from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
+from fivefold.planner.fitted import FITTED, in_training
+from fivefold.planner.params import local_numel
+from fivefold.planner.search import candidates, exact_estimate
+from fivefold.planner.simulate import StepModel, simulate
+from fivefold.planner.spec import spec_config
+from fivefold.planner.stack import FIVEFOLD, STACKS
+
+H100 = PROFILES["H100-SXM"]
+
+
+def _cfg(stack: str, gpus: int = 8, gpn: int = 8, **parallel):
+    return spec_config({
+        "model": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
+                  "vocab": 1024, "seq_len": 4096},
+        "cluster": {"gpu": "H100-SXM", "gpus": gpus, "gpus_per_node": gpn},
+        "parallel": {"global_batch": 8, "micro_batch": 1, **parallel},
+        "train": {"stack": stack}})
+
+
+def _walk_torch_cp_bytes(out: float, kv: float, cp: int, a: int) -> tuple[float, float]:
+    """Bytes of torch's `_templated_ring_attention` (and backward) for the last rank, walked
+    step by step as the loop runs: every op's reads and writes, one line per op."""
+    fwd = bwd = 0.0
+    for i in range(cp):
+        fwd += a * out + 4 * out  # step(): block output to fp32
+        if i > 0:
+            fwd += (4 + 4 + 4) * out  # out - block_out
+            fwd += (4 + 4) * out  # sigmoid(...) * (out - block_out)
+            fwd += (4 + 4 + 4) * out  # out - that
+        if i < cp - 1:
+            fwd += 2 * (a * kv + a * kv)  # torch.cat([key, value]) to send
+    fwd += 4 * out + a * out  # results(): back to the output dtype
+    bwd += 4 * out + 4 * kv + 4 * kv  # zeros_like(q/k/v, float32)
+    for i in range(cp):
+        if i != cp - 1:
+            bwd += 2 * (a * kv + a * kv)  # torch.cat([key, value]) to send
+        if i == 0:
+            bwd += 2 * (4 * kv + a * kv + 4 * kv)  # grad_key += grad_key_ (and value)
+        else:  # _partial_update(add=True): half updated in place, then torch.cat
+            bwd += 2 * ((4 + a + 4) * kv / 2 + (4 + 4) * kv)
+        bwd += 2 * (4 * kv + 4 * kv)  # torch.cat of the fp32 dK, dV to send
+        bwd += (4 + a + 4) * out  # grad_query += grad_query_
+    bwd += (4 + a) * out + 2 * (4 + a) * kv  # casts back to the input dtype
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("cp, a", [(2, 2), (4, 2), (8, 4)])
+def test_torch_cp_merge_bytes_match_a_walk_of_torchs_loop(cp, a):
+    out, kv = 3 * 64 * 128, 3 * 16 * 128
+    assert torch_cp_merge_bytes(out, kv, cp, a) == pytest.approx(
+        _walk_torch_cp_bytes(out, kv, cp, a), rel=1e-12)
+
+
+def test_allgather_cp_exposes_what_only_its_first_step_hides():
+    """cp = 4 across four nodes (one rank each): the forward's K/V all-gather against
+    the first of four attention steps; backward adds the second all-gather and the fp32
+    dK/dV passes, each behind one step, the last one bare. K/V repeated to 8 heads."""
+    cfg = _cfg("torchtitan", gpus=4, gpn=1, cp=4, cp_mode="ring", zero_stage=1)
+    sm = StepModel(cfg, H100, plan_from_config(cfg, 4))
+    prof = in_training(H100)
+    links = Links.of(prof, 1)
+    n, d, hide = 1024, 32, prof.eff.overlap_eff  # local tokens, head dim, overlap
+    kv_bytes = 2 * n * 8 * d * 2  # this rank's K and V, repeated to the 8 query heads
+    # ring all-gather over 4 nodes, each on its own NIC: 3 of 4 shards in, 3 hops
+    ag = 3 / 4 * 4 * kv_bytes / links.inter_Bps + 3 * links.latency_inter_s
+    dkv = 2 * n * 8 * d * 4 / links.inter_Bps + links.latency_inter_s
+    fa2 = FITTED.flash2_rate  # torchtitan's FlashAttention-2-class kernel on Hopper
+    at_f, at_b = attention_time(1, 8, 4096, d, 4, prof, True, "bf16", fa2, False)
+    fwd, bwd = sm._cp_exposed(False)
+
+    def behind(c, w):
+        return max(c - hide * w, (1 - hide) * c)
+    assert fwd == pytest.approx(behind(ag, at_f / 4), rel=1e-9)
+    assert bwd == pytest.approx(behind(ag, at_b / 4) + 3 * behind(dkv, at_b / 4) + dkv,
+                                rel=1e-9)
+
+
+def test_allgather_cp_costs_more_than_the_ring_and_fivefold_keeps_the_ring():
+    mine = simulate(_cfg("fivefold", gpus=8, gpn=2, cp=4, cp_mode="ring", zero_stage=1))
+    tt_switches = STACKS["torchtitan"]
+    assert (tt_switches.cp_kv_exchange, tt_switches.sdpa_repeats_kv) == ("allgather", True)
+    assert (FIVEFOLD.cp_kv_exchange, FIVEFOLD.sdpa_repeats_kv) == ("ring", False)
+    ring = StepModel(_cfg("fivefold", gpus=8, gpn=2, cp=4, cp_mode="ring", zero_stage=1),
+                     H100, mine.layout)
+    gathered = StepModel(_cfg("torchtitan", gpus=8, gpn=2, cp=4, cp_mode="ring",
+                              zero_stage=1), H100, mine.layout)
+    assert sum(gathered._cp_exposed(False)) > sum(ring._cp_exposed(False)) > 0
+
+
+def test_deepspeed_zero3_gathers_each_tensor_on_the_critical_path():
+    cfg = _cfg("deepspeed", gpus=8, zero_stage=3, recompute="full")
+    lay = plan_from_config(cfg, 8)
+    sm = StepModel(cfg, H100, lay)
+    prof = in_training(H100)
+    links = Links.of(prof, 8)
+    one = sum(7 / 8 * local_numel(cfg.model, p) * 2 / links.intra_Bps
+              + 7 * links.latency_intra_s for p in block_parameters(cfg.model, 0))
+    assert sm.tensor_gathers_s(False) == pytest.approx(one, rel=1e-9)
+    _, f_comm, _ = sm.core_cost(False)
+    cost = sm.dense_cost
+    assert cost.f_comm - f_comm == pytest.approx(one, rel=1e-9)  # nothing hidden
+    # the FSDP-style stacks prefetch: the same layout exposes less
+    fsdp = StepModel(_cfg("fivefold", gpus=8, zero_stage=3, recompute="full"), H100, lay)
+    assert fsdp.dense_cost.f_comm < cost.f_comm
+    assert FIVEFOLD.zero3_overlap and not STACKS["deepspeed"].zero3_overlap
+    assert Group.strided(8, 1, 8) == sm.shard_group
+
+
+def test_plan_searches_interleaved_virtual_stages():
+    cfg = _cfg("fivefold", gpus=4, pp=2)
+    lays = candidates(cfg, plan_from_config(cfg, 4))
+    inter = [lay for lay in lays if lay.vpp > 1]
+    assert {lay.vpp for lay in inter} == {2} and all(lay.schedule == "interleaved"
+                                                    for lay in inter)
+    est = exact_estimate(cfg, H100, inter[0], {})
+    assert est is not None and est.layout.vpp == 2 and len(est.stage_layers) == 4
