@@ -69,6 +69,9 @@ class ParallelPlan:
     qgz: bool
     optimizer: str
     gpus_per_node: int
+    offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
+    offload_path: str | None
+    offload_fraction: float
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -136,15 +139,24 @@ class ParallelPlan:
     def update(self) -> str:
         """Who owns parameters, gradients and the optimizer step:
         "engine"         fivefold.parallel.data_parallel (DDP / ZeRO, flat units), every
-                         layout with more than one rank or a ZeRO stage, pipelines included
+                         layout with more than one rank, a ZeRO stage or offload, pipelines
+                         included
         "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
         "lomo"           SGD fused into backward (fivefold.memory.lomo), one rank
         "plain"          torch's optimizer on the plain model, one rank: the reference"""
         if self.asynchronous:
             return "pipedream-2bw"
-        if self.gpus > 1 or self.zero_stage > 0:
+        if self.gpus > 1 or self.zero_stage > 0 or self.offload != "none":
             return "engine"
         return "lomo" if self.optimizer == "lomo" else "plain"
+
+    def offloaded_units(self, shard_numels: list[int]) -> int:
+        """How many of the engine's units (in engine order, fivefold.parallel.data_parallel)
+        offload moves off the device, given this rank's shard elements of each: the shortest
+        prefix whose elements reach `offload_fraction` of them all (Megatron's offload
+        fraction); 0 without offload. The runtime and the planner both count by this rule."""
+        return 0 if self.offload == "none" else offloaded_unit_count(shard_numels,
+                                                                     self.offload_fraction)
 
     @property
     def context_degrees(self) -> tuple[int, int]:
@@ -233,6 +245,17 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
 
+def offloaded_unit_count(shard_numels: list[int], fraction: float) -> int:
+    """The shortest prefix of units whose shard elements reach `fraction` of them all
+    (`ParallelPlan.offloaded_units`; the engine applies it to its units)."""
+    need, total = fraction * sum(shard_numels), 0
+    for count, numel in enumerate(shard_numels, 1):
+        total += numel
+        if total >= need:
+            return count
+    return len(shard_numels)
+
+
 def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf16"
                      ) -> ParallelPlan:
     """The plan a config describes on `world_size` ranks, defaults resolved (precision:
@@ -254,7 +277,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
                                         else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
-        gpus_per_node=cfg.cluster.gpus_per_node)
+        gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
+        offload_path=p.offload_path, offload_fraction=p.offload_fraction)
 
 
 def fp8_base(default_precision: str) -> str:

@@ -79,6 +79,7 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.lomo import FusedSGD
+from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
                                        remove_partials, save_checkpoint, shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
@@ -167,7 +168,8 @@ class Trainer:
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.compute],
                                              DTYPES[plan.reduce_dtype], zero_pp,
-                                             plan.shard_axes, self.expert_axes)
+                                             plan.shard_axes, self.expert_axes,
+                                             self._offload())
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train)
         else:  # plain, or each PipeDream-2BW stage's own
@@ -188,6 +190,12 @@ class Trainer:
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
                            else 0)
+
+    def _offload(self) -> Offload | None:
+        """The engine's offload tier (fivefold.memory.offload), or None."""
+        p = self.plan
+        return (None if p.offload == "none" else
+                Offload(p.offload, p.offload_path, p.offload_fraction, self.rt.rank))
 
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
         """The plain model, or this rank's pipeline stage, with pretrained weights in
