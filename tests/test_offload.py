@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import CPU, STEPS, assert_params_close, resumed_losses, train_steps
+from parity import (CPU, STEPS, assert_params_close, full_parameters, resumed_losses,
+                    train_steps)
 
 from fivefold.config import load_config
 from fivefold.memory.nvme_store import NvmeStore, read_committed, read_manifest
@@ -114,18 +115,19 @@ def test_one_rank_offload_is_exact_and_records_its_bytes(parity_overrides, tmp_p
                               tmp_path / f"ref{stage}") for stage in range(4)}
     for stage, offload, fraction in ONE_RANK:
         label = (stage, offload, fraction)
-        sets = _sets(parity_overrides, stage, offload, tmp_path / f"nv{label}", fraction)
-        run = train_steps(CPU, load_config(None, sets), tmp_path / f"run{label}")
-        assert _same(run, ref[stage]), label
         cfg = load_config(None, _sets(parity_overrides, stage, offload,
-                                      tmp_path / f"nvb{label}", fraction))
-        trainer = Trainer(cfg, CPU, tmp_path / "bytes")
+                                      tmp_path / f"nv{label}", fraction))
+        trainer = Trainer(cfg, CPU, tmp_path / f"run{label}")
+        losses = [trainer.train_step(s).loss for s in range(STEPS)]
+        params = full_parameters(trainer)
+        assert losses == ref[stage].losses, label
+        assert params.keys() == ref[stage].params.keys(), label
+        assert all(torch.equal(params[k], ref[stage].params[k]) for k in params), label
         engine, ledger = trainer.engine, trainer.ledger
         numels = [u.shard_numel for u in engine.units]
         k = offloaded_unit_count(numels, fraction)
         assert k == engine.offloaded and sum(numels[:k]) >= fraction * sum(numels), label
-        trainer.train_step(0)
-        engine.wait_updates()
+        assert sum(numels[:k - 1]) < fraction * sum(numels), label  # the shortest prefix
         states = ledger.model_state_bytes
         offloaded, rest = sum(numels[:k]), sum(numels[k:])
         assert states["optimizer"] == 8 * rest, label  # fp32: the master is the compute copy
@@ -180,13 +182,20 @@ def test_offload_on_2_ranks_matches_in_memory_and_one_process(parity_overrides, 
     """2 gloo ranks, ZeRO-0/1/2/3 with cpu and nvme offload (some at fraction 0.5): exact
     against the in-memory run of the same stage, within the parity tolerance against one
     process; a cpu and an nvme run resumed from a step-2 checkpoint continue with the same
-    losses as uninterrupted (exactly)."""
+    losses as uninterrupted (exactly). The nvme run's 2-rank ZeRO-1 checkpoint then resumes
+    resharded on one rank at ZeRO-3 with nvme offload, within the parity tolerance."""
     runs, resumed = run_on_ranks(_offload_layouts, 2, parity_overrides, LAYOUTS_2,
                                  str(tmp_path), timeout_s=600)[0]
     _check_layouts(2, LAYOUTS_2, runs, reference)
     by_layout = dict(zip(LAYOUTS_2, runs))
     assert resumed[0] == by_layout[(2, "none", 1.0)].losses
     assert resumed[1] == by_layout[(1, "none", 1.0)].losses
+    cfg = load_config(None, _sets(parity_overrides, 3, "nvme", tmp_path / "nv_one"))
+    one = Trainer(cfg, CPU, tmp_path / "resume1")
+    assert one._resume() == 2
+    losses = [one.train_step(s).loss for s in range(2, STEPS)]
+    assert losses == pytest.approx(reference.losses[2:], rel=2e-5)
+    assert_params_close(full_parameters(one), reference.params, "resharded", 1e-5, 1e-4)
 
 
 @pytest.mark.slow
