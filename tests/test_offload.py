@@ -26,7 +26,7 @@ from parity import (CPU, STEPS, assert_params_close, full_parameters, resumed_lo
 
 from fivefold.config import load_config
 from fivefold.memory.nvme_store import NvmeStore, read_committed, read_manifest
-from fivefold.memory.offload import cpu_adamw_
+from fivefold.memory.offload import chunked_adamw_, cpu_adamw_, decay_ranges, ranges_within
 from fivefold.parallel.plan import offloaded_unit_count
 from fivefold.testing import run_on_ranks
 from fivefold.train.checkpoint import step_dir
@@ -57,9 +57,11 @@ def test_offloaded_units_are_the_shortest_prefix_reaching_the_fraction():
 
 
 def test_nvme_store_streams_chunks_exactly_and_keeps_the_committed_version(tmp_path):
-    """Three units of 2500, 1000 and 7 elements in chunks of 1000: two streamed steps equal
-    two whole-tensor CPU AdamW steps bit for bit; a step that fails after its first chunk
-    (as a crash would leave it) leaves the manifest and the committed slot untouched."""
+    """Three units of 2500, 1000 and 7 elements in chunks of 1000, random decay masks: two
+    streamed steps equal two steps of the engine's in-memory update (masked decay, then
+    torch's AdamW with weight decay 0) bit for bit, as does the cpu tier's chunked step; a
+    step that fails after its first chunk (as a crash would leave it) leaves the manifest
+    and the committed slot untouched."""
     from fivefold.config import TrainConfig
     train = TrainConfig(lr=1e-2, weight_decay=0.1)
     sizes = {"root": 2500, "layers.0": 1000, "layers.1": 7}
@@ -67,24 +69,35 @@ def test_nvme_store_streams_chunks_exactly_and_keeps_the_committed_version(tmp_p
     assert store.disk_bytes() == 16 * sum(sizes.values())
     gen = torch.Generator().manual_seed(0)
     masters = {n: torch.randn(k, generator=gen) for n, k in sizes.items()}
-    decay = {n: torch.rand(k, generator=gen) > 0.5 for n, k in sizes.items()}
-    ref = {n: (m.clone(), torch.zeros(k), torch.zeros(k)) for (n, k), m in
-           zip(sizes.items(), masters.values())}
+    masks = {n: torch.rand(k, generator=gen) > 0.5 for n, k in sizes.items()}
+    ref = {n: torch.nn.Parameter(m.clone()) for n, m in masters.items()}
+    adamw = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.0,
+                              betas=(train.beta1, train.beta2), eps=train.eps)
+    host = {n: (m.clone(), torch.zeros(k), torch.zeros(k)) for (n, k), m in
+            zip(sizes.items(), masters.values())}
     for update in range(2):
         for name in sizes:
             grad = torch.randn(sizes[name], generator=gen)
-            master, avg, avg_sq = ref[name]
-            cpu_adamw_(master, grad, avg, avg_sq, update, 1e-2, train, decay[name])
+            ref[name].grad = grad
+            with torch.no_grad():
+                ref[name].mul_(torch.where(masks[name], 1.0 - 1e-2 * 0.1, 1.0))
+            ranges = decay_ranges(masks[name])
+            chunked_adamw_(*host[name][:1], grad, *host[name][1:], update, 1e-2, train, ranges)
 
-            def chunk(start, stop, exp_avg, exp_avg_sq, name=name, grad=grad):
+            def chunk(start, stop, exp_avg, exp_avg_sq, name=name, grad=grad, ranges=ranges):
                 cpu_adamw_(masters[name][start:stop], grad[start:stop], exp_avg, exp_avg_sq,
-                           update, 1e-2, train, decay[name][start:stop])
+                           update, 1e-2, train, ranges_within(ranges, start, stop))
             store.update_unit(name, chunk)
+        adamw.step()
         store.commit(update + 1)
     for name in sizes:
         avg, avg_sq = read_committed(tmp_path / "rank0", name, sizes[name], 1000)
-        assert torch.equal(masters[name], ref[name][0]), name
-        assert torch.equal(avg, ref[name][1]) and torch.equal(avg_sq, ref[name][2]), name
+        want = adamw.state[ref[name]]
+        for got in (masters[name], host[name][0]):
+            assert torch.equal(got, ref[name].detach()), name
+        for got in ((avg, avg_sq), host[name][1:]):
+            assert torch.equal(got[0], want["exp_avg"]), name
+            assert torch.equal(got[1], want["exp_avg_sq"]), name
     before = read_manifest(tmp_path / "rank0")
     assert before == {"slot": 0, "updates": 2}
 
@@ -96,7 +109,7 @@ def test_nvme_store_streams_chunks_exactly_and_keeps_the_committed_version(tmp_p
         store.update_unit("root", fails_after_one_chunk)
     assert read_manifest(tmp_path / "rank0") == before
     avg, _ = store.read_unit("root")
-    assert torch.equal(avg, ref["root"][1])
+    assert torch.equal(avg, adamw.state[ref["root"]]["exp_avg"])
     store.close()
 
 

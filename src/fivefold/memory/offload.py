@@ -15,8 +15,10 @@ The data-parallel engine (fivefold.parallel.data_parallel) hands this module the
   `after_backward`), and the global norm is clipped there;
 * the step: decoupled weight decay on the matrices, then Adam, by torch's multi-tensor
   ("foreach") AdamW kernel, which on the CPU gives bit for bit what the engine's in-memory
-  torch AdamW gives (measured against torch's fused CPU kernel and DeepSpeed's CPU Adam in
-  bench/offload.py), chunk by chunk through the disk tier with nvme;
+  torch AdamW gives, in pieces of 65,536 elements so that its passes stay in cache (1.5x
+  over whole tensors, measured), through the disk tier's chunks with nvme. torch's fused
+  CPU kernel and DeepSpeed's CPU Adam are faster but round differently (bench/offload.py
+  measures all of them; docs/memory.md);
 * the updated master is copied back to the unit's compute shard; the engine then
   re-publishes it (stages 1-2: its usual all-gather).
 
@@ -54,19 +56,51 @@ class Offload:
     rank: int = 0
 
 
+CHUNK_ELEMENTS = 1 << 16  # the cpu tier's update runs in L2-sized pieces (measured fastest)
+
+
+def decay_ranges(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The [start, stop) runs of True in a 1-D bool mask (the matrices of a unit's shard)."""
+    edges = torch.nonzero(torch.cat([torch.zeros(1, dtype=torch.int8), mask.cpu().to(torch.int8),
+                                     torch.zeros(1, dtype=torch.int8)]).diff()).flatten()
+    edges = edges.tolist()
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def ranges_within(ranges: list[tuple[int, int]], start: int, stop: int
+                  ) -> list[tuple[int, int]]:
+    """`ranges` cut to [start, stop), relative to start."""
+    return [(max(a, start) - start, min(b, stop) - start) for a, b in ranges
+            if a < stop and b > start]
+
+
 def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, updates: int, lr: float, train: TrainConfig,
-               decay: torch.Tensor | None) -> None:
+               decay: list[tuple[int, int]]) -> None:
     """One AdamW update in place of host tensors (any contiguous slice of a unit's shard:
-    every operation is elementwise), after `updates` earlier ones: the engine's decoupled
-    weight decay where `decay` is True, then torch's foreach Adam with weight decay 0, as the
-    engine's in-memory path computes it."""
-    if train.weight_decay and decay is not None:
-        master.mul_(torch.where(decay, 1.0 - lr * train.weight_decay, 1.0))
+    every operation is elementwise), after `updates` earlier ones: decoupled weight decay on
+    the `decay` ranges, then torch's foreach Adam with weight decay 0, bit for bit what the
+    engine's in-memory path computes (its masked multiply by 1 - lr wd leaves the other
+    elements as they are, as skipping them does)."""
+    if train.weight_decay:
+        factor = 1.0 - lr * train.weight_decay
+        for start, stop in decay:
+            master[start:stop].mul_(factor)
     step = torch.tensor(float(updates))  # the kernel counts it up to updates + 1
     adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step], foreach=True, amsgrad=False,
          beta1=train.beta1, beta2=train.beta2, lr=lr, weight_decay=0.0, eps=train.eps,
          maximize=False, decoupled_weight_decay=True)
+
+
+def chunked_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, updates: int, lr: float, train: TrainConfig,
+                   decay: list[tuple[int, int]]) -> None:
+    """`cpu_adamw_` over whole host tensors, CHUNK_ELEMENTS at a time (the cpu tier's step)."""
+    numel = master.numel()
+    for start in range(0, numel, CHUNK_ELEMENTS):
+        stop = min(start + CHUNK_ELEMENTS, numel)
+        cpu_adamw_(master[start:stop], grad[start:stop], exp_avg[start:stop],
+                   exp_avg_sq[start:stop], updates, lr, train, ranges_within(decay, start, stop))
 
 
 class HostUnit:
@@ -84,7 +118,7 @@ class HostUnit:
 
         self.master = torch.nn.Parameter(host(master.detach().float()))
         self.grad = host(torch.zeros_like(master, dtype=torch.float32))
-        self.decay = decay.cpu()
+        self.decay = decay_ranges(decay)
         self.exp_avg = self.exp_avg_sq = None
         if tier == "cpu":
             self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.grad), torch.zeros_like(self.grad)
@@ -132,12 +166,13 @@ class HostOptimizer:
     @torch.no_grad()
     def _update(self, unit: HostUnit, updates: int, lr: float) -> None:
         if self.store is None:
-            cpu_adamw_(unit.master.data, unit.grad, unit.exp_avg, unit.exp_avg_sq, updates, lr,
-                       self.train, unit.decay)
+            chunked_adamw_(unit.master.data, unit.grad, unit.exp_avg, unit.exp_avg_sq, updates,
+                           lr, self.train, unit.decay)
         else:
             def chunk(start, stop, exp_avg, exp_avg_sq):
                 cpu_adamw_(unit.master.data[start:stop], unit.grad[start:stop], exp_avg,
-                           exp_avg_sq, updates, lr, self.train, unit.decay[start:stop])
+                           exp_avg_sq, updates, lr, self.train,
+                           ranges_within(unit.decay, start, stop))
             self.store.update_unit(unit.name, chunk)
         unit.target.copy_(unit.master.data)
 
