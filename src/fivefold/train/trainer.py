@@ -6,11 +6,12 @@ and logs. The loss of a micro-batch is its summed token cross-entropy divided by
 of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
 over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
 
-One rank with `zero_stage = 0` trains the plain model with torch's AdamW: the reference every
-parallel layout is compared with. Otherwise fivefold's data-parallel engine
+One rank with `zero_stage = 0` and no offload trains the plain model with torch's AdamW: the
+reference every parallel layout is compared with. Otherwise fivefold's data-parallel engine
 (fivefold.parallel.data_parallel: DDP, ZeRO-1/2/3, hierarchical sharding) owns parameters,
-gradients and optimizer; its collectives sum, so every rank scales its loss by the global
-token count only. The step's collectives and model-state bytes land in the ledger, whose
+gradients and optimizer (with `parallel.offload`, the offloaded units' optimizer on the host
+tier, fivefold.memory.offload); its collectives sum, so every rank scales its loss by the
+global token count only. The step's collectives and model-state bytes land in the ledger, whose
 summary goes into each metrics record.
 
 With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
