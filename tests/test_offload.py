@@ -128,9 +128,10 @@ def test_one_rank_offload_is_exact_and_records_its_bytes(parity_overrides, tmp_p
                               tmp_path / f"ref{stage}") for stage in range(4)}
     for stage, offload, fraction in ONE_RANK:
         label = (stage, offload, fraction)
-        cfg = load_config(None, _sets(parity_overrides, stage, offload,
-                                      tmp_path / f"nv{label}", fraction))
-        trainer = Trainer(cfg, CPU, tmp_path / f"run{label}")
+        name = f"{stage}-{offload}-{fraction}"
+        cfg = load_config(None, _sets(parity_overrides, stage, offload, tmp_path / f"nv{name}",
+                                      fraction))
+        trainer = Trainer(cfg, CPU, tmp_path / f"run{name}")
         losses = [trainer.train_step(s).loss for s in range(STEPS)]
         params = full_parameters(trainer)
         assert losses == ref[stage].losses, label
