@@ -4,8 +4,8 @@ cpu / nvme on one fixed model, and the CPU Adam kernels side by side.
     OMP_NUM_THREADS=1 python bench/offload.py [--steps 6] [--elements 16777216]
         [--deepspeed-python /tmp/ds-venv/bin/python]
 
-Part 1, one rank, ZeRO stage 1 (so all three runs take the data-parallel engine), the
-built-in corpus, fp32: per offload tier the ledger's model-state bytes (device total, host,
+Part 1, one rank, ZeRO stage 1 (so every run takes the data-parallel engine), the
+built-in corpus, fp32: per offload tier and CPU kernel (`parallel.offload_kernel`) the ledger's model-state bytes (device total, host,
 disk) after a step, the median `Trainer.train_step` wall time after two warm-up steps, and
 `fivefold.planner.simulate`'s predicted step time of the same config on the built-in "cpu"
 profile, printed as simulate returns it (whether it models offload is the planner's
@@ -64,8 +64,10 @@ print(statistics.median(times))
 
 def tiers(steps: int, nvme_dir: str) -> list[dict]:
     out = []
-    for offload in ("none", "cpu", "nvme"):
-        sets = BASE + [f"parallel.offload={offload}", f"parallel.offload_path='{nvme_dir}'"]
+    for offload, kernel in (("none", "foreach"), ("cpu", "foreach"), ("cpu", "fused"),
+                            ("nvme", "foreach"), ("nvme", "fused")):
+        sets = BASE + [f"parallel.offload={offload}", f"parallel.offload_path='{nvme_dir}'",
+                       f"parallel.offload_kernel={kernel}"]
         cfg = load_config(None, sets)
         prepare_data(cfg)
         trainer = Trainer(cfg, CPU, tempfile.mkdtemp())
@@ -74,7 +76,8 @@ def tiers(steps: int, nvme_dir: str) -> list[dict]:
         states = trainer.ledger.model_state_bytes
         spec = prepare(load_config(None, sets + ["cluster.gpu='cpu'", "cluster.gpus=1",
                                                  "cluster.gpus_per_node=1"]))
-        out.append({"offload": offload, "device_bytes": states["total"],
+        out.append({"offload": offload if offload == "none" else f"{offload} ({kernel})",
+                    "device_bytes": states["total"],
                     "host_bytes": states.get("host", 0), "disk_bytes": states.get("disk", 0),
                     "step_time_s": statistics.median(times[2:]),
                     "predicted_step_time_s": simulate(spec).step_time_s})

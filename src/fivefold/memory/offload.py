@@ -16,9 +16,9 @@ The data-parallel engine (fivefold.parallel.data_parallel) hands this module the
 * the step: decoupled weight decay on the matrices, then Adam, by torch's multi-tensor
   ("foreach") AdamW kernel, which on the CPU gives bit for bit what the engine's in-memory
   torch AdamW gives, in pieces of 65,536 elements so that its passes stay in cache (1.5x
-  over whole tensors, measured), through the disk tier's chunks with nvme. torch's fused
-  CPU kernel and DeepSpeed's CPU Adam are faster but round differently (bench/offload.py
-  measures all of them; docs/memory.md);
+  over whole tensors, measured), through the disk tier's chunks with nvme; or, with
+  `parallel.offload_kernel = "fused"`, torch's fused CPU kernel, about 5x faster and as fast
+  as DeepSpeed's CPU Adam, which rounds differently (bench/offload.py; docs/memory.md);
 * the updated master is copied back to the unit's compute shard; the engine then
   re-publishes it (stages 1-2: its usual all-gather).
 
@@ -48,12 +48,14 @@ from fivefold.memory.nvme_store import NvmeStore
 @dataclass(frozen=True)
 class Offload:
     """Where the offloaded units' optimizer goes: `tier` "cpu" or "nvme" (files under
-    offload_path/rank{rank}/), and the share of units (ParallelPlan.offloaded_units)."""
+    offload_path/rank{rank}/), the share of units (ParallelPlan.offloaded_units) and the
+    CPU AdamW `kernel` ("foreach" or "fused", `cpu_adamw_`)."""
 
     tier: str
     path: str | None
     fraction: float
     rank: int = 0
+    kernel: str = "foreach"
 
 
 CHUNK_ELEMENTS = 1 << 16  # the cpu tier's update runs in L2-sized pieces (measured fastest)
@@ -76,31 +78,34 @@ def ranges_within(ranges: list[tuple[int, int]], start: int, stop: int
 
 def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, updates: int, lr: float, train: TrainConfig,
-               decay: list[tuple[int, int]]) -> None:
+               decay: list[tuple[int, int]], fused: bool = False) -> None:
     """One AdamW update in place of host tensors (any contiguous slice of a unit's shard:
     every operation is elementwise), after `updates` earlier ones: decoupled weight decay on
     the `decay` ranges, then torch's foreach Adam with weight decay 0, bit for bit what the
     engine's in-memory path computes (its masked multiply by 1 - lr wd leaves the other
-    elements as they are, as skipping them does)."""
+    elements as they are, as skipping them does). `fused`: torch's fused CPU Adam kernel
+    instead, one pass over memory, which orders its float operations otherwise (about 1e-8
+    apart after a few steps at lr 1e-3)."""
     if train.weight_decay:
         factor = 1.0 - lr * train.weight_decay
         for start, stop in decay:
             master[start:stop].mul_(factor)
     step = torch.tensor(float(updates))  # the kernel counts it up to updates + 1
-    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step], foreach=True, amsgrad=False,
-         beta1=train.beta1, beta2=train.beta2, lr=lr, weight_decay=0.0, eps=train.eps,
-         maximize=False, decoupled_weight_decay=True)
+    adam([master], [grad], [exp_avg], [exp_avg_sq], [], [step], foreach=not fused,
+         fused=fused or None, amsgrad=False, beta1=train.beta1, beta2=train.beta2, lr=lr,
+         weight_decay=0.0, eps=train.eps, maximize=False, decoupled_weight_decay=True)
 
 
 def chunked_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, updates: int, lr: float, train: TrainConfig,
-                   decay: list[tuple[int, int]]) -> None:
+                   decay: list[tuple[int, int]], fused: bool = False) -> None:
     """`cpu_adamw_` over whole host tensors, CHUNK_ELEMENTS at a time (the cpu tier's step)."""
     numel = master.numel()
     for start in range(0, numel, CHUNK_ELEMENTS):
         stop = min(start + CHUNK_ELEMENTS, numel)
         cpu_adamw_(master[start:stop], grad[start:stop], exp_avg[start:stop],
-                   exp_avg_sq[start:stop], updates, lr, train, ranges_within(decay, start, stop))
+                   exp_avg_sq[start:stop], updates, lr, train, ranges_within(decay, start, stop),
+                   fused)
 
 
 class HostUnit:
@@ -137,6 +142,7 @@ class HostOptimizer:
 
     def __init__(self, units: list[HostUnit], train: TrainConfig, offload: Offload):
         self.units, self.train = units, train
+        self.fused = offload.kernel == "fused"
         self.updates = 0  # Adam updates applied so far (every unit steps together)
         self.store = None
         if offload.tier == "nvme":
@@ -167,12 +173,12 @@ class HostOptimizer:
     def _update(self, unit: HostUnit, updates: int, lr: float) -> None:
         if self.store is None:
             chunked_adamw_(unit.master.data, unit.grad, unit.exp_avg, unit.exp_avg_sq, updates,
-                           lr, self.train, unit.decay)
+                           lr, self.train, unit.decay, self.fused)
         else:
             def chunk(start, stop, exp_avg, exp_avg_sq):
                 cpu_adamw_(unit.master.data[start:stop], unit.grad[start:stop], exp_avg,
                            exp_avg_sq, updates, lr, self.train,
-                           ranges_within(unit.decay, start, stop))
+                           ranges_within(unit.decay, start, stop), self.fused)
             self.store.update_unit(unit.name, chunk)
         unit.target.copy_(unit.master.data)
 
@@ -209,12 +215,15 @@ class HostOptimizer:
 
     def after_load(self) -> None:
         """A checkpoint has filled the tensors of the last `states()`: take its step count
-        and, with nvme, write its moments as a new committed version."""
-        loaded = self._handed_out
+        and, with nvme, write its moments as a new committed version (nothing if no
+        `states()` was handed out since the last load)."""
+        loaded, self._handed_out = self._handed_out, []
+        if not loaded:
+            return
         steps = {int(state["step"].item()) for state in loaded}
         if len(steps) > 1:
             raise ValueError(f"offloaded units hold different step counts {sorted(steps)}")
-        self.updates = steps.pop() if steps else 0
+        self.updates = steps.pop()
         if self.store is not None:
             for unit, state in zip(self.units, loaded):
                 self.store.write_unit(unit.name, state["exp_avg"], state["exp_avg_sq"])

@@ -72,6 +72,7 @@ class ParallelPlan:
     offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
     offload_path: str | None
     offload_fraction: float
+    offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -278,7 +279,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
                                         else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
         gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
-        offload_path=p.offload_path, offload_fraction=p.offload_fraction)
+        offload_path=p.offload_path, offload_fraction=p.offload_fraction,
+        offload_kernel=p.offload_kernel)
 
 
 def fp8_base(default_precision: str) -> str:

@@ -196,7 +196,8 @@ class Trainer:
         """The engine's offload tier (fivefold.memory.offload), or None."""
         p = self.plan
         return (None if p.offload == "none" else
-                Offload(p.offload, p.offload_path, p.offload_fraction, self.rt.rank))
+                Offload(p.offload, p.offload_path, p.offload_fraction, self.rt.rank,
+                        p.offload_kernel))
 
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
         """The plain model, or this rank's pipeline stage, with pretrained weights in
