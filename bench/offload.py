@@ -4,22 +4,23 @@ cpu / nvme on one fixed model, and the CPU Adam kernels side by side.
     OMP_NUM_THREADS=1 python bench/offload.py [--steps 6] [--elements 16777216]
         [--deepspeed-python /tmp/ds-venv/bin/python]
 
-Part 1, one rank, ZeRO stage 1 (so every run takes the data-parallel engine), the
-built-in corpus, fp32: per offload tier and CPU kernel (`parallel.offload_kernel`) the ledger's model-state bytes (device total, host,
-disk) after a step, the median `Trainer.train_step` wall time after two warm-up steps, and
-`fivefold.planner.simulate`'s predicted step time of the same config on the built-in "cpu"
-profile, printed as simulate returns it (whether it models offload is the planner's
-business). On a CPU-only machine "device" and "host" are the same memory: the device column
-says what a GPU would no longer hold, the time says what the host-side step and copies cost,
-not what PCIe would.
+Part 1, one rank, ZeRO stage 1 (so every run takes the data-parallel engine), the built-in
+corpus, fp32: per offload tier and CPU kernel (`parallel.offload_kernel`) the ledger's
+model-state bytes (device total, host, disk) after a step, the median `Trainer.train_step`
+wall time after two warm-up steps, and `fivefold.planner.simulate`'s predicted step time of
+the same config on the built-in "cpu" profile, printed as simulate returns it (whether it
+models offload is the planner's business). On a CPU-only machine "device" and "host" are the
+same memory: the device column says what a GPU would no longer hold, the time says what the
+host-side step and copies cost, not what PCIe would.
 
 Part 2, one AdamW update of `--elements` fp32 parameters, median of 5 after a warm-up:
 fivefold's offloaded step (fivefold.memory.offload.chunked_adamw_: torch's foreach kernel in
-pieces of 65,536 elements, bit for bit the in-memory engine's AdamW), torch's single-tensor ("for-loop") and fused CPU
-AdamW, the same update streamed through the disk tier (fivefold.memory.nvme_store, chunked
-reads and writes on threads, files in a temporary directory), and DeepSpeed's CPU Adam
-(DeepSpeedCPUAdam, adamw_mode) when `--deepspeed-python` names an interpreter where it
-imports, run there as a child process (its extension builds on first use).
+pieces of 65,536 elements, bit for bit the in-memory engine's AdamW), torch's single-tensor
+("for-loop") and fused CPU AdamW, the same update streamed through the disk tier
+(fivefold.memory.nvme_store, chunked reads and writes on threads, files in a temporary
+directory), and DeepSpeed's CPU Adam (DeepSpeedCPUAdam, adamw_mode) when
+`--deepspeed-python` names an interpreter where it imports, run there as a child process (its
+extension builds on first use).
 """
 
 from __future__ import annotations

@@ -216,9 +216,10 @@ def test_offload_on_2_ranks_matches_in_memory_and_one_process(parity_overrides, 
                                                               tmp_path):
     """2 gloo ranks, ZeRO-0/1/2/3 with cpu and nvme offload (some at fraction 0.5), and cpu
     offload with tp 2, nvme with pp 2 (1F1B) at ZeRO-3: exact against the in-memory run of
-    the same layout, within the parity tolerance against one process; a cpu and an nvme run resumed from a step-2 checkpoint continue with the same
-    losses as uninterrupted (exactly). The nvme run's 2-rank ZeRO-1 checkpoint then resumes
-    resharded on one rank at ZeRO-3 with nvme offload, within the parity tolerance."""
+    the same layout, within the parity tolerance against one process; a cpu and an nvme run
+    resumed from a step-2 checkpoint continue with the same losses as uninterrupted
+    (exactly). The nvme run's 2-rank ZeRO-1 checkpoint then resumes resharded on one rank at
+    ZeRO-3 with nvme offload, within the parity tolerance."""
     runs, resumed = run_on_ranks(_offload_layouts, 2, parity_overrides, LAYOUTS_2,
                                  str(tmp_path), timeout_s=600)[0]
     _check_layouts(2, LAYOUTS_2, runs, reference)
