@@ -17,6 +17,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -330,3 +332,40 @@ def test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly(
                for run, path in (("straight", straight), ("killed", killed))}
     assert set(records["killed"]) == set(range(1, KILL_STEPS + 1))
     assert records["killed"] == records["straight"]
+
+
+def test_next_forward_waits_per_unit_for_its_update(parity_overrides, tmp_path):
+    """The overlap, shown by order rather than time: with the update of unit "layers.1"
+    held back after step 1, step 2's forward runs the root and block 0 (whose updates are
+    done) and then waits in block 1's pre-hook until that update is released and done."""
+    cfg = load_config(None, _sets(parity_overrides, 0, "cpu"))
+    trainer = Trainer(cfg, CPU, tmp_path / "run")
+    host, events, gate = trainer.engine.host, [], threading.Event()
+    real_update = host._update
+
+    def held_update(unit, updates, lr):
+        if unit.name == "layers.1" and updates == 0:
+            assert gate.wait(timeout=120)
+        real_update(unit, updates, lr)
+        events.append(("updated", unit.name))
+    host._update = held_update
+    for i, block in enumerate(trainer.model.layers):  # after the engine's waiting pre-hook
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: events.append(("forward", f"layers.{i}")))
+
+    def release_once_block_0_runs():
+        deadline = time.monotonic() + 120
+        while ("forward", "layers.0") not in events and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.set()
+    trainer.train_step(0)
+    releaser = threading.Thread(target=release_once_block_0_runs)
+    releaser.start()
+    try:
+        trainer.train_step(1)
+    finally:
+        gate.set()
+        releaser.join()
+    step_2 = events[events.index(("updated", "root")):]
+    assert step_2.index(("forward", "layers.0")) < step_2.index(("updated", "layers.1")) \
+        < step_2.index(("forward", "layers.1"))
