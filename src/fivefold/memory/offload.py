@@ -11,8 +11,8 @@ The data-parallel engine (fivefold.parallel.data_parallel) hands this module the
   files (fivefold.memory.nvme_store, two versions: 16 B per element on disk). Host buffers
   are pinned when the compute device is a GPU, so the copies to and from it are DMA
   transfers; on a CPU-only machine "host" is a second CPU buffer.
-* the gradient streams to the host once the unit's reduced gradient is final (the engine's
-  `after_backward`), and the global norm is clipped there;
+* the gradient streams to the host as soon as the unit's reduced gradient is final (when
+  the engine waits for its last collective), and the global norm is clipped there;
 * the step: decoupled weight decay on the matrices, then Adam, by torch's multi-tensor
   ("foreach") AdamW kernel, which on the CPU gives bit for bit what the engine's in-memory
   torch AdamW gives, in pieces of 65,536 elements so that its passes stay in cache (1.5x

@@ -217,6 +217,7 @@ class DataParallelEngine:
         self._attach_grad_views()
         self.decay_masks = [u.decay_mask() for u in self.units]
         self._unpublished: set[int] = set()  # offloaded units whose update is queued
+        self._on_host: set[int] = set()  # offloaded units whose final gradient is copied
         self.host = self._offload(offload) if offload else None
         self.offloaded = len(self.host.units) if self.host else 0
         self.views: list[tuple[str, torch.Tensor]] = []  # Muon: each parameter's master
@@ -461,6 +462,16 @@ class DataParallelEngine:
         C.wait(work)
         if part is not None:
             self.grad_shards[i] += part
+        if (self._last and i < self.offloaded
+                and (self.stage == 0 or self.unit_replicate[i].size == 1)):
+            self._grad_to_host(i)  # final now: no second hop across replicas follows
+
+    def _grad_to_host(self, i: int) -> None:
+        """Offloaded unit i's reduced gradient is final: copy it to its host buffer, which
+        becomes the master's gradient (clipped and stepped on the host)."""
+        self.host.wait(i)
+        self.masters[i].grad = self.host.units[i].grad.copy_(self.grad_shards[i])
+        self._on_host.add(i)
 
     def after_backward(self) -> None:
         """Finish the micro-batch's collectives; after the last, set the master gradients."""
@@ -474,11 +485,12 @@ class DataParallelEngine:
                                                           self.unit_replicate)):
             if self.stage >= 1:  # hierarchical sharding: second hop across replicas
                 C.all_reduce(grad, replicate, "grads")
-            if i < self.offloaded:  # final: stream it to the host buffer
-                self.host.wait(i)
-                master.grad = self.host.units[i].grad.copy_(grad)
+            if i < self.offloaded:  # streamed when its collective finished, or now
+                if i not in self._on_host:
+                    self._grad_to_host(i)
             else:
                 master.grad = grad if grad.dtype == torch.float32 else grad.float()
+        self._on_host.clear()
 
     # ------------------------------------------------------------------ the update
 
