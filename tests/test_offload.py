@@ -31,7 +31,7 @@ from fivefold.memory.nvme_store import NvmeStore, read_committed, read_manifest
 from fivefold.memory.offload import chunked_adamw_, cpu_adamw_, decay_ranges, ranges_within
 from fivefold.parallel.plan import offloaded_unit_count
 from fivefold.testing import run_on_ranks
-from fivefold.train.checkpoint import step_dir
+from fivefold.train.checkpoint import latest_checkpoint, step_dir
 from fivefold.train.trainer import Trainer
 
 TESTS = Path(__file__).parent
@@ -320,8 +320,8 @@ def test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly(
             assert torch.equal(newer[0], after[6][f"exp_avg.{tag}"])
             assert not torch.equal(newer[0], committed[0])
 
-    resumed = Trainer(load_config(None, nvme), CPU, killed)
-    resumed.run()
+    assert latest_checkpoint(killed) == step_dir(killed, 4)  # what the resume loads
+    Trainer(load_config(None, nvme), CPU, killed).run()
     final = {name: _checkpoint(step_dir(run, KILL_STEPS), tmp_path / f"{name}.pt")
              for name, run in (("straight", straight), ("killed", killed))}
     assert final["straight"].keys() == final["killed"].keys()
