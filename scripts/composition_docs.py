@@ -136,6 +136,9 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [z(1), *NVME_OFFLOAD]), (2, [z(2), *NVME_OFFLOAD]),
         (2, [z(3), *NVME_OFFLOAD, "parallel.offload_fraction=0.5"]), (2, [TP2, CPU_OFFLOAD]),
         (2, [PP2, micro(2), z(3), *NVME_OFFLOAD])],
+    "tests/test_offload.py::test_offload_on_4_ranks_matches_in_memory_and_one_process": [
+        (4, [z(0), *NVME_OFFLOAD]), (4, [z(1), CPU_OFFLOAD]), (4, [z(2), *NVME_OFFLOAD]),
+        (4, [z(3), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]), (4, [z(3), *NVME_OFFLOAD])],
     "tests/test_offload.py::test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly": [
         (1, [*NVME_OFFLOAD])],
 }
