@@ -52,6 +52,9 @@ def sched(name: str) -> str:
     return f"parallel.schedule={name}"
 
 
+CPU_OFFLOAD = "parallel.offload=cpu"
+NVME_OFFLOAD = ["parallel.offload=nvme", "parallel.offload_path=/tmp"]
+
 # test -> the (world size, overrides) it trains; representative layouts of each parity test
 FP8 = "parallel.precision=fp8"
 GALORE, LOMO = "train.optimizer=galore", "train.optimizer=lomo"
@@ -134,6 +137,17 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_fp8.py::test_fp8_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, micro(4)]), (2, [FP8, z(3), micro(2)]), (2, [FP8, PP2, micro(2)]),
         (2, [FP8, TP2]), (2, [FP8, TP2, "parallel.fp8_recipe=rowwise"])],
+    "tests/test_offload.py::test_offload_on_2_ranks_matches_in_memory_and_one_process": [
+        *((2, [z(stage), CPU_OFFLOAD]) for stage in (0, 1, 3)),
+        (2, [z(2), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]),
+        (2, [z(1), *NVME_OFFLOAD]), (2, [z(2), *NVME_OFFLOAD]),
+        (2, [z(3), *NVME_OFFLOAD, "parallel.offload_fraction=0.5"]), (2, [TP2, CPU_OFFLOAD]),
+        (2, [PP2, micro(2), z(3), *NVME_OFFLOAD])],
+    "tests/test_offload.py::test_offload_on_4_ranks_matches_in_memory_and_one_process": [
+        (4, [z(0), *NVME_OFFLOAD]), (4, [z(1), CPU_OFFLOAD]), (4, [z(2), *NVME_OFFLOAD]),
+        (4, [z(3), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]), (4, [z(3), *NVME_OFFLOAD])],
+    "tests/test_offload.py::test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly": [
+        (1, [*NVME_OFFLOAD])],
 }
 
 

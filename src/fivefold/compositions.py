@@ -125,6 +125,10 @@ REFUSALS: list[Refusal] = [
               "the offloaded optimizer step is AdamW's on the data-parallel engine's flat "
               "master weights; use train.optimizer = 'adamw' (and a synchronous schedule) with "
               "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
+    *(Refusal(f"offload={o}", ("fp16",), "parallel.precision",
+              "fp16 loss scaling runs on the plain one-rank path only, and offload trains "
+              "through the data-parallel engine; use 'bf16' (GPU) or 'fp32' with "
+              "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
     Refusal("fp8", ("optimizer=lomo",), "train.optimizer",
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "

@@ -126,6 +126,10 @@ class ParallelConfig:
                                     'optimizer-state files (one subdirectory per rank)', None)
     offload_fraction: float = _doc("share of the optimizer (by parameters, Megatron-style) "
                                    "that offload moves off the device; in (0, 1]", 1.0)
+    offload_kernel: str = _doc('the offloaded CPU AdamW: "foreach" (torch\'s multi-tensor '
+                               'kernel, bit for bit the in-memory update) | "fused" (torch\'s '
+                               'fused CPU kernel, about 5x faster, rounds differently: within '
+                               'the parity tolerance); docs/memory.md', "foreach")
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, '
                                  'fp32 on CPU; fp8: the blocks\' linears in fp8, the rest in '

@@ -20,6 +20,7 @@ CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "nvme")  # fivefold.memory.offload
+OFFLOAD_KERNELS = ("foreach", "fused")
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 FP8_RECIPES = ("tensorwise", "rowwise")  # fivefold.parallel.fp8.recipe
 FP8_TENSORS = ("input", "weight", "grad_output")  # the tensor classes a recipe rounds to fp8
@@ -169,11 +170,12 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
 
 
 def validate_offload(cfg: Config) -> None:
-    """`parallel.offload` and its two companions: a known tier, a fraction in (0, 1], and
+    """`parallel.offload` and its companions: a known tier and kernel, a fraction in (0, 1], and
     for "nvme" a directory that exists (or can be made) and is writable, checked here so
     that no rank finds out in its first optimizer step."""
     p = cfg.parallel
     _choice("parallel.offload", p.offload, OFFLOADS)
+    _choice("parallel.offload_kernel", p.offload_kernel, OFFLOAD_KERNELS)
     if not 0.0 < p.offload_fraction <= 1.0:  # also rejects NaN
         raise ConfigError("parallel.offload_fraction", f"must lie in (0, 1], got "
                                                        f"{p.offload_fraction}")

@@ -60,8 +60,17 @@ expert matrices form a unit of their own, reduced over the "edp" ranks that hold
 the same experts (all-reduced at stage 0, sharded over edp at stages 1-3) while the block's
 dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its units.
 
+Offload (`parallel.offload`, ZeRO-Offload / ZeRO-Infinity; fivefold.memory.offload and
+fivefold.memory.nvme_store): the first units by `ParallelPlan.offloaded_units` keep their
+fp32 master, gradient buffer and Adam moments in host memory (the moments on disk with
+nvme) and are updated there on a background thread; the device keeps their compute copy
+and its gradient, and no master or optimizer state for them; the rest keep the device's
+torch AdamW. A forward pre-hook on each module waits for its units' updates and, at stages
+1-2, all-gathers them then, on the calling thread, instead of in `step`. Each rank offloads
+its own shards.
+
 Every collective goes through fivefold.comm.collectives, so the ledger sees each byte; the
-engine records its model-state bytes per rank there too.
+engine records its model-state bytes per rank there too ("host" and "disk": offload's).
 """
 
 from __future__ import annotations
@@ -78,10 +87,12 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
+from fivefold.memory.offload import HostOptimizer, HostUnit, Offload
 from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.flat_unit import FlatUnit
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.plan import offloaded_unit_count
 
 
 def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
@@ -160,7 +171,8 @@ class DataParallelEngine:
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP(),
                  shard_axes: tuple[str, ...] = ("dp_shard",),
-                 expert_axes: tuple[C.Axis, C.Axis] | None = None):
+                 expert_axes: tuple[C.Axis, C.Axis] | None = None,
+                 offload: Offload | None = None):
         self.model, self.stage, self.train_cfg, self.zero_pp = model, stage, train, zero_pp
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
         self.ledger: Ledger = mesh.ledger
@@ -204,14 +216,21 @@ class DataParallelEngine:
                 unit.free_full()
         self._attach_grad_views()
         self.decay_masks = [u.decay_mask() for u in self.units]
+        self._unpublished: set[int] = set()  # offloaded units whose update is queued
+        self._on_host: set[int] = set()  # offloaded units whose final gradient is copied
+        self.host = self._offload(offload) if offload else None
+        self.offloaded = len(self.host.units) if self.host else 0
         self.views: list[tuple[str, torch.Tensor]] = []  # Muon: each parameter's master
         if train.optimizer == "muon":  # stage 0 only (config validation): whole matrices
             self.views = [(name, view) for unit, master in zip(self.units, self.masters)
                           for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
+        elif self.offloaded < len(self.masters):  # offloaded units: the host's AdamW
+            self.optimizer = torch.optim.AdamW(self.masters[self.offloaded:], lr=train.lr,
+                                               weight_decay=0.0, eps=train.eps,
+                                               betas=(train.beta1, train.beta2))
         else:
-            self.optimizer = torch.optim.AdamW(self.masters, lr=train.lr, weight_decay=0.0,
-                                               betas=(train.beta1, train.beta2), eps=train.eps)
+            self.optimizer = None
         self._pending: list[tuple[int, object, torch.Tensor | None]] = []
         self._ready = [0] * len(self.units)
         self._last = True
@@ -225,6 +244,51 @@ class DataParallelEngine:
         self.record_model_state()
 
     # ------------------------------------------------------------------ storage
+
+    def _offload(self, offload: Offload) -> HostOptimizer:
+        """Move the first units (ParallelPlan.offloaded_units' rule) to the host tier: their
+        masters become host tensors, updated by a HostOptimizer that publishes each to the
+        unit's compute copy or shard; the pre-hooks wait for it (`_await_update`)."""
+        count = offloaded_unit_count([u.shard_numel for u in self.units], offload.fraction)
+        host_units = []
+        for i, unit in enumerate(self.units[:count]):
+            target = (unit.full if self.stage == 0 else unit.shard if self.stage == 3
+                      else unit.full[unit.shard_slice])
+            host_units.append(HostUnit(unit.name, self.masters[i], self.decay_masks[i],
+                                       target, offload.tier))
+            self.masters[i] = host_units[-1].master
+        modules: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, module in enumerate(self.blocks[:count]):
+            module = module or self.model  # the root unit: before the whole forward
+            modules.setdefault(id(module), (module, []))[1].append(i)
+        def before(indices):
+            def hook(module, args):
+                for i in indices:
+                    self._await_update(i)
+            return hook
+
+        for module, indices in modules.values():
+            module.register_forward_pre_hook(before(indices))
+        return HostOptimizer(host_units, self.train_cfg, offload)
+
+    def _await_update(self, i: int) -> None:
+        """Before offloaded unit i computes: its update is published; stages 1-2 then
+        all-gather its shards (deferred from `step`, on this thread)."""
+        if i not in self._unpublished:
+            return
+        self._unpublished.discard(i)
+        self.host.wait(i)
+        if self.stage in (1, 2):
+            unit = self.units[i]
+            C.all_gather(unit.full, unit.full[unit.shard_slice], self.unit_shard[i], "params")
+
+    def wait_updates(self) -> None:
+        """Every queued offloaded update done and published (before checkpoints, gathers of
+        the whole state, pipelines' tied-weight sends)."""
+        if self.host:
+            for i in sorted(self._unpublished):
+                self._await_update(i)
+            self.host.wait_all()
 
     def _master_storage(self, unit: FlatUnit) -> torch.Tensor:
         """fp32 master: the compute buffer itself when that is fp32 (and not freed), else a copy."""
@@ -258,16 +322,22 @@ class DataParallelEngine:
         grads = sum(b.nbytes for b in self.grad_buffers if b is not None)
         if self.stage >= 2:
             grads = sum(g.nbytes for g in self.grad_shards)
-        master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
+        device_masters = self.masters[self.offloaded:]  # offloaded ones live on the host
+        master = (0 if self.param_dtype == torch.float32 else
+                  sum(m.nbytes for m in device_masters))
         optimizer = optimizer_state_bytes(self._torch_optimizers())
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
                                          "optimizer": optimizer,
-                                         "total": params + grads + master + optimizer}
+                                         "total": params + grads + master + optimizer,
+                                         "host": self.host.host_bytes() if self.host else 0,
+                                         "disk": self.host.disk_bytes() if self.host else 0}
 
     # ------------------------------------------------------------------ ZeRO-3 gathering
 
     def _gather(self, i: int, prefetch: bool = False, backward: bool = False) -> None:
         """All-gather unit i's weights: plain, qwZ-quantized, or (hpZ, backward) in the node."""
+        if i < self.offloaded:  # its shard is the host update's target
+            self._await_update(i)
         unit = self.units[i]
         if i in self._prefetch or unit.is_gathered() or unit.numel == 0:
             return  # a middle pipeline stage's root holds nothing
@@ -330,7 +400,9 @@ class DataParallelEngine:
     def hold_root(self) -> None:
         """Stage 3 under a pipeline: gather the root unit now and keep it gathered until
         `after_backward` or `release_root` (the first stage's tied-weight send reads it
-        before any forward, and each micro-batch uses it again). No-op at stages 0-2."""
+        before any forward, and each micro-batch uses it again). No-op at stages 0-2, but
+        for offload's pending updates, which the send must not overtake."""
+        self.wait_updates()
         if self.stage == 3:
             self._ensure_gathered(0)
             self._root_held = True
@@ -390,6 +462,16 @@ class DataParallelEngine:
         C.wait(work)
         if part is not None:
             self.grad_shards[i] += part
+        if (self._last and i < self.offloaded
+                and (self.stage == 0 or self.unit_replicate[i].size == 1)):
+            self._grad_to_host(i)  # final now: no second hop across replicas follows
+
+    def _grad_to_host(self, i: int) -> None:
+        """Offloaded unit i's reduced gradient is final: copy it to its host buffer, which
+        becomes the master's gradient (clipped and stepped on the host)."""
+        self.host.wait(i)
+        self.masters[i].grad = self.host.units[i].grad.copy_(self.grad_shards[i])
+        self._on_host.add(i)
 
     def after_backward(self) -> None:
         """Finish the micro-batch's collectives; after the last, set the master gradients."""
@@ -399,11 +481,16 @@ class DataParallelEngine:
             self.release_root()
         if not self._last:
             return
-        for master, grad, replicate in zip(self.masters, self.grad_shards,
-                                           self.unit_replicate):
+        for i, (master, grad, replicate) in enumerate(zip(self.masters, self.grad_shards,
+                                                          self.unit_replicate)):
             if self.stage >= 1:  # hierarchical sharding: second hop across replicas
                 C.all_reduce(grad, replicate, "grads")
-            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if i < self.offloaded:  # streamed when its collective finished, or now
+                if i not in self._on_host:
+                    self._grad_to_host(i)
+            else:
+                master.grad = grad if grad.dtype == torch.float32 else grad.float()
+        self._on_host.clear()
 
     # ------------------------------------------------------------------ the update
 
@@ -413,7 +500,11 @@ class DataParallelEngine:
         With Muon its optimizers step per-parameter views of the (whole, stage 0) master,
         weight decay included, as fivefold.optim does for a plain model."""
         wd = self.train_cfg.weight_decay
-        for group in self.optimizer.param_groups:
+        if self.host:  # the offloaded units, in forward order, on the host's thread
+            self.wait_updates()
+            self.host.submit(lr)
+            self._unpublished = set(range(self.offloaded))
+        for group in self.optimizer.param_groups if self.optimizer else []:
             group["lr"] = lr
         if self.views:  # the same slicing of the master gradient
             grads = [g for unit, master in zip(self.units, self.masters)
@@ -422,12 +513,14 @@ class DataParallelEngine:
                 view.grad = grad
         if wd and not self.views:
             factor = 1.0 - lr * wd
-            for m, mask in zip(self.masters, self.decay_masks):
+            for m, mask in list(zip(self.masters, self.decay_masks))[self.offloaded:]:
                 m.mul_(torch.where(mask, factor, 1.0))
-        self.optimizer.step()
+        if self.optimizer:
+            self.optimizer.step()
         for _, view in self.views:
             view.grad = None
-        for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
+        for unit, master, axis in list(zip(self.units, self.masters,
+                                           self.unit_shard))[self.offloaded:]:
             if self.stage == 0:
                 if master.data_ptr() != unit.full.data_ptr():
                     unit.full.copy_(master)
@@ -441,6 +534,8 @@ class DataParallelEngine:
         self.record_model_state()
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.optimizer is None:
+            return []
         return list(getattr(self.optimizer, "optimizers", [self.optimizer]))
 
     def zero_grad(self) -> None:
@@ -481,13 +576,17 @@ class DataParallelEngine:
 
     def _adam_states(self) -> list[dict[str, torch.Tensor]]:
         """AdamW's state of each master, created empty where no step has run yet, so that a
-        checkpoint load can fill it."""
-        for master in self.masters:
+        checkpoint load can fill it; the offloaded units' from the host tier (nvme: the
+        committed version, which `after_checkpoint_load` writes back once loaded)."""
+        self.wait_updates()
+        offloaded = self.host.states() if self.host else []
+        for master in self.masters[self.offloaded:]:
             state = self.optimizer.state[master]
             if not state:
                 state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))
-        return [self.optimizer.state[master] for master in self.masters]
+        return offloaded + [self.optimizer.state[master]
+                            for master in self.masters[self.offloaded:]]
 
     @torch.no_grad()
     def load_whole_state(self, weights: dict[str, torch.Tensor],
@@ -537,7 +636,10 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def after_checkpoint_load(self) -> None:
-        """Re-publish the loaded master weights to the compute parameters."""
+        """Re-publish the loaded master weights to the compute parameters (offload: and let
+        the host tier take the loaded step count and moments)."""
+        if self.host:
+            self.host.after_load()
         for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
             if self.stage == 3:
                 unit.shard.copy_(master)
@@ -550,13 +652,14 @@ class DataParallelEngine:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value by its model name, gathered on every rank."""
+        self.wait_updates()
         out = {}
         for unit, master, axis in zip(self.units, self.masters, self.unit_shard):
             if self.stage == 0:
                 flat = master.detach()
             else:
-                flat = torch.empty(unit.padded, dtype=torch.float32, device=master.device)
-                C.all_gather(flat, master.detach(), axis, "state_dict")
+                flat = torch.empty(unit.padded, dtype=torch.float32, device=unit.device)
+                C.all_gather(flat, master.detach().to(unit.device), axis, "state_dict")
             for name, view in zip(unit.names, unit.views(flat)):
                 out[name] = view.clone()
         return out

@@ -31,7 +31,8 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, axes: list[Axis]
     for i, g in enumerate(grads):
         mask = counted[i] if counted else None
         g32 = g.float()
-        parts.append(torch.linalg.vector_norm(g32 if mask is None else torch.where(mask, g32, 0.0)))
+        part = torch.linalg.vector_norm(g32 if mask is None else torch.where(mask, g32, 0.0))
+        parts.append(part.to(device))  # offload: host gradients beside device ones
     norm = (torch.linalg.vector_norm(torch.stack(parts)) if parts
             else torch.zeros((), dtype=torch.float32, device=device))
     if axes:  # the parts of other ranks: sum the squares
@@ -44,5 +45,5 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, axes: list[Axis]
     # the step is then skipped or stopped (fivefold.train.nonfinite), naming the culprit
     coef = torch.where(torch.isfinite(norm), coef, 1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return norm

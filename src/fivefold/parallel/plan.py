@@ -72,6 +72,10 @@ class ParallelPlan:
     qgz: bool
     optimizer: str
     gpus_per_node: int
+    offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
+    offload_path: str | None
+    offload_fraction: float
+    offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -160,6 +164,14 @@ class ParallelPlan:
             return "engine"
         return "plain"
 
+    def offloaded_units(self, shard_numels: list[int]) -> int:
+        """How many of the engine's units (in engine order, fivefold.parallel.data_parallel)
+        offload moves off the device, given this rank's shard elements of each: the shortest
+        prefix whose elements reach `offload_fraction` of them all (Megatron's offload
+        fraction); 0 without offload. The runtime and the planner both count by this rule."""
+        return 0 if self.offload == "none" else offloaded_unit_count(shard_numels,
+                                                                     self.offload_fraction)
+
     @property
     def context_degrees(self) -> tuple[int, int]:
         """(ring degree, Ulysses degree) of the cp ranks: cp x 1 for ring, 1 x cp for
@@ -247,6 +259,17 @@ class ParallelPlan:
         return dataclasses.replace(self, **changes)
 
 
+def offloaded_unit_count(shard_numels: list[int], fraction: float) -> int:
+    """The shortest prefix of units whose shard elements reach `fraction` of them all
+    (`ParallelPlan.offloaded_units`; the engine applies it to its units)."""
+    need, total = fraction * sum(shard_numels), 0
+    for count, numel in enumerate(shard_numels, 1):
+        total += numel
+        if total >= need:
+            return count
+    return len(shard_numels)
+
+
 def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf16"
                      ) -> ParallelPlan:
     """The plan a config describes on `world_size` ranks, defaults resolved (precision:
@@ -270,7 +293,9 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
                                         else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
-        gpus_per_node=cfg.cluster.gpus_per_node)
+        gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
+        offload_path=p.offload_path, offload_fraction=p.offload_fraction,
+        offload_kernel=p.offload_kernel)
 
 
 def fp8_base(default_precision: str) -> str:

@@ -8,7 +8,10 @@ Measured, on this rank:
 * parameters, gradients, master copies and optimizer states: the data-parallel engine's own
   record of its flat buffers (fivefold.parallel.data_parallel), or, on the plain path, the
   model's parameters, the gradients they held at the first update and the tensors in torch's
-  optimizer state (LOMO keeps no full gradient and no state);
+  optimizer state (LOMO keeps no full gradient and no state); these rows are the device's;
+* with offload (fivefold.memory.offload), the host's and the disk's: the offloaded units'
+  master, gradient buffer and (cpu) moments in host memory, and (nvme) the bytes of the
+  moments' two versions on disk, as the engine records them;
 * activations: the bytes autograd saved for backward during the run's first micro-batch and
   still holds at the end of its forward, counted by saved-tensor hooks
   (fivefold.memory.activation_count's `resident_bytes`: ZeRO-3's released weight buffers
@@ -35,6 +38,7 @@ from fivefold.train.metrics import peak_memory_bytes
 
 ROWS = (("params", "parameters"), ("grads", "gradients"),
         ("optimizer", "optimizer states + master copies"),
+        ("host", "optimizer states, host"), ("disk", "optimizer states, disk"),
         ("activations_per_micro_batch", "activations, one micro-batch"))
 
 
@@ -69,15 +73,16 @@ class MemoryProbe:
         optimizers (an OptimizerPair's two, or none)."""
         if model_state:
             states = {"params": model_state["params"], "grads": model_state["grads"],
-                      "optimizer": model_state["master"] + model_state["optimizer"]}
+                      "optimizer": model_state["master"] + model_state["optimizer"],
+                      "host": model_state["host"], "disk": model_state["disk"]}
         else:
             states = {"params": _unique_bytes(model.parameters()), "grads": self.grads or 0,
-                      "optimizer": optimizer_state_bytes(optimizers)}
+                      "optimizer": optimizer_state_bytes(optimizers), "host": 0, "disk": 0}
         measured = {**states, "activations_per_micro_batch": self.activations,
                     "process_peak": peak_memory_bytes(device)}
         lines = [f"memory on rank {rank} (MiB, measured / planner):"]
         for key, label in ROWS:
-            want = None if predicted is None else predicted[key]
+            want = None if predicted is None else predicted.get(key)  # host, disk: planner's
             lines.append(f"  {label:36s} {_mib(measured[key]):>10s} / {_mib(want)}")
         if predicted and predicted["micro_batches_in_flight"] > 1:
             lines.append(f"  (the pipeline holds up to {predicted['micro_batches_in_flight']} "

@@ -6,11 +6,12 @@ and logs. The loss of a micro-batch is its summed token cross-entropy divided by
 of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
 over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
 
-One rank with `zero_stage = 0` trains the plain model with torch's AdamW: the reference every
-parallel layout is compared with. Otherwise fivefold's data-parallel engine
+One rank with `zero_stage = 0` and no offload trains the plain model with torch's AdamW: the
+reference every parallel layout is compared with. Otherwise fivefold's data-parallel engine
 (fivefold.parallel.data_parallel: DDP, ZeRO-1/2/3, hierarchical sharding) owns parameters,
-gradients and optimizer; its collectives sum, so every rank scales its loss by the global
-token count only. The step's collectives and model-state bytes land in the ledger, whose
+gradients and optimizer (with `parallel.offload`, the offloaded units' optimizer on the host
+tier, fivefold.memory.offload); its collectives sum, so every rank scales its loss by the
+global token count only. The step's collectives and model-state bytes land in the ledger, whose
 summary goes into each metrics record.
 
 With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
@@ -86,6 +87,7 @@ from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.galore_dp import GaLoreDataParallel
 from fivefold.memory.lomo import FusedSGD
+from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
                                        remove_partials, save_checkpoint, shard_tag)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
@@ -174,7 +176,8 @@ class Trainer:
             self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
                                              rt.device, DTYPES[self.compute],
                                              DTYPES[plan.reduce_dtype], zero_pp,
-                                             plan.shard_axes, self.expert_axes)
+                                             plan.shard_axes, self.expert_axes,
+                                             self._offload())
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None)
         elif plan.update == "galore-dp":  # whole matrices on every rank, states sharded
@@ -198,6 +201,13 @@ class Trainer:
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
                            else 0)
+
+    def _offload(self) -> Offload | None:
+        """The engine's offload tier (fivefold.memory.offload), or None."""
+        p = self.plan
+        return (None if p.offload == "none" else
+                Offload(p.offload, p.offload_path, p.offload_fraction, self.rt.rank,
+                        p.offload_kernel))
 
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
         """The plain model, or this rank's pipeline stage, with pretrained weights in
