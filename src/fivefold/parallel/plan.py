@@ -56,6 +56,9 @@ class ParallelPlan:
     micro_batch: int
     global_batch: int
     recompute: str
+    offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
+    offload_path: str | None
+    offload_fraction: float  # the share of this rank's shard elements offloaded
     sequence_parallel: bool
     precision: str
     fp8_emulate: bool | None  # None: emulate where the device has no fp8 units
@@ -136,13 +139,14 @@ class ParallelPlan:
     def update(self) -> str:
         """Who owns parameters, gradients and the optimizer step:
         "engine"         fivefold.parallel.data_parallel (DDP / ZeRO, flat units), every
-                         layout with more than one rank or a ZeRO stage, pipelines included
+                         layout with more than one rank, a ZeRO stage or offload, pipelines
+                         included
         "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
         "lomo"           SGD fused into backward (fivefold.memory.lomo), one rank
         "plain"          torch's optimizer on the plain model, one rank: the reference"""
         if self.asynchronous:
             return "pipedream-2bw"
-        if self.gpus > 1 or self.zero_stage > 0:
+        if self.gpus > 1 or self.zero_stage > 0 or self.offload != "none":
             return "engine"
         return "lomo" if self.optimizer == "lomo" else "plain"
 
@@ -248,7 +252,9 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
-        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
+        recompute=p.recompute, offload=p.offload, offload_path=p.offload_path,
+        offload_fraction=p.offload_fraction, sequence_parallel=p.sequence_parallel,
+        precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
