@@ -56,9 +56,6 @@ class ParallelPlan:
     micro_batch: int
     global_batch: int
     recompute: str
-    offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
-    offload_path: str | None
-    offload_fraction: float  # the share of this rank's shard elements offloaded
     sequence_parallel: bool
     precision: str
     fp8_emulate: bool | None  # None: emulate where the device has no fp8 units
@@ -72,6 +69,9 @@ class ParallelPlan:
     qgz: bool
     optimizer: str
     gpus_per_node: int
+    offload: str  # "none" | "cpu" | "nvme" (fivefold.memory.offload)
+    offload_path: str | None
+    offload_fraction: float
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -149,6 +149,20 @@ class ParallelPlan:
         if self.gpus > 1 or self.zero_stage > 0 or self.offload != "none":
             return "engine"
         return "lomo" if self.optimizer == "lomo" else "plain"
+
+    def offloaded_units(self, shard_numels: list[int]) -> int:
+        """How many of the engine's units (in engine order, fivefold.parallel.data_parallel)
+        offload moves off the device, given this rank's shard elements of each: the shortest
+        prefix whose elements reach `offload_fraction` of them all (Megatron's offload
+        fraction); 0 without offload. The runtime and the planner both count by this rule."""
+        if self.offload == "none":
+            return 0
+        need, total = self.offload_fraction * sum(shard_numels), 0
+        for count, numel in enumerate(shard_numels, 1):
+            total += numel
+            if total >= need:
+                return count
+        return len(shard_numels)
 
     @property
     def context_degrees(self) -> tuple[int, int]:
@@ -252,15 +266,14 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
-        recompute=p.recompute, offload=p.offload, offload_path=p.offload_path,
-        offload_fraction=p.offload_fraction, sequence_parallel=p.sequence_parallel,
-        precision=precision,
+        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
                                         else precision),
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
-        gpus_per_node=cfg.cluster.gpus_per_node)
+        gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
+        offload_path=p.offload_path, offload_fraction=p.offload_fraction)
 
 
 def fp8_base(default_precision: str) -> str:
