@@ -75,7 +75,7 @@ def expected_state(stage: int, psi: int, n: int, compute_bytes: int) -> dict:
     if stage >= 3:
         params //= n
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
-            "total": params + grads + master + optimizer}
+            "total": params + grads + master + optimizer, "host": 0, "disk": 0}
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))

@@ -260,9 +260,12 @@ class DataParallelEngine:
             grads = sum(g.nbytes for g in self.grad_shards)
         master = 0 if self.param_dtype == torch.float32 else sum(m.nbytes for m in self.masters)
         optimizer = optimizer_state_bytes(self._torch_optimizers())
+        # host and disk: the offload tiers' bytes (shared interface; nothing is offloaded
+        # by this engine yet)
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
                                          "optimizer": optimizer,
-                                         "total": params + grads + master + optimizer}
+                                         "total": params + grads + master + optimizer,
+                                         "host": 0, "disk": 0}
 
     # ------------------------------------------------------------------ ZeRO-3 gathering
 
