@@ -5,10 +5,11 @@ what the engine records); on the plain one-rank path the model stays fp32 under 
 torch's optimizer keeps its state per parameter, so the same count is taken at fp32 with no
 master copy. Under offload the optimizer row is what stays on the device and two rows more,
 "optimizer states, host" and "optimizer states, disk", hold the offloaded units' master,
-moments and fp32 gradient (fivefold.planner.memory's table). Activations are one micro-batch's saved bytes on this rank (this stage's blocks
-and its share of the root, fivefold.planner.activations), which the trainer measures with
-saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
-in-flight micro-batches of them, which the report states but does not measure.
+moments and fp32 gradient (fivefold.planner.memory's table). Activations are one
+micro-batch's saved bytes on this rank (this stage's blocks and its share of the root,
+fivefold.planner.activations), which the trainer measures with saved-tensor hooks on its
+first micro-batch; a pipeline stage holds up to its schedule's in-flight micro-batches of
+them, which the report states but does not measure.
 """
 
 from __future__ import annotations
