@@ -15,10 +15,11 @@ host tier (fivefold.hardware.HostTier) and overlaps them as the runtime does
    end of backward. The link carries one transfer at a time.
 2. CPU step. The background thread steps the offloaded units one by one in forward order at
    this rank's share of the host's CPU AdamW rate (HostTier.adam_elems_per_s over the ranks
-   sharing the host). A unit's step starts when
-   its gradient is on the host and, with gradient clipping (train.grad_clip > 0), not before
-   the end of backward, since the clipping factor needs the global norm: then nothing of the
-   step overlaps backward, and in forward order the root (reduced last) comes first anyway.
+   sharing the host), each once its gradient is on the host. Nothing of the step overlaps
+   backward: with gradient clipping (train.grad_clip > 0) the clipping factor needs the
+   global norm, which exists only after the last backward, and in forward order the first
+   unit (the root, or a middle stage's first block) is the last whose gradient completes,
+   so also without clipping the thread cannot start earlier. Only the downloads overlap.
 3. nvme: each unit's moments are read (8 B per element) and written back (8 B) in chunks of
    CHUNK_ELEMENTS while the CPU updates the chunk between them, so a unit takes the larger
    of its disk time (at this rank's share of the host's drives) and its CPU time, not their
@@ -77,7 +78,7 @@ def ranks_on_host(host: HostTier, gpus: int, gpus_per_node: int) -> int:
 
 
 def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
-                  grad_bytes: int, param_bytes: int, clip: bool,
+                  grad_bytes: int, param_bytes: int,
                   forward_start_s: float = 0.0) -> OffloadTimes:
     """The module docstring's model for one rank's offloaded units `work` (forward order)
     on `host`, shared by `sharing` ranks; 0 for everything without offloaded units."""
@@ -103,8 +104,7 @@ def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
     cpu_free = link_back = float("-inf")
     forward_end = forward_start_s
     for u, w in enumerate(work):
-        start = max(on_host[u], cpu_free, 0.0 if clip else float("-inf"))
-        cpu_free = start + max(cpu[u], disk[u]) + fill
+        cpu_free = max(on_host[u], cpu_free) + max(cpu[u], disk[u]) + fill
         link_back = max(link_back, cpu_free) + up[u]
         forward_end = max(forward_end, link_back) + w.forward_s
     exposed = max(0.0, forward_end - forward_start_s - sum(w.forward_s for w in work))
@@ -154,7 +154,7 @@ def rank_offload(sm, rank: int, forward_start_s: float) -> OffloadTimes:
     stage = lay.zero_stage
     grad_bytes = PRECISION_BYTES[lay.reduce_dtype] if stage >= 2 else sm.a
     return offload_times(rank_work(sm, rank), lay.offload, sm.prof.host, sharing(sm),
-                         grad_bytes, sm.a, cfg.train.grad_clip > 0, forward_start_s)
+                         grad_bytes, sm.a, forward_start_s)
 
 
 def sharing(sm) -> int:

@@ -1,0 +1,227 @@
+"""The planner's host and disk tiers (fivefold.planner.offload, fivefold.hardware.HostTier):
+offloaded bytes by the shared rule, to the byte, against an independent count of the runtime's
+units; the step-time terms' response to each bandwidth; `plan` choosing offload for a model
+that does not fit one GPU; and the profile files that carry the tiers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.hardware import PROFILES, HostTier, load_profile
+from fivefold.models.llama import Transformer
+from fivefold.parallel.data_parallel import split_units
+from fivefold.parallel.plan import plan_from_config
+from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.offload import UnitWork, offload_times
+from fivefold.planner.rank_memory import predicted_rank_memory
+from fivefold.planner.report import plan_text
+from fivefold.planner.search import search
+from fivefold.planner.simulate import simulate
+from fivefold.planner.spec import prepare
+
+# vocab 501: the root unit holds an odd number of elements, so sharding pads it
+SMALL = ["model.layers=3", "model.hidden=32", "model.heads=4", "model.kv_heads=2",
+         "model.ffn_hidden=48", "model.vocab=501", "model.seq_len=16",
+         "parallel.precision='bf16'", "parallel.global_batch=4"]
+H100 = PROFILES["H100-SXM"]
+
+
+def independent_state(cfg, world: int, tier: str, fraction: float) -> dict[str, int]:
+    """The shared rule counted from the runtime's own units (split_units of the real model),
+    padded to the shard degree as FlatUnit pads them; bf16 compute and reduce dtypes."""
+    stage = cfg.parallel.zero_stage
+    n = world if stage >= 1 else 1
+    numels = [sum(p.numel() for _, p in params) for _, params, _ in
+              split_units(Transformer(cfg.model))]
+    padded = [math.ceil(x / n) * n for x in numels]
+    local = [x // n for x in padded]
+    k, held = 0, 0
+    while held < fraction * sum(local):  # the shortest prefix reaching the fraction
+        held += local[k]
+        k += 1
+    off, kept = sum(local[:k]), sum(local[k:])
+    host, disk = {"cpu": (16, 0), "nvme": (8, 16)}[tier]
+    params = 2 * sum(padded)
+    grads = 2 * (sum(local) if stage >= 2 else sum(padded))
+    return {"params": params, "grads": grads, "master": 4 * kept, "optimizer": 8 * kept,
+            "total": params + grads + 12 * kept, "host": host * off, "disk": disk * off}
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("stage,world", [(0, 1), (2, 2)])
+def test_offloaded_bytes_follow_the_shared_rule(tier, fraction, stage, world, tmp_path):
+    """Device, host and disk bytes of rank 0 equal the independent count exactly; at 0.5 a
+    strict prefix moves (some state stays on the device), at 1 nothing of it stays."""
+    cfg = load_config(None, SMALL + [f"parallel.zero_stage={stage}",
+                                     f"parallel.offload='{tier}'",
+                                     f"parallel.offload_fraction={fraction}",
+                                     f"parallel.offload_path='{tmp_path}'"])
+    plan = plan_from_config(cfg, world)
+    assert plan.update == "engine"  # offload always runs on the engine, also on one rank
+    want = independent_state(cfg, world, tier, fraction)
+    assert predict_ledger(cfg, plan, 0).model_state_bytes == want
+    if fraction == 1.0:
+        assert want["master"] == want["optimizer"] == 0
+    else:
+        assert want["optimizer"] > 0 and want["host"] > 0
+    rows = predicted_rank_memory(cfg, plan, 0)
+    assert (rows["optimizer"], rows["optimizer_host"], rows["optimizer_disk"]) == (
+        want["master"] + want["optimizer"], want["host"], want["disk"])
+
+
+def test_without_offload_nothing_is_on_host_or_disk():
+    cfg = load_config(None, SMALL + ["parallel.zero_stage=1"])
+    state = predict_ledger(cfg, plan_from_config(cfg, 2), 0).model_state_bytes
+    assert state["host"] == state["disk"] == 0 and state["optimizer"] > 0
+
+
+# ------------------------------------------------------------------ step time
+
+WORK = [UnitWork(50_000_000, 0.02, 0.0)] + [UnitWork(200_000_000, 0.05, -0.1 * k)
+                                            for k in range(8)]
+
+
+def exposed(tier: str, **host) -> float:
+    tier_host = dataclasses.replace(H100.host, **host)
+    return offload_times(WORK, tier, tier_host, 1, 2, 2).exposed_s
+
+
+@pytest.mark.parametrize("tier,field", [("cpu", "link_GBps"), ("cpu", "adam_elems_per_s"),
+                                        ("nvme", "link_GBps"), ("nvme", "adam_elems_per_s"),
+                                        ("nvme", "nvme_read_GBps"),
+                                        ("nvme", "nvme_write_GBps")])
+def test_exposed_time_falls_as_each_bandwidth_grows(tier, field):
+    """Scaling one host figure up never lengthens the step; from 1/16 to four times the
+    datasheet value the exposed time falls strictly (each term is on the critical path
+    somewhere in that range: under nvme the H100 host's CPU step hides behind its drives
+    until its rate drops below theirs)."""
+    base = getattr(H100.host, field)
+    times = [exposed(tier, **{field: base * s}) for s in (1 / 16, 1 / 4, 1 / 2, 1, 2, 4)]
+    assert all(b <= a for a, b in zip(times, times[1:]))
+    assert times[-1] < times[0]
+
+
+def test_one_unit_waits_for_the_whole_chain_and_nvme_pipelines_disk_with_cpu():
+    """One unit and clipping: the forward waits for download + CPU step + upload. Under nvme
+    the unit takes the larger of its disk and CPU time plus one chunk, never their sum."""
+    host = H100.host
+    n, g, p = 10**8, 2, 2
+    one = [UnitWork(n, 0.01, 0.0)]
+    link = host.link_Bps
+    cpu = n / host.adam_elems_per_s
+    got = offload_times(one, "cpu", host, 1, g, p).exposed_s
+    assert got == pytest.approx(n * g / link + cpu + n * p / link, rel=1e-12)
+    per = 8 / (host.nvme_read_GBps * 1e9) + 8 / (host.nvme_write_GBps * 1e9)
+    nvme = offload_times(one, "nvme", host, 1, g, p)
+    assert nvme.exposed_s == pytest.approx(
+        n * g / link + max(cpu, n * per) + (1 << 16) * per + n * p / link, rel=1e-12)
+    assert nvme.exposed_s < got + n * per  # pipelined, not summed
+
+
+def test_downloads_overlap_backward_and_a_later_forward_hides_more():
+    """On a slow link, gradients that are ready during backward (the blocks') expose less
+    than the same units all ready at its end; the CPU step itself starts after backward
+    (the first unit's gradient completes last). A forward that could only start later
+    (after the device's own work) hides more of the offloaded step."""
+    host = dataclasses.replace(H100.host, link_GBps=2.0)
+    at_end = [dataclasses.replace(w, grad_ready_s=0.0) for w in WORK]
+    during = offload_times(WORK, "cpu", host, 1, 2, 2).exposed_s
+    assert during < offload_times(at_end, "cpu", host, 1, 2, 2).exposed_s
+    assert offload_times(WORK, "cpu", host, 1, 2, 2, forward_start_s=0.5).exposed_s < during
+
+
+def test_ranks_sharing_a_host_share_its_cpu_and_drives():
+    host = H100.host
+    alone = offload_times(WORK, "nvme", host, 1, 2, 2)
+    shared = offload_times(WORK, "nvme", host, 8, 2, 2)
+    assert shared.cpu_s == pytest.approx(8 * alone.cpu_s, rel=1e-12)
+    assert shared.exposed_s > alone.exposed_s
+
+
+# ------------------------------------------------------------------ simulate and plan
+
+def spec_8b(*sets):
+    return prepare(load_config(None, ["model.preset='8B'", "cluster.gpus=1",
+                                      "cluster.gpu='H100-SXM'", "parallel.global_batch=8",
+                                      "parallel.micro_batch=1", "parallel.recompute='full'",
+                                      *sets]))
+
+
+def test_simulate_counts_the_cpu_step_and_the_host_fit():
+    """8B on one 80 GB H100: it does not fit without offload, fits with cpu offload, whose
+    exposed CPU step is optimizer time (breakdown still sums to the step); a host too small
+    for the 16 B per element makes it not fit again."""
+    none, cpu = simulate(spec_8b()), simulate(spec_8b("parallel.offload='cpu'"))
+    assert not none.fits and cpu.fits
+    o = cpu.to_json()["offload"]
+    assert o["exposed_s"] > 0 and o["host_fits"] and o["disk_bytes_per_gpu"] == 0
+    device_step = cpu.step_model.optimizer_s(0)  # nothing left but its launches
+    assert device_step < 1e-3
+    assert cpu.breakdown_s["optimizer"] == pytest.approx(device_step + o["exposed_s"], rel=1e-9)
+    assert sum(cpu.breakdown_s.values()) == pytest.approx(cpu.step_time_s, rel=1e-9)
+    assert cpu.memory_per_gpu_bytes["optimizer"] == 0
+    assert o["host_bytes_per_gpu"] == 16 * sum(
+        u.padded for u in cpu.step_model.rank_units(0))
+    small_host = dataclasses.replace(H100, host=dataclasses.replace(
+        H100.host, memory_bytes=o["host_bytes_per_gpu"] - 1))
+    assert not simulate(spec_8b("parallel.offload='cpu'"), small_host).fits
+    slow_link = dataclasses.replace(H100, host=dataclasses.replace(H100.host, link_GBps=4.0))
+    assert simulate(spec_8b("parallel.offload='cpu'"), slow_link).step_time_s > cpu.step_time_s
+
+
+def test_plan_fits_a_model_too_big_for_one_gpu_with_cpu_offload():
+    """`plan` for 8B on one H100: no layout fits without offload, so the best one offloads to
+    the CPU; its step time includes the exposed CPU step, and the text says so."""
+    cfg = spec_8b()
+    result = search(cfg, H100, top_k=3)
+    assert result.best
+    best = result.best[0]
+    assert best.layout.offload == "cpu" and best.fits
+    alone = simulate(cfg, H100, best.layout.replace(offload="none"))
+    assert not alone.fits
+    assert best.step_time_s == pytest.approx(
+        alone.step_time_s - alone.breakdown_s["optimizer"] + best.breakdown_s["optimizer"],
+        rel=1e-9)
+    assert best.offload["exposed_s"] > 0
+    text = plan_text(result, cfg, H100, "spec.toml")
+    assert "it fits with cpu offload" in text and "--set parallel.offload=cpu" in text
+
+
+def test_plan_keeps_offload_off_when_the_model_fits():
+    cfg = prepare(load_config(None, ["model.preset='1B'", "cluster.gpus=1",
+                                     "cluster.gpu='H100-SXM'", "parallel.global_batch=8"]))
+    best = search(cfg, H100, top_k=1).best[0]
+    assert best.layout.offload == "none" and best.offload is None
+
+
+# ------------------------------------------------------------------ profiles
+
+def test_profile_files_carry_the_host_tier(tmp_path):
+    """A profile written with host figures reads back equal; one written before the tier
+    existed reads with the generic defaults."""
+    prof = dataclasses.replace(PROFILES["cpu"], host=HostTier(1.0, 1.0, 2**30, 10.0, 0.5,
+                                                              0.25, 2, 1e8, "test"))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    assert load_profile(str(path)) == prof
+    old = prof.to_dict()
+    del old["host"]
+    path.write_text(json.dumps(old))
+    assert load_profile(str(path)).host == HostTier()
+
+
+def test_calibrate_measures_the_disk_and_the_cpu_adam(tmp_path):
+    """The scratch file is written, read and removed; AdamW runs one of torch's CPU
+    kernels."""
+    from fivefold.planner.calibrate import measure_cpu_adam, measure_storage
+
+    write, read = measure_storage(str(tmp_path), 8 * 2**20)
+    assert write > 0 and read > 0 and not list(tmp_path.iterdir())
+    rate, kernel = measure_cpu_adam(2, numel=2**16)
+    assert rate > 0 and kernel in ("fused", "foreach")
