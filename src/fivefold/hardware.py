@@ -186,6 +186,15 @@ GB200_TRAY = datasheet_host(225.0, 960 * GB, 2 * 512.0, 4, 12.0, 5.0, 4,
                             "GB/s per superchip; drives assumed 4 E1.S Gen5 NVMe (12 / 5 GB/s "
                             "each, not on the datasheet)")
 
+# The development machine's host tier, `fivefold calibrate --ranks 2` (2026-12-01, while three
+# other sessions loaded the machine: its copy rates were a quarter of the idle ones above).
+# Host and device are one machine there, so the "link" is a copy between host buffers.
+CPU_HOST = HostTier(2.25, 1.0, 24 * 2**30, 9.0, 1.29, 0.232, 2, 5.58e8,
+                    "`fivefold calibrate --ranks 2` on the 2-core development machine under "
+                    "load: host copy 2.25 GB/s per rank, torch's fused CPU AdamW 279 M "
+                    "elements/s per rank, a scratch file under /tmp: write + fsync 0.23 GB/s, "
+                    "read 1.29 GB/s")
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -290,7 +299,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                                eltwise_passes=3.0, kernel_overhead_s=9.16e-5,
                                comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=7.1e-4,
                                latency_inter_s=7.1e-4, overlap_eff=0.0, reserved_bytes=0),
-                    2, 2),
+                    2, 2, CPU_HOST),
 ]}
 
 
