@@ -225,3 +225,17 @@ def test_calibrate_measures_the_disk_and_the_cpu_adam(tmp_path):
     assert write > 0 and read > 0 and not list(tmp_path.iterdir())
     rate, kernel = measure_cpu_adam(2, numel=2**16)
     assert rate > 0 and kernel in ("fused", "foreach")
+
+
+def test_auto_writes_the_offload_tier_into_the_layout_it_trains():
+    """parallel.auto's config for an offloaded layout spells the tier and fraction out (and
+    its --set overrides), and its plan is the scored one again."""
+    from fivefold.planner.auto import layout_config, layout_overrides
+
+    cfg = load_config(None, SMALL[:-2] + ["parallel.global_batch=4"])
+    lay = plan_from_config(cfg, 1, "fp32").replace(offload="cpu", offload_fraction=0.5)
+    run_cfg = layout_config(cfg, lay)
+    assert (run_cfg.parallel.offload, run_cfg.parallel.offload_fraction) == ("cpu", 0.5)
+    assert {'parallel.offload="cpu"', "parallel.offload_fraction=0.5"} <= set(
+        layout_overrides(run_cfg))
+    assert plan_from_config(run_cfg, 1, "fp32") == lay

@@ -23,7 +23,8 @@ host tier (fivefold.hardware.HostTier) and overlaps them as the runtime does
 3. nvme: each unit's moments are read (8 B per element) and written back (8 B) in chunks of
    CHUNK_ELEMENTS while the CPU updates the chunk between them, so a unit takes the larger
    of its disk time (at this rank's share of the host's drives) and its CPU time, not their
-   sum, plus one chunk's read and write (the pipeline's fill and drain).
+   sum, plus one chunk's read and write (the pipeline's fill and drain; the whole unit when
+   it is smaller than a chunk).
 4. Parameter upload. A stepped unit's updated compute copy (the compute dtype) crosses the
    link back, in order.
 5. The next step's forward waits per unit: unit u's forward (of the first micro-batch) starts
@@ -88,14 +89,13 @@ def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
     down = [w.numel * grad_bytes / link for w in work]
     up = [w.numel * param_bytes / link for w in work]
     cpu = [w.numel * sharing / host.adam_elems_per_s for w in work]
-    disk = [0.0] * len(work)
-    fill = 0.0
+    disk = fill = [0.0] * len(work)
     if tier == "nvme":
         read = host.nvme_read_GBps * 1e9 / sharing
         write = host.nvme_write_GBps * 1e9 / sharing
         per_element = MOMENT_BYTES / read + MOMENT_BYTES / write
         disk = [w.numel * per_element for w in work]
-        fill = CHUNK_ELEMENTS * per_element
+        fill = [min(w.numel, CHUNK_ELEMENTS) * per_element for w in work]
     on_host = [0.0] * len(work)
     link_free = float("-inf")
     for u in reversed(range(len(work))):  # backward reduces the units in reverse order
@@ -104,11 +104,11 @@ def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
     cpu_free = link_back = float("-inf")
     forward_end = forward_start_s
     for u, w in enumerate(work):
-        cpu_free = max(on_host[u], cpu_free) + max(cpu[u], disk[u]) + fill
+        cpu_free = max(on_host[u], cpu_free) + max(cpu[u], disk[u]) + fill[u]
         link_back = max(link_back, cpu_free) + up[u]
         forward_end = max(forward_end, link_back) + w.forward_s
     exposed = max(0.0, forward_end - forward_start_s - sum(w.forward_s for w in work))
-    return OffloadTimes(sum(down), sum(cpu), sum(disk) + fill * len(work), sum(up), exposed)
+    return OffloadTimes(sum(down), sum(cpu), sum(disk) + sum(fill), sum(up), exposed)
 
 
 def rank_work(sm, rank: int) -> list[UnitWork]:
@@ -150,9 +150,8 @@ def device_units(units: list[Unit], lay: ParallelPlan) -> list[Unit]:
 def rank_offload(sm, rank: int, forward_start_s: float) -> OffloadTimes:
     """`offload_times` of pipeline rank `rank` of StepModel `sm`; the forward could start
     `forward_start_s` after the last backward."""
-    lay, cfg = sm.lay, sm.cfg
-    stage = lay.zero_stage
-    grad_bytes = PRECISION_BYTES[lay.reduce_dtype] if stage >= 2 else sm.a
+    lay = sm.lay
+    grad_bytes = PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage >= 2 else sm.a
     return offload_times(rank_work(sm, rank), lay.offload, sm.prof.host, sharing(sm),
                          grad_bytes, sm.a, forward_start_s)
 
