@@ -193,6 +193,20 @@ def test_plan_fits_a_model_too_big_for_one_gpu_with_cpu_offload():
     assert "it fits with cpu offload" in text and "--set parallel.offload=cpu" in text
 
 
+def test_plan_takes_nvme_when_the_host_cannot_hold_the_cpu_tier():
+    """A host with 100 GiB: 8B's 16 B per element (120 GiB) do not fit it, nvme's 8 B do, so
+    the best layout offloads to nvme, and the command asks for its directory."""
+    small_host = dataclasses.replace(H100, host=dataclasses.replace(
+        H100.host, memory_bytes=100 * 2**30))
+    cfg = spec_8b()
+    result = search(cfg, small_host, top_k=1)
+    best = result.best[0]
+    assert best.layout.offload == "nvme" and best.fits
+    assert best.offload["host_bytes_per_host"] <= 100 * 2**30 < 2 * best.offload[
+        "host_bytes_per_host"]
+    assert "--set parallel.offload_path=DIR" in plan_text(result, cfg, small_host, "s.toml")
+
+
 def test_plan_keeps_offload_off_when_the_model_fits():
     cfg = prepare(load_config(None, ["model.preset='1B'", "cluster.gpus=1",
                                      "cluster.gpu='H100-SXM'", "parallel.global_batch=8"]))
