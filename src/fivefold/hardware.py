@@ -100,10 +100,14 @@ class Efficiency:
     reserved_bytes: int = 2 * GB
 
 
-# A fp32 AdamW step per element: reads the master, gradient and two moments (16 B) and
-# writes the master and moments back (12 B) (ZeRO-Offload, arXiv 2101.06840, Sec. 5.1: the
-# CPU step is memory bound).
-ADAM_BYTES = 28
+# Host memory traffic per element of the CPU AdamW step fivefold's offload runs
+# (fivefold.memory.offload: torch's foreach kernel, for bit-exactness with the in-memory
+# step), pass by pass: lerp of exp_avg 12 B, scaling of exp_avg_sq 8 B, its addcmul 12 B,
+# sqrt into a temporary 8 B, its division and eps 16 B, addcdiv into the master 16 B, and
+# the decoupled weight decay 8 B. A fused kernel (torch's fused CPU AdamW, DeepSpeed's CPU
+# Adam, ZeRO-Offload arXiv 2101.06840, Sec. 5.1) moves 28 B: the master, gradient and
+# moments read, master and moments written. The step is memory bound on a host's cores.
+ADAM_BYTES = 80
 # The share of a host's theoretical DRAM bandwidth a streaming kernel reaches (STREAM triad
 # on two-socket servers typically reaches 70-80%); the datasheet CPU Adam rate uses it.
 STREAM_EFF = 0.75
@@ -186,14 +190,14 @@ GB200_TRAY = datasheet_host(225.0, 960 * GB, 2 * 512.0, 4, 12.0, 5.0, 4,
                             "GB/s per superchip; drives assumed 4 E1.S Gen5 NVMe (12 / 5 GB/s "
                             "each, not on the datasheet)")
 
-# The development machine's host tier, `fivefold calibrate --ranks 2` (2026-12-01, while three
-# other sessions loaded the machine: its copy rates were a quarter of the idle ones above).
-# Host and device are one machine there, so the "link" is a copy between host buffers.
-CPU_HOST = HostTier(2.25, 1.0, 24 * 2**30, 9.0, 1.29, 0.232, 2, 5.58e8,
+# The development machine's host tier, `fivefold calibrate --ranks 2` (2026-12-01, while other
+# sessions loaded the machine: its copy rate per rank was 0.18 of the idle one above). Host
+# and device are one machine there, so the "link" is a copy between host buffers.
+CPU_HOST = HostTier(4.15, 1.0, 24 * 2**30, 16.6, 1.51, 0.197, 2, 2.48e8,
                     "`fivefold calibrate --ranks 2` on the 2-core development machine under "
-                    "load: host copy 2.25 GB/s per rank, torch's fused CPU AdamW 279 M "
-                    "elements/s per rank, a scratch file under /tmp: write + fsync 0.23 GB/s, "
-                    "read 1.29 GB/s")
+                    "load: host copy 4.15 GB/s per rank, torch's foreach CPU AdamW 124 M "
+                    "elements/s per rank (fused: 367 M), a scratch file under /tmp: write + "
+                    "fsync 0.197 GB/s, read 1.51 GB/s")
 
 
 @dataclass(frozen=True)

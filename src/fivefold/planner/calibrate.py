@@ -11,7 +11,8 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   link of this machine);
 - the host and disk tiers of offload (fivefold.hardware.HostTier): the host<->device copy
   rate (pinned host to GPU and back; on a CPU a copy between two host buffers), torch's CPU
-  AdamW on a flat fp32 buffer (the fused CPU kernel where it runs, else foreach), and file
+  AdamW on a flat fp32 buffer with the foreach kernel that fivefold.memory.offload runs
+  (the fused CPU kernel's rate, where it runs, goes into the source line), and file
   write + fsync and read bandwidth of a scratch file under `--offload-path` (else the
   system's temporary directory), dropped from the page cache before it is read back
   (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
@@ -157,13 +158,13 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     copy_s = _timeit(lambda: y.copy_(x), sync, repeat)
     small = torch.ones(8, device=dev)
     op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
-    adam_rate, adam_kernel = measure_cpu_adam(repeat)
+    adam, adam_fused = measure_cpu_adam(repeat), measure_cpu_adam(repeat, "fused")
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
             "copy_Bps": 2 * n / copy_s, "op_overhead_s": op_s,
             "host_copy_Bps": host_copy, "host_link_Bps": host_link,
-            "adam_elems_per_s": adam_rate, "adam_kernel": adam_kernel}
+            "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}
 
 
 def measure_host_copies(device_type: str, sync, repeat: int) -> tuple[float, float]:
@@ -184,21 +185,21 @@ def measure_host_copies(device_type: str, sync, repeat: int) -> tuple[float, flo
     return 2 * n / host_s, n / max(up, down)
 
 
-def measure_cpu_adam(repeat: int, numel: int = 4 * 2**20) -> tuple[float, str]:
-    """(elements per second, kernel) of torch's AdamW step on one flat fp32 CPU buffer of
-    `numel` elements: the fused CPU kernel if this torch has it, else foreach."""
+def measure_cpu_adam(repeat: int, kernel: str = "foreach", numel: int = 4 * 2**20
+                     ) -> float | None:
+    """Elements per second of torch's AdamW step on one flat fp32 CPU buffer of `numel`
+    elements with `kernel` ("foreach": what fivefold.memory.offload runs; "fused": torch's
+    fused CPU kernel); None where this torch has no such kernel."""
     import torch
 
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full((numel,), 1e-3)
-    for kernel in ("fused", "foreach"):
-        try:
-            opt = torch.optim.AdamW([param], lr=1e-3, **{kernel: True})
-            opt.step()
-        except (RuntimeError, TypeError):
-            continue
-        return numel / _timeit(opt.step, lambda: None, repeat), kernel
-    raise RuntimeError("neither the fused nor the foreach CPU AdamW ran")
+    try:
+        opt = torch.optim.AdamW([param], lr=1e-3, **{kernel: True})
+        opt.step()
+    except (RuntimeError, TypeError):
+        return None
+    return numel / _timeit(opt.step, lambda: None, repeat)
 
 
 def measure_storage(directory: str | None, nbytes: int = 128 * 2**20) -> tuple[float, float]:
@@ -282,11 +283,16 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | No
                     gpus=max(cores, 1),  # the ranks measured at once: the host's rate
                     adam_elems_per_s=m["adam_elems_per_s"] * max(cores, 1),
                     source=f"measured by `fivefold calibrate`: host copies, a scratch file's "
-                           f"write + fsync and read, torch's {m['adam_kernel']} CPU AdamW "
+                           f"write + fsync and read, torch's foreach CPU AdamW (offload's "
+                           f"kernel; fused: {_rate(m['adam_fused_elems_per_s'])} per rank) "
                            f"with {m['threads']} thread(s)")
     return HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
                            f"measured by `fivefold calibrate` on {m['device']} with "
                            f"{m['threads']} thread(s)", eff, cores or 8, cores, host)
+
+
+def _rate(elems_per_s: float | None) -> str:
+    return "not available" if elems_per_s is None else f"{elems_per_s / 1e6:.0f} M elements/s"
 
 
 def calibrate(out: str | Path, device_type: str = "cpu", ranks: int = 2,

@@ -42,9 +42,10 @@ def offload_line(est: Estimate) -> str | None:
             if o["disk_bytes_per_gpu"] else "")
     return (f"offload    {o['tier']} x{o['fraction']:g}: host {o['host_bytes_per_host'] / GiB:.2f}"
             f" of {o['host_memory_bytes'] / GiB:.0f} GiB per host "
-            f"({'fits' if o['host_fits'] else 'does NOT fit'}){disk}; CPU step "
-            f"{o['cpu_step_s']:.3g} s, disk {o['disk_s']:.3g} s, link {o['download_s']:.3g}"
-            f" + {o['upload_s']:.3g} s, of which the next forward waits {o['exposed_s']:.3g} s")
+            f"({'fits' if o['host_fits'] else 'does NOT fit'}){disk}; gradients down "
+            f"{o['download_s']:.3g} s, clipping {o['clip_s']:.3g} s, CPU step "
+            f"{o['cpu_step_s']:.3g} s, disk {o['disk_s']:.3g} s, parameters up "
+            f"{o['upload_s']:.3g} s: {o['exposed_s']:.3g} s exposed")
 
 
 def estimate_text(est: Estimate, prof: HardwareProfile) -> str:

@@ -158,13 +158,13 @@ class FastScorer:
         peak = self._memory(sm, lay, numel, shard, rank_layers, state, kept)
         if lay.offload != "none":
             exposed, host_fits = self._offload(sm, lay, costs, numel / shard,
-                                               tail + regather + opt_s)
+                                               regather + opt_s)
             step += exposed
             peak = peak if host_fits else math.inf
         return step, peak
 
     def _offload(self, sm: StepModel, lay: ParallelPlan, costs: list, local: float,
-                 forward_start_s: float) -> tuple[float, bool]:
+                 device_s: float) -> tuple[float, bool]:
         """(exposed seconds, whether the host holds it) of offloading `offload_fraction`
         of the rank's `local` elements: fivefold.planner.offload on the rank's blocks, each
         one unit of the average block's share, in forward order."""
@@ -172,11 +172,12 @@ class FastScorer:
         cost = max((c for _, c in costs), key=lambda c: c.f + c.b)
         per_block = local / blocks
         count = max(1, math.ceil(lay.offload_fraction * blocks))
-        work = [UnitWork(round(per_block), cost.f, -k * cost.b) for k in range(count)]
+        work = [UnitWork(round(per_block), cost.f)] * count
         host = self.prof.host
         sharing = ranks_on_host(host, lay.gpus, self.cfg.cluster.gpus_per_node)
         grad = PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage >= 2 else sm.a
-        times = offload_times(work, lay.offload, host, sharing, grad, sm.a, forward_start_s)
+        times = offload_times(work, lay.offload, host, sharing, grad, sm.a,
+                              self.cfg.train.grad_clip > 0, device_s)
         host_bytes = OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local * sharing
         return times.exposed_s, host_bytes <= host.memory_bytes
 

@@ -595,8 +595,8 @@ class StepModel:
                 window = sum(times[g][0] for g in range(r, stages, lay.pp))
                 regather = max(regather - hide * window, (1 - hide) * regather)
             opt = self.optimizer_s(r)
-            offloaded = offload.rank_offload(self, r, tail + opt + regather)
-            opt += offloaded.exposed_s  # what the next forward waits for the CPU step
+            offloaded = offload.rank_offload(self, r, opt + regather)
+            opt += offloaded.exposed_s  # downloads, host clipping, the forward's waits
             tails.append(tail)
             ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather, offloaded))
         step, r, tail, opt, regather, offloaded = max(ends)
