@@ -257,3 +257,42 @@ def test_auto_writes_the_offload_tier_into_the_layout_it_trains():
     assert {'parallel.offload="cpu"', "parallel.offload_fraction=0.5"} <= set(
         layout_overrides(run_cfg))
     assert plan_from_config(run_cfg, 1, "fp32") == lay
+
+
+# ------------------------------------------------------------------ against the runtime
+
+def _offload_states(rt, cases):
+    """Per case: (the engine's recorded model-state bytes after two steps, the planner's)."""
+    from fivefold.parallel.plan import training_plan
+    from fivefold.train.trainer import Trainer
+
+    out = []
+    for sets in cases:
+        cfg = load_config(None, sets)
+        trainer = Trainer(cfg, rt, "unused")
+        trainer.train_step(0)
+        trainer.train_step(1)
+        plan = training_plan(cfg, rt.world_size, "cpu")
+        out.append((trainer.ledger.model_state_bytes,
+                    predict_ledger(cfg, plan, rt.rank).model_state_bytes))
+    return out
+
+
+def test_predicted_tiers_equal_the_offload_runtime_record(parity_overrides, tmp_path):
+    """Device, host and disk bytes predicted equal, to the byte, what the offload runtime's
+    engine records on every rank: one rank at ZeRO 0 and two ranks at ZeRO 0-3, cpu and nvme,
+    fractions 1 and 0.5 (one process start per world size). Runs where the runtime is."""
+    pytest.importorskip("fivefold.memory.offload")
+    from fivefold.testing import run_on_ranks
+
+    for world, stages in ((1, (0,)), (2, (0, 1, 2, 3))):
+        cases = [parity_overrides + [
+            f"parallel.zero_stage={stage}", f"parallel.offload='{tier}'",
+            f"parallel.offload_fraction={fraction}",
+            f"parallel.offload_path='{tmp_path}/{world}{tier}{fraction}{stage}'"]
+            for tier in ("cpu", "nvme") for fraction in (1.0, 0.5) for stage in stages]
+        for rank, results in enumerate(run_on_ranks(_offload_states, world, cases,
+                                                     timeout_s=600)):
+            for sets, (recorded, predicted) in zip(cases, results):
+                assert recorded == predicted, (world, rank, sets[-4:])
+                assert recorded["host"] > 0
