@@ -100,14 +100,14 @@ class Efficiency:
     reserved_bytes: int = 2 * GB
 
 
-# Host memory traffic per element of the CPU AdamW step fivefold's offload runs
-# (fivefold.memory.offload: torch's foreach kernel, for bit-exactness with the in-memory
-# step), pass by pass: lerp of exp_avg 12 B, scaling of exp_avg_sq 8 B, its addcmul 12 B,
-# sqrt into a temporary 8 B, its division and eps 16 B, addcdiv into the master 16 B, and
-# the decoupled weight decay 8 B. A fused kernel (torch's fused CPU AdamW, DeepSpeed's CPU
-# Adam, ZeRO-Offload arXiv 2101.06840, Sec. 5.1) moves 28 B: the master, gradient and
-# moments read, master and moments written. The step is memory bound on a host's cores.
-ADAM_BYTES = 80
+# DRAM traffic per element of a CPU AdamW step: the fp32 master, gradient and two moments
+# read (16 B), master and moments written (12 B). A fused kernel (torch's fused CPU AdamW,
+# DeepSpeed's CPU Adam: ZeRO-Offload, arXiv 2101.06840, Sec. 5.1) moves just that; so does
+# fivefold's offload step (fivefold.memory.offload: torch's foreach ops over cache-sized
+# pieces, whose temporaries stay in cache). Over the host's DRAM bandwidth this is the rate
+# of a step that uses all its cores, a ceiling: one stepping thread on a many-core host
+# stays below it, which `fivefold calibrate` on that host measures.
+ADAM_BYTES = 28
 # The share of a host's theoretical DRAM bandwidth a streaming kernel reaches (STREAM triad
 # on two-socket servers typically reaches 70-80%); the datasheet CPU Adam rate uses it.
 STREAM_EFF = 0.75
@@ -191,13 +191,13 @@ GB200_TRAY = datasheet_host(225.0, 960 * GB, 2 * 512.0, 4, 12.0, 5.0, 4,
                             "each, not on the datasheet)")
 
 # The development machine's host tier, `fivefold calibrate --ranks 2` (2026-12-01, while other
-# sessions loaded the machine: its copy rate per rank was 0.18 of the idle one above). Host
+# sessions loaded the machine: its copy rate per rank was 0.19 of the idle one above). Host
 # and device are one machine there, so the "link" is a copy between host buffers.
-CPU_HOST = HostTier(4.15, 1.0, 24 * 2**30, 16.6, 1.51, 0.197, 2, 2.48e8,
+CPU_HOST = HostTier(3.79, 1.0, 24 * 2**30, 15.1, 0.774, 0.274, 2, 1.51e8,
                     "`fivefold calibrate --ranks 2` on the 2-core development machine under "
-                    "load: host copy 4.15 GB/s per rank, torch's foreach CPU AdamW 124 M "
-                    "elements/s per rank (fused: 367 M), a scratch file under /tmp: write + "
-                    "fsync 0.197 GB/s, read 1.51 GB/s")
+                    "load: host copy 3.79 GB/s per rank, offload's AdamW step (foreach, in "
+                    "64Ki pieces) 75 M elements/s per rank (torch's fused kernel: 273 M), a "
+                    "scratch file under /tmp: write + fsync 0.274 GB/s, read 0.774 GB/s")
 
 
 @dataclass(frozen=True)

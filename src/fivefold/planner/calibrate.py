@@ -11,8 +11,8 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   link of this machine);
 - the host and disk tiers of offload (fivefold.hardware.HostTier): the host<->device copy
   rate (pinned host to GPU and back; on a CPU a copy between two host buffers), torch's CPU
-  AdamW on a flat fp32 buffer with the foreach kernel that fivefold.memory.offload runs
-  (the fused CPU kernel's rate, where it runs, goes into the source line), and file
+  AdamW on a flat fp32 buffer as fivefold.memory.offload runs it (foreach ops piece by
+  piece; the fused CPU kernel's rate, where it runs, goes into the source line), and file
   write + fsync and read bandwidth of a scratch file under `--offload-path` (else the
   system's temporary directory), dropped from the page cache before it is read back
   (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
@@ -185,15 +185,32 @@ def measure_host_copies(device_type: str, sync, repeat: int) -> tuple[float, flo
     return 2 * n / host_s, n / max(up, down)
 
 
+ADAM_PIECE = 1 << 16  # elements per piece of the offload step (fivefold.memory.offload)
+
+
 def measure_cpu_adam(repeat: int, kernel: str = "foreach", numel: int = 4 * 2**20
                      ) -> float | None:
-    """Elements per second of torch's AdamW step on one flat fp32 CPU buffer of `numel`
-    elements with `kernel` ("foreach": what fivefold.memory.offload runs; "fused": torch's
-    fused CPU kernel); None where this torch has no such kernel."""
+    """Elements per second of an AdamW step on one flat fp32 CPU buffer of `numel` elements:
+    "foreach" as fivefold.memory.offload runs it (the decoupled decay multiply, then torch's
+    foreach Adam, piece by piece of ADAM_PIECE elements), "fused" torch's fused CPU kernel
+    over the whole buffer; None where this torch has no such kernel."""
     import torch
+    from torch.optim.adam import adam
 
-    param = torch.nn.Parameter(torch.zeros(numel))
-    param.grad = torch.full((numel,), 1e-3)
+    master, grad = torch.zeros(numel), torch.full((numel,), 1e-3)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    if kernel == "foreach":
+        def step():
+            for start in range(0, numel, ADAM_PIECE):
+                piece = slice(start, start + ADAM_PIECE)
+                master[piece].mul_(1.0 - 1e-5)
+                adam([master[piece]], [grad[piece]], [exp_avg[piece]], [exp_avg_sq[piece]],
+                     [], [torch.tensor(1.0)], foreach=True, amsgrad=False, beta1=0.9,
+                     beta2=0.95, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False)
+
+        return numel / _timeit(step, lambda: None, repeat)
+    param = torch.nn.Parameter(master)
+    param.grad = grad
     try:
         opt = torch.optim.AdamW([param], lr=1e-3, **{kernel: True})
         opt.step()
