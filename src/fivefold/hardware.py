@@ -156,7 +156,6 @@ def datasheet_host(link_GBps: float, memory_bytes: int, memory_GBps: float, driv
                     memory_GBps * 1e9 * STREAM_EFF / ADAM_BYTES, source)
 
 
-TB = 10**12
 PCIE3, PCIE4, PCIE5 = 15.75, 31.5, 63.0  # GB/s per direction of an x16 link (PCI-SIG)
 # Gen4 U.2 data-centre drives of these systems (e.g. Samsung PM1733 3.84 TB datasheet: 7.0
 # GB/s sequential read, 3.8 GB/s write)
@@ -169,10 +168,10 @@ DGX_A100_320 = datasheet_host(PCIE4, 1 * 2**40, 2 * 8 * 25.6, 4, U2_READ, U2_WRI
                               "NVIDIA DGX A100 320GB datasheet: 2x AMD EPYC 7742 (8 channels "
                               "of DDR4-3200 each: 409.6 GB/s), 1 TB, 15 TB internal = 4x "
                               "3.84 TB U.2 NVMe (Gen4 drive figures); PCIe Gen4 x16 per GPU")
-DGX_A100_640 = dataclasses.replace(
-    datasheet_host(PCIE4, 2 * 2**40, 2 * 8 * 25.6, 8, U2_READ, U2_WRITE, 8, ""),
-    source="NVIDIA DGX A100 640GB datasheet: 2x AMD EPYC 7742 (409.6 GB/s DDR4-3200), 2 TB, "
-           "30 TB internal = 8x 3.84 TB U.2 NVMe (Gen4 drive figures); PCIe Gen4 x16 per GPU")
+DGX_A100_640 = datasheet_host(PCIE4, 2 * 2**40, 2 * 8 * 25.6, 8, U2_READ, U2_WRITE, 8,
+                              "NVIDIA DGX A100 640GB datasheet: 2x AMD EPYC 7742 (409.6 GB/s "
+                              "DDR4-3200), 2 TB, 30 TB internal = 8x 3.84 TB U.2 NVMe (Gen4 "
+                              "drive figures); PCIe Gen4 x16 per GPU")
 DGX_H100 = datasheet_host(PCIE5, 2 * 2**40, 2 * 8 * 38.4, 8, U2_READ, U2_WRITE, 8,
                           "NVIDIA DGX H100/H200 datasheet: 2x Xeon Platinum 8480C (8 channels "
                           "of DDR5-4800 each: 614.4 GB/s), 2 TB, 30 TB internal = 8x 3.84 TB "
