@@ -71,7 +71,7 @@ def test_offloaded_bytes_follow_the_shared_rule(tier, fraction, stage, world, tm
     else:
         assert want["optimizer"] > 0 and want["host"] > 0
     rows = predicted_rank_memory(cfg, plan, 0)
-    assert (rows["optimizer"], rows["optimizer_host"], rows["optimizer_disk"]) == (
+    assert (rows["optimizer"], rows["host"], rows["disk"]) == (
         want["master"] + want["optimizer"], want["host"], want["disk"])
 
 

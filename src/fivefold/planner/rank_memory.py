@@ -24,8 +24,8 @@ from fivefold.planner.schedules import peak_in_flight
 
 
 def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[str, float]:
-    """{params, grads, optimizer (master copies and states on the device), optimizer_host,
-    optimizer_disk (offload's tiers), activations_per_micro_batch, micro_batches_in_flight}
+    """{params, grads, optimizer (master copies and states on the device), host, disk
+    (offload's tiers), activations_per_micro_batch, micro_batches_in_flight}
     of global rank `rank` under `plan`, in bytes."""
     m = cfg.model
     layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
@@ -44,5 +44,5 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],
             "optimizer": states["master"] + states["optimizer"],
-            "optimizer_host": states["host"], "optimizer_disk": states["disk"],
+            "host": states["host"], "disk": states["disk"],
             "activations_per_micro_batch": acts, "micro_batches_in_flight": inflight}
