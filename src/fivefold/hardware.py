@@ -23,6 +23,16 @@ constants of fivefold.planner.fitted, shared by every GPU profile:
 - cpu: the development machine, measured by `fivefold calibrate` (which writes a profile file
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
+The host side (`HostTier`, ZeRO-Offload's and ZeRO-Infinity's tiers, arXiv 2101.06840 and
+2104.07857): the host<->device link per GPU (PCIe Gen3/4/5 x16, or NVLink-C2C on Grace
+superchips), one host's memory and its bandwidth, its NVMe read and write bandwidth, the
+GPUs that share that host, and the host's CPU AdamW rate, which the ranks stepping on it at
+once share. For the GPU profiles these are datasheet figures of the reference system (DGX /
+HGX, stated per profile); the CPU Adam rate is the host's memory bandwidth at STREAM_EFF
+over the ADAM_BYTES a fp32 AdamW step moves per element (the step is memory bound on a
+host's many cores). The cpu profile's are measured by
+`fivefold calibrate`. The planner's offload model (fivefold.planner.offload) reads them.
+
 `load_profile(name_or_path)` returns a named profile or reads a calibrated JSON file; a file
 that does not parse raises `ConfigError` on `cluster.gpu`. `device_profile(name, memory)`
 finds the profile of a device by the name torch gives it; asking torch for that name is the
@@ -90,6 +100,105 @@ class Efficiency:
     reserved_bytes: int = 2 * GB
 
 
+# DRAM traffic per element of a CPU AdamW step: the fp32 master, gradient and two moments
+# read (16 B), master and moments written (12 B). A fused kernel (torch's fused CPU AdamW,
+# DeepSpeed's CPU Adam: ZeRO-Offload, arXiv 2101.06840, Sec. 5.1) moves just that; so does
+# fivefold's offload step (fivefold.memory.offload: torch's foreach ops over cache-sized
+# pieces, whose temporaries stay in cache). Over the host's DRAM bandwidth this is the rate
+# of a step that uses all its cores, a ceiling: one stepping thread on a many-core host
+# stays below it, which `fivefold calibrate` on that host measures.
+ADAM_BYTES = 28
+# The share of a host's theoretical DRAM bandwidth a streaming kernel reaches (STREAM triad
+# on two-socket servers typically reaches 70-80%); the datasheet CPU Adam rate uses it.
+STREAM_EFF = 0.75
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The host side of one device: what offload (fivefold.planner.offload) moves state to.
+
+    link_GBps        host<->device bandwidth per device, one direction (PCIe x16 or C2C)
+    link_eff         fraction of it pinned-memory copies reach
+    memory_bytes     host memory of one host (DRAM of its CPU sockets)
+    memory_GBps      that memory's bandwidth (all channels, theoretical)
+    nvme_read_GBps   sequential read bandwidth of one host's local NVMe drives together
+    nvme_write_GBps  the same for writes
+    gpus             devices that share one host (its memory, drives and CPU)
+    adam_elems_per_s fp32 AdamW elements per second the whole host steps; the ranks that
+                     step on it at once share it evenly
+    source           where the figures come from
+    """
+
+    link_GBps: float = 31.5
+    link_eff: float = 0.8
+    memory_bytes: int = 512 * GB
+    memory_GBps: float = 204.8
+    nvme_read_GBps: float = 7.0
+    nvme_write_GBps: float = 3.8
+    gpus: int = 8
+    adam_elems_per_s: float = 204.8e9 * STREAM_EFF / ADAM_BYTES
+    source: str = ("generic default (a profile file without host figures): one PCIe Gen4 "
+                   "x16 link per GPU, one socket of DDR4-3200, one Gen4 NVMe drive, 8 GPUs")
+
+    @property
+    def link_Bps(self) -> float:
+        """Bytes per second one device reaches to or from its host."""
+        return self.link_GBps * 1e9 * self.link_eff
+
+
+def datasheet_host(link_GBps: float, memory_bytes: int, memory_GBps: float, drives: int,
+                   drive_read_GBps: float, drive_write_GBps: float, gpus: int,
+                   source: str) -> HostTier:
+    """A host from datasheet figures: `drives` NVMe drives striped (RAID-0, their bandwidths
+    add), the CPU Adam rate from the memory bandwidth (module docstring)."""
+    return HostTier(link_GBps, 0.8, memory_bytes, memory_GBps, drives * drive_read_GBps,
+                    drives * drive_write_GBps, gpus,
+                    memory_GBps * 1e9 * STREAM_EFF / ADAM_BYTES, source)
+
+
+PCIE3, PCIE4, PCIE5 = 15.75, 31.5, 63.0  # GB/s per direction of an x16 link (PCI-SIG)
+# Gen4 U.2 data-centre drives of these systems (e.g. Samsung PM1733 3.84 TB datasheet: 7.0
+# GB/s sequential read, 3.8 GB/s write)
+U2_READ, U2_WRITE = 7.0, 3.8
+DGX1 = datasheet_host(PCIE3, 512 * 2**30, 2 * 4 * 19.2, 4, 0.53, 0.5, 8,
+                      "NVIDIA DGX-1 (V100) datasheet: 2x Xeon E5-2698 v4 (4 channels of "
+                      "DDR4-2400 each: 153.6 GB/s), 512 GB, 4x 1.92 TB SATA SSD in RAID-0 "
+                      "(about 0.53 / 0.5 GB/s each); PCIe Gen3 x16 per GPU")
+DGX_A100_320 = datasheet_host(PCIE4, 1 * 2**40, 2 * 8 * 25.6, 4, U2_READ, U2_WRITE, 8,
+                              "NVIDIA DGX A100 320GB datasheet: 2x AMD EPYC 7742 (8 channels "
+                              "of DDR4-3200 each: 409.6 GB/s), 1 TB, 15 TB internal = 4x "
+                              "3.84 TB U.2 NVMe (Gen4 drive figures); PCIe Gen4 x16 per GPU")
+DGX_A100_640 = datasheet_host(PCIE4, 2 * 2**40, 2 * 8 * 25.6, 8, U2_READ, U2_WRITE, 8,
+                              "NVIDIA DGX A100 640GB datasheet: 2x AMD EPYC 7742 (409.6 GB/s "
+                              "DDR4-3200), 2 TB, 30 TB internal = 8x 3.84 TB U.2 NVMe (Gen4 "
+                              "drive figures); PCIe Gen4 x16 per GPU")
+DGX_H100 = datasheet_host(PCIE5, 2 * 2**40, 2 * 8 * 38.4, 8, U2_READ, U2_WRITE, 8,
+                          "NVIDIA DGX H100/H200 datasheet: 2x Xeon Platinum 8480C (8 channels "
+                          "of DDR5-4800 each: 614.4 GB/s), 2 TB, 30 TB internal = 8x 3.84 TB "
+                          "U.2 NVMe (Gen4 drive figures); PCIe Gen5 x16 per GPU")
+DGX_B200 = datasheet_host(PCIE5, 2 * 2**40, 2 * 8 * 44.8, 8, U2_READ, U2_WRITE, 8,
+                          "NVIDIA DGX B200 datasheet: 2x Xeon Platinum 8570 (8 channels of "
+                          "DDR5-5600 each: 716.8 GB/s), 2 TB, 30 TB internal = 8x 3.84 TB "
+                          "U.2 NVMe (Gen4 drive figures); PCIe Gen5 x16 per GPU")
+# Grace superchips: the GPUs reach host memory over NVLink-C2C (900 GB/s total per
+# superchip, shared by its two B200s: 225 GB/s per GPU and direction); a compute tray is two
+# superchips, each Grace with up to 480 GB LPDDR5X at up to 512 GB/s
+GB200_TRAY = datasheet_host(225.0, 960 * GB, 2 * 512.0, 4, 12.0, 5.0, 4,
+                            "NVIDIA GB200 NVL72 datasheet: per compute tray 2 Grace CPUs "
+                            "(480 GB LPDDR5X at 512 GB/s each) and 4 B200s, NVLink-C2C 900 "
+                            "GB/s per superchip; drives assumed 4 E1.S Gen5 NVMe (12 / 5 GB/s "
+                            "each, not on the datasheet)")
+
+# The development machine's host tier, `fivefold calibrate --ranks 2` (2026-12-01, while other
+# sessions loaded the machine: its copy rate per rank was 0.19 of the idle one above). Host
+# and device are one machine there, so the "link" is a copy between host buffers.
+CPU_HOST = HostTier(3.79, 1.0, 24 * 2**30, 15.1, 0.774, 0.274, 2, 1.51e8,
+                    "`fivefold calibrate --ranks 2` on the 2-core development machine under "
+                    "load: host copy 3.79 GB/s per rank, offload's AdamW step (foreach, in "
+                    "64Ki pieces) 75 M elements/s per rank (torch's fused kernel: 273 M), a "
+                    "scratch file under /tmp: write + fsync 0.274 GB/s, read 0.774 GB/s")
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -102,6 +211,7 @@ class HardwareProfile:
     eff: Efficiency = field(default_factory=Efficiency)
     nvlink_domain: int = 8  # devices one fast fabric joins (cluster.gpus_per_node's meaning)
     cores: int = 0  # CPU profiles: cores that ranks on one machine share (0 for GPUs)
+    host: HostTier = field(default_factory=HostTier)  # the host and disk tiers (offload)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_tflops.get(precision, self.peak_tflops["fp32"]) * 1e12
@@ -144,40 +254,45 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
     HardwareProfile("V100-32GB", {"fp16": 125, "bf16": 125, "fp32": 15.7}, 32 * GB, 900, 150,
                     12.5, "NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16 units;"
                     " the fp16 rate is used), 900 GB/s HBM2, NVLink2 300 GB/s total; one "
-                    "100 Gb/s EDR NIC per GPU", VOLTA),
+                    "100 Gb/s EDR NIC per GPU", VOLTA, host=DGX1),
     HardwareProfile("A100-40GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
                     40 * GB, 1555, 300, 25, "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16, "
                     "1555 GB/s HBM2, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s HDR NIC "
-                    "per GPU (no fp8 units: fp8 runs at the bf16 rate)", AMPERE),
+                    "per GPU (no fp8 units: fp8 runs at the bf16 rate)", AMPERE,
+                    host=DGX_A100_320),
     HardwareProfile("A100-80GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
                     80 * GB, 2039, 300, 25, "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s "
                     "bf16, 2039 GB/s HBM2e, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s "
-                    "HDR NIC per GPU", AMPERE),
+                    "HDR NIC per GPU", AMPERE, host=DGX_A100_640),
     HardwareProfile("H100-SXM", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB,
                     3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
                     "fp8, 3.35 TB/s HBM3, NVLink4 900 GB/s total; DGX H100: one 400 Gb/s NDR "
-                    "NIC per GPU", H100),
+                    "NIC per GPU", H100, host=DGX_H100),
     HardwareProfile("H100-96GB-500W", {"bf16": 912, "fp16": 912, "fp8": 1824, "fp32": 62},
                     96 * GB, 2400, 450, 50, "Meta Grand Teton H100 (the torchtitan paper's "
                     "runs, arXiv 2410.06511): 96 GB HBM2e at 2.4 TB/s, TDP capped at 500 W, "
                     "whose sustained peak the paper places between H100 SXM (989 TFLOP/s bf16 "
                     "dense) and H100 NVL (835): taken as the midpoint, 912; NVLink4 900 GB/s "
-                    "total; one 400 Gb/s NIC per GPU", H100),
+                    "total; one 400 Gb/s NIC per GPU (host: DGX H100's figures, assumed)", H100,
+                    host=DGX_H100),
     HardwareProfile("H800", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB, 3350,
                     200, 50, "NVIDIA H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s "
                     "total; 400 Gb/s IB per GPU (DeepSeek-V3 report, arXiv 2412.19437 Sec. "
-                    "3.2)", HOPPER),
+                    "3.2); host: the HGX H100 platform's (DGX H100 figures)", HOPPER,
+                    host=DGX_H100),
     HardwareProfile("H200", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 141 * GB,
                     4800, 450, 50, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at "
-                    "4.8 TB/s, NVLink4 900 GB/s total; 400 Gb/s NDR NIC per GPU", HOPPER),
+                    "4.8 TB/s, NVLink4 900 GB/s total; 400 Gb/s NDR NIC per GPU", HOPPER,
+                    host=DGX_H100),
     HardwareProfile("B200", {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}, 180 * GB,
                     8000, 900, 50, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 4.5 fp8, "
                     "180 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total; DGX B200: one 400 Gb/s "
-                    "NIC per GPU", BLACKWELL),
+                    "NIC per GPU", BLACKWELL, host=DGX_B200),
     HardwareProfile("GB200", {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}, 186 * GB,
                     8000, 900, 50, "NVIDIA GB200 NVL72 datasheet: per GPU 2.5 PFLOP/s bf16 "
                     "dense, 5 fp8, 186 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total in a 72-GPU "
-                    "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72),
+                    "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72,
+                    host=GB200_TRAY),
     HardwareProfile("cpu", {"fp32": 0.1055, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 38.1,
                     1.54, 1.54, "`fivefold calibrate` on the idle 2-core development machine "
                     "(one thread, 2026-11-30; bf16 matmul 0.9 GFLOP/s from DESIGN.md); rerun "
@@ -187,7 +302,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                                eltwise_passes=3.0, kernel_overhead_s=9.16e-5,
                                comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=7.1e-4,
                                latency_inter_s=7.1e-4, overlap_eff=0.0, reserved_bytes=0),
-                    2, 2),
+                    2, 2, CPU_HOST),
 ]}
 
 
@@ -195,8 +310,9 @@ def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
     """A profile from its JSON form (what `fivefold calibrate` writes); ConfigError if bad."""
     try:
         eff = Efficiency(**data.get("eff", {}))
-        fields = {k: v for k, v in data.items() if k != "eff"}
-        profile = HardwareProfile(**fields, eff=eff)
+        host = HostTier(**data.get("host", {}))  # files from before the host tier: defaults
+        fields = {k: v for k, v in data.items() if k not in ("eff", "host")}
+        profile = HardwareProfile(**fields, eff=eff, host=host)
         float(profile.peak_tflops["fp32"])
     except (TypeError, KeyError, ValueError) as err:
         raise ConfigError("cluster.gpu", f"{where} is not a hardware profile ({err}); write one "

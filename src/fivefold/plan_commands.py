@@ -5,6 +5,7 @@
     fivefold plan SPEC --train [--nproc N] [--steps N] [--run-dir DIR]   (plan, then train)
     fivefold plan validate [RUNS.json] [--json] [--cross]   (also: fivefold validate-plan)
     fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
+                       [--offload-path DIR]
 
 SPEC is a run spec (shared/reference/run_spec.md; TOML or JSON). `--json` prints exactly
 the fields run_spec.md lists (one object for simulate, a list best first for plan); the
@@ -64,6 +65,9 @@ def add_parsers(sub) -> None:
     cal.add_argument("--ranks", type=int, default=2,
                      help="local gloo ranks for the collective measurement (default 2)")
     cal.add_argument("--threads", type=int, help="torch threads per rank while measuring")
+    cal.add_argument("--offload-path", help="directory whose drive the disk tier measures "
+                                            "(parallel.offload_path; default: the temporary "
+                                            "directory)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -170,7 +174,7 @@ def cmd_calibrate(args) -> int:
 
     if args.ranks < 1:
         raise ConfigError("--ranks", f"must be at least 1, got {args.ranks}")
-    prof = calibrate(args.out, args.device, args.ranks, args.threads)
+    prof = calibrate(args.out, args.device, args.ranks, args.threads, args.offload_path)
     print(summary(prof))
     print(f"wrote {args.out}; use it with --set cluster.gpu={args.out}", file=sys.stderr)
     return 0

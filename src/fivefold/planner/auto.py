@@ -15,7 +15,10 @@ accepts it on this world, so the restriction follows the runtime as it grows (pi
 context or expert degrees become candidates the day validation admits them). Keys of the
 search (`SEARCHED`) that the config sets to a non-default value are held fixed; the others
 (global batch, precision, reduce dtype, ZeRO++ switches, the model, the optimizer) are always
-the config's own.
+the config's own. Offload is the search's (fivefold.planner.search: a tier only for layouts
+that do not fit without one), unless the config sets parallel.offload, which then holds for
+every layout; nvme needs the config's parallel.offload_path, without which validation
+refuses it.
 
 Profile: the device's (`local_profile`): on a GPU `cluster.gpu` when set, else the detected
 GPU's; on the CPU a calibrated CPU profile file named by `cluster.gpu`, else the built-in
@@ -82,14 +85,15 @@ def layout_config(cfg: Config, lay: ParallelPlan) -> Config:
         zero_stage=lay.zero_stage,
         zero_group=None if lay.zero_group == lay.dp else lay.zero_group,
         micro_batch=lay.micro_batch, recompute=lay.recompute,
-        sequence_parallel=lay.sequence_parallel)
+        sequence_parallel=lay.sequence_parallel, offload=lay.offload,
+        offload_fraction=lay.offload_fraction)
     return dataclasses.replace(cfg, parallel=p)
 
 
 def layout_overrides(cfg: Config) -> list[str]:
     """The `--set` arguments that turn an auto config into `cfg`'s layout."""
     out = ["parallel.auto=false"]
-    for key in SEARCHED:
+    for key in (*SEARCHED, "offload", "offload_fraction"):
         value = getattr(cfg.parallel, key)
         if value == getattr(DEFAULTS, key):
             continue
@@ -144,7 +148,8 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str,
     def runnable(lay: ParallelPlan) -> bool:
         run_cfg = layout_config(cfg, lay)
         key = tuple(getattr(run_cfg.parallel, k) if k != "stage_layers" else
-                    tuple(run_cfg.parallel.stage_layers or ()) for k in SEARCHED)
+                    tuple(run_cfg.parallel.stage_layers or ())
+                    for k in (*SEARCHED, "offload", "offload_fraction"))
         if key not in verdicts:
             verdicts[key] = _matches(run_cfg.parallel, lay, fixed) and _trainable(
                 run_cfg, world_size, rejections)

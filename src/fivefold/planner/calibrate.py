@@ -8,7 +8,14 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   (`attn_eff`, the per-score and per-row costs, `fit_attention`);
 - memory bandwidth (a large tensor copy) for element-wise ops and the optimizer;
 - all-reduce bandwidth and latency across `--ranks` local gloo processes (the "intra-node"
-  link of this machine).
+  link of this machine);
+- the host and disk tiers of offload (fivefold.hardware.HostTier): the host<->device copy
+  rate (pinned host to GPU and back; on a CPU a copy between two host buffers), torch's CPU
+  AdamW on a flat fp32 buffer as fivefold.memory.offload runs it (foreach ops piece by
+  piece; the fused CPU kernel's rate, where it runs, goes into the source line), and file
+  write + fsync and read bandwidth of a scratch file under `--offload-path` (else the
+  system's temporary directory), dropped from the page cache before it is read back
+  (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
 On a CPU the `--ranks` processes measure all at once, one thread each, so the rates are
 what each rank of a `--nproc` run gets on this machine (shared memory bus and caches); the
 profile's `cores` says for how many ranks they hold (more ranks split them evenly).
@@ -25,7 +32,7 @@ import os
 import time
 from pathlib import Path
 
-from fivefold.hardware import Efficiency, HardwareProfile
+from fivefold.hardware import Efficiency, HardwareProfile, HostTier
 from fivefold.planner.compute import ATTN_TILE, Gemm
 
 GEMM_SHAPES_CPU = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 1024, 256),
@@ -151,9 +158,88 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     copy_s = _timeit(lambda: y.copy_(x), sync, repeat)
     small = torch.ones(8, device=dev)
     op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
+    adam, adam_fused = measure_cpu_adam(repeat), measure_cpu_adam(repeat, "fused")
+    host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
-            "copy_Bps": 2 * n / copy_s, "op_overhead_s": op_s}
+            "copy_Bps": 2 * n / copy_s, "op_overhead_s": op_s,
+            "host_copy_Bps": host_copy, "host_link_Bps": host_link,
+            "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}
+
+
+def measure_host_copies(device_type: str, sync, repeat: int) -> tuple[float, float]:
+    """(host memory traffic of a copy between two host buffers, read + write bytes per
+    second; host<->device bytes per second, the slower direction between pinned host memory
+    and the GPU, or on a CPU the host copy itself: what offload's transfers become there)."""
+    import torch
+
+    n = 64 * 2**20
+    x, y = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    host_s = _timeit(lambda: y.copy_(x), lambda: None, repeat)
+    if device_type == "cpu":
+        return 2 * n / host_s, n / host_s
+    pinned = x.pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device=device_type)
+    up = _timeit(lambda: dev.copy_(pinned, non_blocking=True), sync, repeat)
+    down = _timeit(lambda: pinned.copy_(dev, non_blocking=True), sync, repeat)
+    return 2 * n / host_s, n / max(up, down)
+
+
+ADAM_PIECE = 1 << 16  # elements per piece of the offload step (fivefold.memory.offload)
+
+
+def measure_cpu_adam(repeat: int, kernel: str = "foreach", numel: int = 4 * 2**20
+                     ) -> float | None:
+    """Elements per second of an AdamW step on one flat fp32 CPU buffer of `numel` elements:
+    "foreach" as fivefold.memory.offload runs it (the decoupled decay multiply, then torch's
+    foreach Adam, piece by piece of ADAM_PIECE elements), "fused" torch's fused CPU kernel
+    over the whole buffer; None where this torch has no such kernel."""
+    import torch
+    from torch.optim.adam import adam
+
+    master, grad = torch.zeros(numel), torch.full((numel,), 1e-3)
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    if kernel == "foreach":
+        def step():
+            for start in range(0, numel, ADAM_PIECE):
+                piece = slice(start, start + ADAM_PIECE)
+                master[piece].mul_(1.0 - 1e-5)
+                adam([master[piece]], [grad[piece]], [exp_avg[piece]], [exp_avg_sq[piece]],
+                     [], [torch.tensor(1.0)], foreach=True, amsgrad=False, beta1=0.9,
+                     beta2=0.95, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False)
+
+        return numel / _timeit(step, lambda: None, repeat)
+    param = torch.nn.Parameter(master)
+    param.grad = grad
+    try:
+        opt = torch.optim.AdamW([param], lr=1e-3, **{kernel: True})
+        opt.step()
+    except (RuntimeError, TypeError):
+        return None
+    return numel / _timeit(opt.step, lambda: None, repeat)
+
+
+def measure_storage(directory: str | None, nbytes: int = 128 * 2**20) -> tuple[float, float]:
+    """(write + fsync, read) bytes per second of one scratch file in `directory` (default:
+    the system's temporary directory), written and read in 8 MiB blocks; the file is dropped
+    from the page cache before the read and deleted after."""
+    import tempfile
+
+    block = os.urandom(8 * 2**20)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="fivefold-calibrate-") as f:
+        fd = f.fileno()
+        start = time.perf_counter()
+        for _ in range(nbytes // len(block)):
+            os.write(fd, block)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        while os.read(fd, len(block)):
+            pass
+        read_s = time.perf_counter() - start
+    return nbytes / write_s, nbytes / read_s
 
 
 def _measure_worker(rt, threads: int | None) -> dict:
@@ -189,7 +275,8 @@ def measure_collectives(ranks: int, repeat: int = 5) -> tuple[float, float]:
 
 
 def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | None,
-                              memory_bytes: int, cores: int) -> HardwareProfile:
+                              memory_bytes: int, cores: int, host_memory_bytes: int,
+                              storage: tuple[float, float]) -> HardwareProfile:
     peak = max(2 * M * K * N / t for M, K, N, t in m["gemms"])
     hbm = m["copy_Bps"]
     e, mem_e, overhead = fit_gemm(m["gemms"], peak, hbm, m["elem_bytes"])
@@ -205,16 +292,32 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | No
                      comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=lat,
                      latency_inter_s=lat, overlap_eff=0.0 if m["device"] == "cpu" else 0.85,
                      reserved_bytes=0)
+    write_Bps, read_Bps = storage
+    host = HostTier(link_GBps=m["host_link_Bps"] / 1e9, link_eff=1.0,
+                    memory_bytes=host_memory_bytes,
+                    memory_GBps=m["host_copy_Bps"] * max(cores, 1) / 1e9,  # all ranks
+                    nvme_read_GBps=read_Bps / 1e9, nvme_write_GBps=write_Bps / 1e9,
+                    gpus=max(cores, 1),  # the ranks measured at once: the host's rate
+                    adam_elems_per_s=m["adam_elems_per_s"] * max(cores, 1),
+                    source=f"measured by `fivefold calibrate`: host copies, a scratch file's "
+                           f"write + fsync and read, torch's foreach CPU AdamW (offload's "
+                           f"kernel; fused: {_rate(m['adam_fused_elems_per_s'])} per rank) "
+                           f"with {m['threads']} thread(s)")
     return HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
                            f"measured by `fivefold calibrate` on {m['device']} with "
-                           f"{m['threads']} thread(s)", eff, cores or 8, cores)
+                           f"{m['threads']} thread(s)", eff, cores or 8, cores, host)
+
+
+def _rate(elems_per_s: float | None) -> str:
+    return "not available" if elems_per_s is None else f"{elems_per_s / 1e6:.0f} M elements/s"
 
 
 def calibrate(out: str | Path, device_type: str = "cpu", ranks: int = 2,
-              threads: int | None = None) -> HardwareProfile:
+              threads: int | None = None, offload_path: str | None = None) -> HardwareProfile:
     """Measure, fit and write the profile. On a CPU, `threads` defaults to 1: what each rank
     of a multi-rank run gets (torch.distributed.run sets OMP_NUM_THREADS=1); calibrate a
-    single-process run with --threads set to the core count."""
+    single-process run with --threads set to the core count. `offload_path`: the directory
+    whose drive the disk tier's figures describe (parallel.offload_path)."""
     if device_type == "cpu" and threads is None:
         threads = 1
     import torch
@@ -226,22 +329,27 @@ def calibrate(out: str | Path, device_type: str = "cpu", ranks: int = 2,
     else:
         m = measure_device(device_type, threads)
     link = measure_collectives(ranks) if ranks > 1 else None
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device_type == "cuda":
         memory = torch.cuda.get_device_properties(0).total_memory
         cores = 0
     else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = host_memory
         cores = max(ranks, 1)  # ranks that ran at once at the measured rates
-    prof = profile_from_measurements(f"calibrated-{device_type}", m, link, memory, cores)
+    prof = profile_from_measurements(f"calibrated-{device_type}", m, link, memory, cores,
+                                     host_memory, measure_storage(offload_path))
     Path(out).write_text(json.dumps(dataclasses.asdict(prof), indent=1) + "\n")
     return prof
 
 
 def summary(prof: HardwareProfile) -> str:
-    e = prof.eff
+    e, h = prof.eff, prof.host
     peak = max(prof.peak_tflops.values())
     return (f"{prof.name}: GEMM peak {peak * 1e3:.1f} GFLOP/s (efficiency curve "
             f"{e.gemm_eff:.2f}, memory term {e.gemm_mem_eff:.2f}, overhead "
             f"{e.kernel_overhead_s * 1e6:.1f} us), attention {e.attn_eff:.2f} of peak + "
             f"{e.attn_score_s * 1e12:.2f} ps/score, memory {prof.hbm_GBps:.1f} GB/s, "
-            f"ranks link {prof.intra_node_GBps:.2f} GB/s + {e.latency_intra_s * 1e6:.0f} us/hop")
+            f"ranks link {prof.intra_node_GBps:.2f} GB/s + {e.latency_intra_s * 1e6:.0f} us/hop"
+            f"; host: link {h.link_GBps:.2f} GB/s, memory {h.memory_GBps:.1f} GB/s, CPU AdamW "
+            f"{h.adam_elems_per_s / 1e6:.0f} M elements/s per host, disk write "
+            f"{h.nvme_write_GBps:.2f} / read {h.nvme_read_GBps:.2f} GB/s")

@@ -20,6 +20,22 @@ and the projection, 4 A r, with r = A / 4 (arXiv 2403.03507, Sec. 4; fivefold.me
 and AdamW's 8 elsewhere. Expert parameters of MoE layers are
 split over ep ranks and sharded over the remaining data-parallel ranks.
 
+Offload (`parallel.offload`, ZeRO-Offload arXiv 2101.06840, ZeRO-Infinity arXiv 2104.07857;
+fivefold.memory.offload) moves the fp32 master and the optimizer state of a prefix of the
+rank's units (ParallelPlan.offloaded_units: the shortest prefix whose shard elements reach
+offload_fraction of the rank's) off the device. Per element of an offloaded unit's shard:
+
+  tier  device                          host                           disk
+  cpu   no master, no optimizer state   master, 2 moments, fp32 grad   -
+                                        (16 B)
+  nvme  no master, no optimizer state   master, fp32 grad (8 B)        2 moments, 2 versions
+                                                                       (16 B)
+
+The disk keeps two versions of the moments, the committed one and the one a step writes
+(crash consistency, fivefold.memory.nvme_store). Parameters and gradients stay on the
+device as without offload; the chunk buffers the streaming keeps in flight are bounded and
+not model state.
+
 PipeDream-2BW (fivefold.parallel.pipeline.pipedream_2bw) holds two weight versions, and three
 copies with weight prediction (two predicted versions and the optimizer's masters); one
 step's gradients at a time, since a stage's first backward of step t+1 follows its update of
@@ -37,6 +53,8 @@ from fivefold.planner.params import (block_matrix_shapes, block_params, block_ve
                                      root_params, total_params)
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0}  # per element; GaLore: Unit
+# Bytes per offloaded shard element on (host, disk), module docstring
+OFFLOAD_BYTES = {"none": (0, 0), "cpu": (16, 0), "nvme": (8, 16)}
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,8 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
 
 
 def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
-    """{params, grads, master, optimizer, total} on one rank, as the runtime records them."""
+    """{params, grads, master, optimizer, total} resident on one rank's device, and {host,
+    disk}: the offloaded units' state (module docstring), as the runtime records them."""
     p = PRECISION_BYTES[lay.precision]
     stage = lay.zero_stage
     g = lay.grad_bytes if stage >= 2 else p
@@ -148,10 +167,13 @@ def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
     if lay.optimizer == "lomo":
         grads = max((u.padded for u in units), default=0) * g  # one unit's gradient at a time
     local = [(u.shard_numel if stage >= 1 else u.padded) for u in units]
-    master = 0 if p == 4 else sum(local) * 4
-    optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in zip(local, units)))
+    off = lay.offloaded_units(local)
+    kept = list(zip(local, units))[off:]  # the units whose step stays on the device
+    master = 0 if p == 4 else sum(n for n, _ in kept) * 4
+    optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in kept))
+    host, disk = (sum(local[:off]) * b for b in OFFLOAD_BYTES[lay.offload])
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
-            "total": params + grads + master + optimizer}
+            "total": params + grads + master + optimizer, "host": host, "disk": disk}
 
 
 def weight_copies(lay: ParallelPlan) -> int:

@@ -4,8 +4,11 @@ Model states are fivefold.planner.memory's (the data-parallel engine's flat unit
 what the engine records; data-parallel GaLore's bucket and sharded projected states, equal
 to what fivefold.memory.galore_dp records); on the plain one-rank path the model stays fp32
 under autocast and torch's optimizer keeps its state per parameter, so the same count is
-taken at fp32 with no master copy. Activations are one micro-batch's saved bytes on this rank (this stage's blocks
-and its share of the root, fivefold.planner.activations), which the trainer measures with
+taken at fp32 with no master copy. Under offload the optimizer row is what stays on the
+device and two rows more, "optimizer states, host" and "optimizer states, disk", hold the
+offloaded units' master, moments and fp32 gradient (fivefold.planner.memory's table).
+Activations are one micro-batch's saved bytes on this rank (this stage's blocks and its
+share of the root, fivefold.planner.activations), which the trainer measures with
 saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
 in-flight micro-batches of them, which the report states but does not measure.
 """
@@ -22,8 +25,9 @@ from fivefold.planner.schedules import peak_in_flight
 
 
 def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[str, float]:
-    """{params, grads, optimizer (master copies and states), activations_per_micro_batch,
-    micro_batches_in_flight} of global rank `rank` under `plan`, in bytes."""
+    """{params, grads, optimizer (master copies and states on the device), host, disk
+    (offload's tiers), activations_per_micro_batch, micro_batches_in_flight}
+    of global rank `rank` under `plan`, in bytes."""
     m = cfg.model
     layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
     if plan.update in ("engine", "galore-dp"):
@@ -41,4 +45,5 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],
             "optimizer": states["master"] + states["optimizer"],
+            "host": states["host"], "disk": states["disk"],
             "activations_per_micro_batch": acts, "micro_batches_in_flight": inflight}

@@ -1,8 +1,11 @@
 """Plain-text output of `fivefold simulate` and `fivefold plan` (the JSON is Estimate.to_json).
 
 `plan_text` ends with the `fivefold train` command that runs the winning layout: every
-searched field as a `--set`, including the planner's block split (`parallel.stage_layers`),
-launched with torchrun across nodes when the layout needs more than one.
+searched field as a `--set`, including the planner's block split (`parallel.stage_layers`)
+and the offload tier the layout needed (nvme also needs a directory: `offload_path`),
+launched with torchrun across nodes when the layout needs more than one. Under offload both
+texts add a line: the host bytes per host against its memory, the disk bytes per device and
+the CPU step (fivefold.planner.offload).
 """
 
 from __future__ import annotations
@@ -21,9 +24,28 @@ def layout_line(p: dict) -> str:
         else ""
     sp = " sp" if p["sequence_parallel"] else ""
     ep = f" ep={p['ep']}" if p["ep"] > 1 else ""
+    offload = ""
+    if p.get("offload", "none") != "none":
+        fraction = p["offload_fraction"]
+        offload = f" offload={p['offload']}" + (f"x{fraction:g}" if fraction < 1 else "")
     return (f"tp={p['tp']}{sp} pp={p['pp']}{sched} cp={p['cp']} dp={p['dp']}{ep} "
             f"zero={p['zero_stage']} mb={p['micro_batch']} recompute={p['recompute']} "
-            f"{p['precision']}")
+            f"{p['precision']}{offload}")
+
+
+def offload_line(est: Estimate) -> str | None:
+    """Where the offloaded state lives and what its step costs; None without offload."""
+    o = est.offload
+    if o is None:
+        return None
+    disk = (f", disk {o['disk_bytes_per_gpu'] / GiB:.2f} GiB per device"
+            if o["disk_bytes_per_gpu"] else "")
+    return (f"offload    {o['tier']} x{o['fraction']:g}: host {o['host_bytes_per_host'] / GiB:.2f}"
+            f" of {o['host_memory_bytes'] / GiB:.0f} GiB per host "
+            f"({'fits' if o['host_fits'] else 'does NOT fit'}){disk}; gradients down "
+            f"{o['download_s']:.3g} s, clipping {o['clip_s']:.3g} s, CPU step "
+            f"{o['cpu_step_s']:.3g} s, disk {o['disk_s']:.3g} s, parameters up "
+            f"{o['upload_s']:.3g} s: {o['exposed_s']:.3g} s exposed")
 
 
 def estimate_text(est: Estimate, prof: HardwareProfile) -> str:
@@ -39,6 +61,8 @@ def estimate_text(est: Estimate, prof: HardwareProfile) -> str:
                f"{prof.memory_bytes / GiB:.0f} GiB)"]
     if len(est.stage_layers) > 1:
         lines.append(f"stages     blocks per virtual stage {est.stage_layers}")
+    if offload_line(est):
+        lines.append(offload_line(est))
     return "\n".join(lines)
 
 
@@ -60,6 +84,9 @@ def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str
     mem = best.memory_per_gpu_bytes
     lines.append("best layout memory per device: " + ", ".join(
         f"{k} {mem[k] / GiB:.2f} GiB" for k in MEMORY_FIELDS))
+    if offload_line(best):
+        lines.append(f"it fits with {best.offload['tier']} offload; " + offload_line(best)
+                     .removeprefix("offload    "))
     lines.append("\nrun it:\n  " + train_command(best, cfg, spec_path))
     return "\n".join(lines)
 
@@ -74,6 +101,11 @@ def train_command(est: Estimate, cfg: Config, spec_path: str) -> str:
         text = str(value).lower() if isinstance(value, bool) else (
             value if isinstance(value, str) else str(value).replace(" ", ""))
         sets.append(f"--set parallel.{key}={text}")
+    if p.get("offload", "none") != "none":
+        sets += [f"--set parallel.offload={p['offload']}",
+                 f"--set parallel.offload_fraction={p['offload_fraction']:g}"]
+        if p["offload"] == "nvme" and not p.get("offload_path"):
+            sets.append("--set parallel.offload_path=DIR")  # a directory on a local NVMe
     gpn = min(cfg.cluster.gpus_per_node, cfg.cluster.gpus)
     nodes = cfg.cluster.gpus // gpn
     head = (f"fivefold train {spec_path} --nproc {gpn}" if nodes == 1 else

@@ -5,8 +5,13 @@ dividing the sequence), pipeline (any degree up to the layers, blocks cut uneven
 fivefold.parallel.pipeline.partition), data (the rest; it must divide the global batch)
 and expert (MoE: divisors of dp*cp that divide the experts) degrees; virtual stages and schedule
 (1f1b, gpipe, zb; interleaved with 2 or 4 virtual stages); ZeRO stage 0-3; micro-batch;
-recomputation (none, selective, full); sequence parallelism with tp. Precision and the
-global batch stay as the spec says.
+recomputation (none, selective, full); sequence parallelism with tp; and optimizer offload
+(fivefold.planner.offload): a layout that does not fit the device is tried again with "cpu"
+offload, then "nvme", each at offload_fraction 0.5 then 1, and kept at the first that fits
+(device and host memory), so `plan` reports which tier it needed. Offload is tried only where
+it composes (AdamW, not PipeDream-2BW: fivefold.compositions' refusals) and when the spec
+leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout.
+Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
 closed form built from the same per-block costs the simulator uses (the pipeline's bubble
@@ -29,7 +34,8 @@ from fivefold.hardware import HardwareProfile
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.memory import Unit, galore_state_bytes
+from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
+from fivefold.planner.offload import UnitWork, offload_times, ranks_on_host
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.simulate import Estimate, StepModel, default_precision
@@ -37,6 +43,7 @@ from fivefold.planner.spec import cluster_gpus
 
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (2, 4)
+OFFLOAD_TRIES = (("cpu", 0.5), ("cpu", 1.0), ("nvme", 0.5), ("nvme", 1.0))
 
 
 @dataclass
@@ -94,6 +101,14 @@ def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
     return out
 
 
+def offload_tries(lay: ParallelPlan) -> list[ParallelPlan]:
+    """`lay`, then its offloaded variants in the order the search tries them (module
+    docstring); only `lay` when it offloads already or offload does not compose with it."""
+    if lay.offload != "none" or lay.optimizer != "adamw" or lay.schedule == "pipedream-2bw":
+        return [lay]
+    return [lay] + [lay.replace(offload=tier, offload_fraction=f) for tier, f in OFFLOAD_TRIES]
+
+
 class FastScorer:
     """The closed-form step time and peak memory of a layout (first pass)."""
 
@@ -103,7 +118,8 @@ class FastScorer:
         self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
 
     def score(self, lay: ParallelPlan) -> tuple[float, float]:
-        """(step seconds, peak bytes per device)."""
+        """(step seconds, peak bytes per device; infinite when offload's host tier cannot
+        hold the offloaded state)."""
         sm = StepModel(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
         L, pp, v = m.layers, lay.pp, lay.vpp
@@ -134,10 +150,36 @@ class FastScorer:
                            for n, moe in kinds) / pp
         if lay.optimizer == "muon":  # and Muon's orthogonalization
             opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
+        kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
+        opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
         state = Unit(round(numel), 1, matrices=round(matrices),
                      low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
-        return step, self._memory(sm, lay, numel, shard, rank_layers, state)
+        peak = self._memory(sm, lay, numel, shard, rank_layers, state, kept)
+        if lay.offload != "none":
+            exposed, host_fits = self._offload(sm, lay, costs, numel / shard,
+                                               regather + opt_s)
+            step += exposed
+            peak = peak if host_fits else math.inf
+        return step, peak
+
+    def _offload(self, sm: StepModel, lay: ParallelPlan, costs: list, local: float,
+                 device_s: float) -> tuple[float, bool]:
+        """(exposed seconds, whether the host holds it) of offloading `offload_fraction`
+        of the rank's `local` elements: fivefold.planner.offload on the rank's blocks, each
+        one unit of the average block's share, in forward order."""
+        blocks = math.ceil(self.cfg.model.layers / lay.pp)
+        cost = max((c for _, c in costs), key=lambda c: c.f + c.b)
+        per_block = local / blocks
+        count = max(1, math.ceil(lay.offload_fraction * blocks))
+        work = [UnitWork(round(per_block), cost.f)] * count
+        host = self.prof.host
+        sharing = ranks_on_host(host, lay.gpus, self.cfg.cluster.gpus_per_node)
+        grad = PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage >= 2 else sm.a
+        times = offload_times(work, lay.offload, host, sharing, grad, sm.a,
+                              self.cfg.train.grad_clip > 0, device_s)
+        host_bytes = OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local * sharing
+        return times.exposed_s, host_bytes <= host.memory_bytes
 
     def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:
@@ -151,14 +193,16 @@ class FastScorer:
                       if lay.zero_stage == 1 else 0.0)
 
     def _memory(self, sm: StepModel, lay: ParallelPlan, numel: float, shard: int,
-                rank_layers: int, state_bytes: float) -> float:
+                rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:
+        """Peak device bytes; `kept`: the share of master and optimizer state that offload
+        leaves on the device."""
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
         stage = lay.zero_stage
         params = numel * p / (shard if stage == 3 else 1)
         grads = numel * (g / shard if stage >= 2 else p)
         state = state_bytes + (0 if p == 4 else 4)
-        optimizer = numel * state / (shard if stage >= 1 else 1)
+        optimizer = numel * state / (shard if stage >= 1 else 1) * kept
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
@@ -183,13 +227,17 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
     scorer = FastScorer(cfg, prof)
     usable = prof.memory_bytes
     scored, ranked = 0, []
-    for lay in candidates(cfg, base):
-        if accept is not None and not accept(lay):
-            continue
-        scored += 1
-        step, peak = scorer.score(lay)
-        if peak <= usable:
-            ranked.append((step, lay))
+    for candidate in candidates(cfg, base):
+        tried = False  # a layout counts once, however many offload variants it needed
+        for lay in offload_tries(candidate):  # the first variant that fits, if any
+            if accept is not None and not accept(lay):
+                continue
+            tried = True
+            step, peak = scorer.score(lay)
+            if peak <= usable:
+                ranked.append((step, lay))
+                break
+        scored += tried
     ranked.sort(key=lambda x: x[0])
     best = []
     for _, lay in ranked[:exact]:

@@ -11,7 +11,9 @@ The step is assembled from the models of this package:
    each rank's finish time, busy time and peak in-flight activations.
 3. After the last backward: the data-parallel gradient synchronisation that did not hide
    behind that backward, then the optimizer step (memory bound) and, for ZeRO-1/2, the
-   parameter all-gather that follows it.
+   parameter all-gather that follows it. Under offload the offloaded units step on the CPU
+   (fivefold.planner.offload) and what the next forward waits for them counts as optimizer
+   time; the host must hold the offloaded state of its ranks for the layout to fit.
 
 Overlap rules (each technique's own):
 - tensor parallelism (Megatron-LM, arXiv 1909.08053): two all-reduces per block forward and
@@ -67,6 +69,7 @@ from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
                                       embedding_times, head_times, newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
+from fivefold.planner import offload
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
@@ -96,6 +99,7 @@ class Estimate:
     replay: Replay | None = field(default=None, repr=False)
     dp_tail_s: list[float] = field(default_factory=list, repr=False)
     step_model: "StepModel | None" = field(default=None, repr=False)
+    offload: dict | None = None  # fivefold.planner.offload.offload_summary
 
     def to_json(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -103,7 +107,8 @@ class Estimate:
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
                 "mfu": self.mfu, "hfu": self.hfu,
                 "memory_per_gpu_bytes": dict(self.memory_per_gpu_bytes), "fits": self.fits,
-                "breakdown_s": dict(self.breakdown_s), "parallel": dict(self.parallel)}
+                "breakdown_s": dict(self.breakdown_s), "parallel": dict(self.parallel),
+                **({"offload": dict(self.offload)} if self.offload else {})}
 
 
 def default_precision(prof: HardwareProfile) -> str:
@@ -523,7 +528,7 @@ class StepModel:
         master, moments); Muon reads one momentum instead of two moments on the blocks'
         matrices and adds their Newton-Schulz orthogonalization (compute bound)."""
         lay = self.lay
-        units = self.rank_units(rank)
+        units = offload.device_units(self.rank_units(rank), lay)  # the rest steps on the CPU
         g = PRECISION_BYTES[lay.reduce_dtype]
         adamw, momentum = 28 + 2 * g + self.a, 16 + 2 * g + self.a
         per_param = {"adamw": adamw, "muon": adamw, "sgd": momentum, "lomo": 0,
@@ -633,9 +638,11 @@ class StepModel:
                 window = sum(times[g][0] for g in range(r, stages, lay.pp))
                 regather = max(regather - hide * window, (1 - hide) * regather)
             opt = self.optimizer_s(r)
+            offloaded = offload.rank_offload(self, r, opt + regather)
+            opt += offloaded.exposed_s  # downloads, host clipping, the forward's waits
             tails.append(tail)
-            ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather))
-        step, r, tail, opt, regather = max(ends)
+            ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather, offloaded))
+        step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
         comm_in = sum(m * (times[g][3] + times[g][4]) for g in rank_stages)
@@ -651,10 +658,12 @@ class StepModel:
         per_gpu = lay.global_batch / lay.gpus / step
         peak = prof.peak_flops("bf16" if lay.precision == "fp8" else lay.precision)
         tokens = lay.global_batch * self.model.seq_len
+        host = offload.offload_summary(self, offloaded)
+        fits = mem["total"] <= prof.memory_bytes and (host is None or host["host_fits"])
         return Estimate(step, tokens / step, model_fl * per_gpu / 1e12, hw_fl * per_gpu / 1e12,
                         model_fl * per_gpu / peak, hw_fl * per_gpu / peak, mem,
-                        mem["total"] <= prof.memory_bytes, breakdown, lay.parallel_table(), lay,
-                        list(self.stage_layers), rp if keep_events else None, tails, self)
+                        fits, breakdown, lay.parallel_table(), lay,
+                        list(self.stage_layers), rp if keep_events else None, tails, self, host)
 
 
 def model_flops_per_token(model: ModelConfig, prof: HardwareProfile) -> float:
