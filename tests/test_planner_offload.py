@@ -23,6 +23,7 @@ from fivefold.planner.report import plan_text
 from fivefold.planner.search import search
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import prepare
+from fivefold.testing import run_on_ranks
 
 # vocab 501: the root unit holds an odd number of elements, so sharding pads it
 SMALL = ["model.layers=3", "model.hidden=32", "model.heads=4", "model.kv_heads=2",
@@ -281,9 +282,7 @@ def _offload_states(rt, cases):
 def test_predicted_tiers_equal_the_offload_runtime_record(parity_overrides, tmp_path):
     """Device, host and disk bytes predicted equal, to the byte, what the offload runtime's
     engine records on every rank: one rank at ZeRO 0 and two ranks at ZeRO 0-3, cpu and nvme,
-    fractions 1 and 0.5 (one process start per world size). Runs where the runtime is."""
-    pytest.importorskip("fivefold.memory.offload")
-    from fivefold.testing import run_on_ranks
+    fractions 1 and 0.5 (one process start per world size)."""
 
     for world, stages in ((1, (0,)), (2, (0, 1, 2, 3))):
         cases = [parity_overrides + [

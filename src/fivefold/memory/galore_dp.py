@@ -312,7 +312,7 @@ class GaLoreDataParallel:
         optimizer = (sum(t.nbytes for t in (*self.proj, *self.exp_avg, *self.exp_avg_sq))
                      + state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes)
         self.ledger.model_state_bytes = {"params": params, "grads": grads, "master": master,
-                                         "optimizer": optimizer,
+                                         "optimizer": optimizer, "host": 0, "disk": 0,
                                          "total": params + grads + master + optimizer}
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -56,9 +56,6 @@ class ParallelPlan:
     micro_batch: int
     global_batch: int
     recompute: str
-    offload: str  # "none" | "cpu" | "nvme": where offloaded optimizer states live
-    offload_path: str | None
-    offload_fraction: float
     sequence_parallel: bool
     precision: str
     fp8_emulate: bool | None  # None: emulate where the device has no fp8 units
@@ -285,9 +282,7 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
         micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
-        recompute=p.recompute, offload=p.offload, offload_path=p.offload_path,
-        offload_fraction=p.offload_fraction,
-        sequence_parallel=p.sequence_parallel, precision=precision,
+        recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"

@@ -111,7 +111,7 @@ def galore_dp_segment(model: ModelConfig, n: int) -> tuple[int, int, int]:
 
 def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan, projected: bool = False
                           ) -> dict[str, int]:
-    """{params, grads, master, optimizer, total} of data-parallel GaLore on one rank, as
+    """{params, grads, master, optimizer, host, disk (0), total} of data-parallel GaLore on one rank, as
     fivefold.memory.galore_dp records them: the whole fp32 model; the gradient bucket
     (stages 0-1) or its 1/n segment (stage 2), of the projected gradient with `projected`
     (train.galore_reduce); the fp32 shard of the full-rank parameters AdamW steps (stages
@@ -128,7 +128,7 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan, projected: bool
     master = 4 * rest_chunk if n > 1 else 0  # stage 0: the parameters are the master
     optimizer = low_rank + 8 * rest_chunk
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
-            "total": params + grads + master + optimizer}
+            "host": 0, "disk": 0, "total": params + grads + master + optimizer}
 
 
 def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first: bool, last: bool,
