@@ -14,7 +14,9 @@ import math
 import os
 import platform
 import resource
+import statistics
 import sys
+import time
 from pathlib import Path
 
 
@@ -45,6 +47,17 @@ def rss_mib(field: str = "VmHWM") -> float:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def median_seconds(fn, repeats: int = 5) -> float:
+    """Median wall time of `repeats` calls of `fn`, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def split_rounds(steps: int, rounds: int) -> list[int]:

@@ -106,13 +106,7 @@ def matmul_table(repeats: int) -> list[dict]:
             else:
                 y = expert_matmul.expert_swiglu(x, counts, *ws, how=how)
             y.square().sum().backward()
-        once()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            once()
-            samples.append(time.perf_counter() - start)
-        rows.append({"matmul": how, "median_ms": 1000 * statistics.median(samples)})
+        rows.append({"matmul": how, "median_ms": 1000 * harness.median_seconds(once, repeats)})
         print(f"{how:8s} forward+backward {rows[-1]['median_ms']:7.1f} ms", flush=True)
     return rows
 

@@ -30,10 +30,10 @@ import json
 import statistics
 import subprocess
 import tempfile
-import time
 
 import torch
 
+import harness
 from fivefold.config import TrainConfig, load_config
 from fivefold.memory.nvme_store import NvmeStore
 from fivefold.memory.offload import chunked_adamw_, cpu_adamw_
@@ -85,23 +85,13 @@ def tiers(steps: int, nvme_dir: str) -> list[dict]:
     return out
 
 
-def _median_time(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def adam_kernels(n: int, deepspeed_python: str | None) -> dict[str, float | str]:
     train = TrainConfig(lr=1e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     master, grad = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     out: dict[str, float | str] = {
-        "fivefold cpu tier (torch foreach, 64Ki chunks)": _median_time(
+        "fivefold cpu tier (torch foreach, 64Ki chunks)": harness.median_seconds(
             lambda: chunked_adamw_(master, grad, exp_avg, exp_avg_sq, 1, 1e-3, train, []))}
     param = torch.nn.Parameter(master.clone())
     param.grad = grad.clone()
@@ -110,7 +100,7 @@ def adam_kernels(n: int, deepspeed_python: str | None) -> dict[str, float | str]
                          ("torch AdamW fused (CPU)", {"fused": True})):
         opt = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
                                 weight_decay=0.0, **kwargs)
-        out[name] = _median_time(opt.step)
+        out[name] = harness.median_seconds(opt.step)
     with tempfile.TemporaryDirectory() as directory:
         store = NvmeStore(directory, [("unit", n)])
 
@@ -118,7 +108,7 @@ def adam_kernels(n: int, deepspeed_python: str | None) -> dict[str, float | str]
             store.update_unit("unit", lambda a, b, avg, avg_sq: cpu_adamw_(
                 master[a:b], grad[a:b], avg, avg_sq, 1, 1e-3, train, []))
             store.commit(store.updates + 1)
-        out["fivefold nvme tier (streamed, fsync)"] = _median_time(streamed)
+        out["fivefold nvme tier (streamed, fsync)"] = harness.median_seconds(streamed)
         store.close()
     if deepspeed_python:
         proc = subprocess.run([deepspeed_python, "-c", DEEPSPEED, str(n)], capture_output=True,

@@ -93,7 +93,7 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         if moe:
             return tokens * (norms + attention + moe_saved_per_token(model, a)) + \
                 moe_saved_constant(model)
-        per_token = norms + attention + a * D + _mlp_saved(model, a, tp, D)
+        per_token = norms + attention + a * D + _mlp_saved(model, a, tp)
     return tokens * per_token
 
 
@@ -136,7 +136,7 @@ def _expert_width(model: ModelConfig, tp: int) -> float:
     return (m.top_k + m.shared_experts) * ffn / tp
 
 
-def _mlp_saved(model: ModelConfig, a: int, tp: int, D: float) -> float:
+def _mlp_saved(model: ModelConfig, a: int, tp: int) -> float:
     F = model.ffn_hidden / tp
     return 4 * a * F if model.ffn_type == "swiglu" else 2 * a * F
 
