@@ -346,10 +346,18 @@ def test_rejected(overrides, key, fragment):
     rejects(key, fragment, *overrides)
 
 
-def test_uint16_tokens_fit_exact_vocab_and_uint32_is_fine():
-    validate(load("model.vocab=65536", "data.format=tokens"))
-    validate(load("model.vocab=70000", "data.format=tokens", "data.token_dtype=uint32"))
+def test_uint16_tokens_fit_exact_vocab_and_uint32_is_fine(tmp_path):
+    ids = tmp_path / "ids.bin"
+    ids.write_bytes(bytes(8))
+    src = f'data.source="{ids}"'
+    validate(load("model.vocab=65536", "data.format=tokens", src))
+    validate(load("model.vocab=70000", "data.format=tokens", "data.token_dtype=uint32", src))
     validate(load("model.vocab=70000"))  # uint16 only matters for format "tokens"
+
+
+def test_tokens_format_needs_one_file(tmp_path):
+    for source in (str(tmp_path), "stdlib"):
+        rejects("data.format", "is not a file", f'data.source="{source}"', "data.format=tokens")
 
 
 @pytest.mark.parametrize("overrides, world_size, key, fragment", [

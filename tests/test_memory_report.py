@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from fivefold.config import load_config
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.rank_memory import predicted_rank_memory

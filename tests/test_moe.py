@@ -19,7 +19,6 @@ from fivefold.config import load_config
 from fivefold.models.expert_matmul import expert_swiglu, grouped_mm_runs, padded_mm
 from fivefold.models.moe import MoE, capacity_keep
 from fivefold.train.dist import Runtime
-from fivefold.train.moe_stats import moe_layers
 from fivefold.train.trainer import Trainer
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))

@@ -16,12 +16,12 @@ from fivefold.models.description import block_parameters
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.comm import Group, Links
 from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
-from fivefold.planner.fitted import FITTED, in_training
+from fivefold.planner.fitted import in_training
 from fivefold.planner.params import local_numel
 from fivefold.planner.search import candidates, exact_estimate
 from fivefold.planner.simulate import StepModel, simulate
 from fivefold.planner.spec import spec_config
-from fivefold.planner.stack import FIVEFOLD, STACKS
+from fivefold.planner.stack import FIVEFOLD, FLASH2_RATE, STACKS
 
 H100 = PROFILES["H100-SXM"]
 
@@ -82,7 +82,7 @@ def test_allgather_cp_exposes_what_only_its_first_step_hides():
     # ring all-gather over 4 nodes, each on its own NIC: 3 of 4 shards in, 3 hops
     ag = 3 / 4 * 4 * kv_bytes / links.inter_Bps + 3 * links.latency_inter_s
     dkv = 2 * n * 8 * d * 4 / links.inter_Bps + links.latency_inter_s
-    fa2 = FITTED.flash2_rate  # torchtitan's FlashAttention-2-class kernel on Hopper
+    fa2 = FLASH2_RATE  # torchtitan's FlashAttention-2-class kernel on Hopper
     at_f, at_b = attention_time(1, 8, 4096, d, 4, prof, True, "bf16", fa2, False)
     fwd, bwd = sm._cp_exposed(False)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fivefold.config import ConfigError, load_config
+from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
 from fivefold.planner.activations import block_saved_bytes
 from fivefold.train.checkpoint import PARTIAL, complete_checkpoints, latest_checkpoint

@@ -207,6 +207,10 @@ class TrainConfig:
                       'Megatron-Bridge) | "torchtitan" | "deepspeed"; plan and simulate '
                       'predict with its switches (docs/planner.md, "Software stacks")',
                       "fivefold")
+    stack_release: str | None = _doc('the release of that stack, "YYYY-MM" (its container or '
+                                     'version date): which attention kernel it runs '
+                                     '(docs/planner.md, "Software stacks"); absent = its '
+                                     'newest; not with "fivefold"', None)
 
 
 @dataclass

@@ -261,10 +261,25 @@ def ranks_per_node(gpus_per_node: int, tp: int, cp: int, shard: int) -> int:
     return max(1, min(shard, gpus_per_node // (tp * cp)))
 
 
+def validate_stack_release(stack: str, release) -> None:
+    if stack == "fivefold":
+        raise ConfigError("train.stack_release", "fivefold is this runtime, at this version; "
+                                                 "drop train.stack_release or name another "
+                                                 "train.stack")
+    ok = (isinstance(release, str) and len(release) == 7 and release[4] == "-"
+          and release[:4].isdigit() and release[5:].isdigit() and 1 <= int(release[5:]) <= 12)
+    if not ok:
+        raise ConfigError("train.stack_release", f"{release!r} is not a \"YYYY-MM\" release "
+                                                 "date (e.g. \"2025-11\" for a 25.11 "
+                                                 "container)")
+
+
 def validate_train(cfg: Config) -> None:
     t = cfg.train
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     _choice("train.stack", t.stack, STACKS)
+    if t.stack_release is not None:
+        validate_stack_release(t.stack, t.stack_release)
     _choice("train.device", t.device, DEVICES)
     _choice("train.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     _positive("train.steps", t.steps)
@@ -315,6 +330,10 @@ def validate_data(cfg: Config) -> None:
     if d.format == "tokens" and d.token_dtype == "uint16" and cfg.model.vocab > 65536:
         raise ConfigError("data.token_dtype", f"uint16 cannot hold ids of a {cfg.model.vocab}-"
                                               "token vocabulary; use 'uint32'")
+    if d.format == "tokens" and (d.source == "stdlib" or Path(d.source).is_dir()):
+        raise ConfigError("data.format", f"'tokens' reads one raw token-id file, and "
+                                         f"{d.source!r} is not a file; give data.source a .bin "
+                                         "or .tokens file, or use format 'auto'")
 
 
 def validate_cluster(cfg: Config) -> None:

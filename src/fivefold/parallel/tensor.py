@@ -69,7 +69,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
 from fivefold.models.description import MOE_PLACEMENTS, VOCAB_PARTS, name_in_part, placement

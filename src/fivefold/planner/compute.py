@@ -199,7 +199,6 @@ class Shard:
     cp_mode: str = "ring"
     compiled: bool = False  # torch.compile fuses element-wise chains into single passes
     stack: Stack = FIVEFOLD  # the software's switches (fivefold.planner.stack)
-    flash2_rate: float = 1.0  # fivefold.planner.fitted: FA2-class attention over measured
     fp8_recipe: str = "tensorwise"  # precision fp8: the scaling (fivefold.parallel.fp8)
     fp8_tensors: tuple[str, ...] = FP8_TENSORS  # precision fp8: the classes in fp8
 
@@ -280,7 +279,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
     at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
                                 sh.cp_mode != "ulysses", sh.precision,
-                                sh.stack.attention_speedup(prof.name, sh.flash2_rate),
+                                sh.stack.attention_speedup(prof.name),
                                 not eager_merge)
     if eager_merge:
         kv_heads = heads if sh.stack.sdpa_repeats_kv else max(1, model.n_kv_heads // sh.tp)

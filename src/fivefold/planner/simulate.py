@@ -180,7 +180,7 @@ class StepModel:
         gpn = c.gpus_per_node
         self.links = Links.of(prof, gpn, c.intra_node_GBps, c.inter_node_GBps)
         tp, cp, dp = lay.tp, lay.cp, lay.dp
-        self.stack = stack_of(cfg.train.stack)
+        self.stack = stack_of(cfg.train.stack, cfg.train.stack_release)
         self.tp_group = Group.strided(tp, 1, gpn)
         self.cp_group = Group.strided(cp, tp, gpn)
         self.ep_group = Group.strided(lay.ep, 1 if self.stack.expert_group_stride_1 else tp,
@@ -192,7 +192,7 @@ class StepModel:
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
         self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
                            lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
-                           self.stack, fit.flash2_rate, lay.fp8_recipe, lay.fp8_tensors)
+                           self.stack, lay.fp8_recipe, lay.fp8_tensors)
         self.a = PRECISION_BYTES[lay.precision]
 
     # ------------------------------------------------------------ per-block costs
@@ -344,8 +344,7 @@ class StepModel:
         dkv = self._coll("send", 2 * n * kv_width * 4, self.cp_group)
         at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len, m.d_head,
                                     cp, self.prof, True, lay.precision,
-                                    self.stack.attention_speedup(self.prof.name,
-                                                                 self.shard.flash2_rate), False)
+                                    self.stack.attention_speedup(self.prof.name), False)
 
         def behind(comm: float, window: float) -> float:
             return max(comm - hide * window, (1 - hide) * comm)

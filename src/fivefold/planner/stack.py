@@ -13,11 +13,24 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   SwiGLU, RoPE, bias-dropout-add); else the profile's eager `eltwise_passes` unless
   `train.compile` fuses them.
 - flash2_attention: on Hopper and later the stack's attention is a FlashAttention-2-class
-  kernel (torch 2.5's SDPA, which torchtitan's Dec 2024 runs used; Transformer Engine's
-  fused attention in the NeMo 24.03-25.07 containers, FlashAttention-2 or cuDNN's
-  FA2-class kernel by default), slower than the
-  FlashAttention-3-class SDPA that the profile measured (h200_measured.json, torch 2.11):
-  the fitted `flash2_rate` of fivefold.planner.fitted (arXiv 2407.08608: FA3 1.5-2.0x FA2).
+  kernel (torch 2.5's SDPA, which torchtitan's Dec 2024 runs used), slower than the
+  FlashAttention-3-class SDPA that the profile measured (h200_measured.json, torch 2.11) by
+  FLASH2_RATE, a published kernel ratio (not fitted): FlashAttention-2 over
+  FlashAttention-3 at head dim 128 and 16k tokens on an H100 SXM5 (arXiv 2407.08608,
+  Figs. 5-6: causal forward 335 vs 616 TFLOP/s, backward 322 vs 561), weighted as a training
+  step runs them (backward 2.5x the forward's FLOPs): 0.565.
+- fa3_since: the software release (`train.stack_release`, "YYYY-MM") from which the
+  stack's attention is FlashAttention-3-class on each architecture; before it, and on
+  Hopper and later, flash2_attention holds. Megatron's attention is Transformer Engine's
+  cuDNN fused attention (chosen over flash-attn on sm90 since TE 1.4: "Select
+  FusedAttention on sm90"); cuDNN's Hopper kernel was FlashAttention-3-class by mid 2024
+  (arXiv 2407.08608 measures it at 0.92 of FlashAttention-3, forward and backward), so on
+  Hopper from 2024-07; the NeMo 24.03 long-context rows run at the FlashAttention-2-class
+  rate. On Blackwell from 2025-09: the NeMo 25.02-25.07 Blackwell rows
+  run at the FlashAttention-2-class rate, the Bridge 25.11 row and the Megatron-Core
+  ModelZoo rows (which need TE PR #2125 of 2025-09-17) at the measured one; that boundary
+  is placed between those published rows, not by a Blackwell kernel measured here
+  (docs/planner.md says so). No release given: the stack's newest.
 - loss_logit_bytes: bytes per logit the loss holds beyond the saved activations: fivefold
   upcasts the logits and keeps their fp32 copy and gradient (a + 8); torchtitan (Dec 2024)
   deletes the bf16 logits after the loss and holds the fp32 gradient pair in backward (8);
@@ -83,9 +96,25 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-HOPPER_OR_LATER = ("H100", "H800", "H200", "B200", "GB200")
+HOPPER = ("H100", "H800", "H200")
+BLACKWELL = ("B200", "GB200")
+# FlashAttention-2 over FlashAttention-3, H100 SXM5, head dim 128, 16k tokens (arXiv
+# 2407.08608 Figs. 5-6): causal forward 335/616, backward 322/561, the backward 2.5x the
+# forward's FLOPs: 3.5 / (616/335 + 2.5 * 561/322)
+FLASH2_RATE = 3.5 / (616 / 335 + 2.5 * 561 / 322)
+
+
+def architecture(profile_name: str) -> str | None:
+    """"hopper" | "blackwell" for the profiles whose attention the stacks switch, else None
+    (Ampere and Volta ran their own measured kernels; CPU profiles)."""
+    if any(k in profile_name for k in BLACKWELL):
+        return "blackwell"
+    if any(k in profile_name for k in HOPPER):
+        return "hopper"
+    return None
 
 
 @dataclass(frozen=True)
@@ -106,16 +135,22 @@ class Stack:
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
     sdpa_repeats_kv: bool = False
     zero3_overlap: bool = True
+    fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
+    release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
 
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
 
-    def attention_speedup(self, profile_name: str, flash2_rate: float) -> float:
+    def attention_speedup(self, profile_name: str) -> float:
         """The stack's attention rate over the profile's measured kernel."""
-        if self.flash2_attention and any(k in profile_name for k in HOPPER_OR_LATER):
-            return flash2_rate
-        return 1.0
+        arch = architecture(profile_name)
+        if not self.flash2_attention or arch is None:
+            return 1.0
+        since = dict(self.fa3_since).get(arch)
+        if since is not None and (self.release is None or self.release >= since):
+            return 1.0
+        return FLASH2_RATE
 
 
 FIVEFOLD = Stack("fivefold", source="this runtime: eager PyTorch blocks (train.compile fuses "
@@ -125,6 +160,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
           loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
           fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
+          fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")),
           source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
@@ -142,5 +178,6 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
 ]}
 
 
-def stack_of(name: str) -> Stack:
-    return STACKS[name]
+def stack_of(name: str, release: str | None = None) -> Stack:
+    """The switches of stack `name` as of `release` ("YYYY-MM"; None: the newest)."""
+    return dataclasses.replace(STACKS[name], release=release)
