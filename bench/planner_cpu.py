@@ -34,6 +34,12 @@ CASES = [  # (ranks, overrides): the tiny preset unless stated
     (2, ["parallel.zero_stage=3", "parallel.micro_batch=2"]),
     (2, ["parallel.zero_stage=1"] + WIDER),
     (2, ["parallel.pp=2", "parallel.micro_batch=2"]),  # 1F1B, 4 micro-batches, 2 + 2 blocks
+    (2, ["parallel.cp=2", "parallel.cp_mode='ring'", "model.seq_len=1024",
+         "parallel.global_batch=4"]),
+    (2, ["parallel.cp=2", "parallel.cp_mode='ulysses'", "model.seq_len=1024",
+         "parallel.global_batch=4"]),
+    (2, ["parallel.ep=2", "model.moe.experts=4", "model.moe.top_k=2",
+         "model.moe.expert_ffn_hidden=352"]),  # dropless, 4 experts of width 352 per layer
 ]
 
 

@@ -132,3 +132,23 @@ def test_plan_searches_interleaved_virtual_stages():
                                                     for lay in inter)
     est = exact_estimate(cfg, H100, inter[0], {})
     assert est is not None and est.layout.vpp == 2 and len(est.stage_layers) == 4
+
+
+def test_fivefold_ring_is_timed_as_its_math_kernel():
+    """fivefold's ring runs block_attention's explicit fp32 path on every device: its step
+    is timed by the math model (fp32 matmuls, eager element-wise passes), slower than a
+    fused ring of the same layout; the chunk size the model assumes is the runtime's."""
+    from fivefold.parallel.context.block_attention import QUERY_CHUNK
+    from fivefold.planner.compute import RING_QUERY_CHUNK, math_ring_attention_time
+    assert RING_QUERY_CHUNK == QUERY_CHUNK
+    assert FIVEFOLD.ring_kernel == "math" and STACKS["megatron"].ring_kernel == "fused"
+    mf, mb = math_ring_attention_time(1, 8, 2, 4096, 32, 4, H100)
+    ff, fb = attention_time(1, 8, 4096, 32, 4, H100, True, "bf16")
+    assert mf > ff and mb > fb
+    # diagonal block whole, then cp - 1 half blocks: (cp + 1) / 2 of T^2 scores per head
+    one, two = (math_ring_attention_time(1, 8, 2, 4096 * k, 32, 2 * k, PROFILES["cpu"])[0]
+                for k in (1, 2))
+    assert two > one  # twice the ring, twice the sequence: more scores per rank
+    ring = simulate(_cfg("fivefold", cp=4, cp_mode="ring"))
+    fused = simulate(_cfg("megatron", cp=4, cp_mode="ring"))
+    assert ring.breakdown_s["compute"] > fused.breakdown_s["compute"]

@@ -36,6 +36,8 @@ those and every element-wise op) adds forward work to the backward. Model FLOPs 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
@@ -150,6 +152,48 @@ def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: Hardware
            + e.kernel_overhead_s * (cp if ring else 1) + merge)
     bwd = (scores * (10 * d / rate + 2 * score_s) + 5 * rows * row_s
            + 3 * e.kernel_overhead_s * (cp if ring else 1) + 2 * merge)
+    return fwd, bwd
+
+
+# block_attention.QUERY_CHUNK (that module needs torch; the planner runs without it; a test
+# holds the two equal)
+RING_QUERY_CHUNK = 512
+
+
+def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int, cp: int,
+                             prof: HardwareProfile) -> tuple[float, float]:
+    """(forward s, backward s) of fivefold's own ring attention on one of cp ranks
+    (fivefold.parallel.context.ring_attention over block_attention's "math" kernel, the only
+    one it has): explicit fp32 matmuls and element-wise ops, query rows QUERY_CHUNK at a time.
+
+    Blocks (zigzag, T = seq/cp local tokens): the diagonal T x T, computed whole and masked,
+    then cp - 1 blocks of T/2 x T (or T x T/2). Per computed score, fp32: forward the q k^T
+    and p v matmuls (4d FLOPs) and 40 bytes of element-wise traffic (the score written, scaled,
+    log-sum-exp'd in two reads, shifted, exponentiated, read by p v), 8 more on the diagonal
+    for the mask; backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T,
+    ds k, ds^T q) and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout
+    v^T written, less D, times p, p and ds read three times). Per block: K and V expanded to
+    the query heads in fp32 (and their gradients summed back); per later step the fp32
+    output/lse merge (forward) and the dq, dk, dv accumulations (backward), about 40 bytes per
+    element they touch. Every op is one kernel per query chunk, and its bytes cost the
+    profile's eager `eltwise_passes` (none of it is fused or compiled)."""
+    e = prof.eff
+    t = seq / cp
+    blocks = [(t, t, True)] + [(t / 2, t, False)] * (cp - 1)
+    rate = prof.peak_flops("fp32") * e.gemm_eff
+    bw = prof.hbm_GBps * 1e9 * e.mem_eff / e.eltwise_passes  # eager ops, as for the block's
+    fwd = bwd = 0.0
+    for tq, tk, diag in blocks:
+        scores = b * heads * tq * tk
+        chunks = math.ceil(tq / RING_QUERY_CHUNK)
+        expand = b * heads * tk * d * 4 * 2 * 2  # K and V to every head, read + write
+        fwd += (scores * 4 * d / rate + (scores * (48 if diag else 40) + expand) / bw
+                + 9 * chunks * e.kernel_overhead_s)
+        bwd += (scores * 10 * d / rate + (scores * (72 if diag else 64) + 2 * expand) / bw
+                + 16 * chunks * e.kernel_overhead_s)
+    rows = b * heads * t * (d + 1)
+    fwd += (cp - 1) * (40 * rows / 2 / bw + 8 * e.kernel_overhead_s)
+    bwd += cp * (40 * (rows + b * kv_heads * t * d * 2) / bw + 6 * e.kernel_overhead_s)
     return fwd, bwd
 
 
@@ -277,10 +321,14 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
     eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
-    at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
-                                sh.cp_mode != "ulysses", sh.precision,
-                                sh.stack.attention_speedup(prof.name),
-                                not eager_merge)
+    if sh.cp > 1 and sh.cp_mode == "ring" and sh.stack.ring_kernel == "math":
+        at_f, at_b = math_ring_attention_time(sh.micro_batch, heads,
+                                              max(1, model.n_kv_heads // sh.tp), sh.seq_len,
+                                              model.d_head, sh.cp, prof)
+    else:
+        at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp,
+                                    prof, sh.cp_mode != "ulysses", sh.precision,
+                                    sh.stack.attention_speedup(prof.name), not eager_merge)
     if eager_merge:
         kv_heads = heads if sh.stack.sdpa_repeats_kv else max(1, model.n_kv_heads // sh.tp)
         mf, mb = torch_cp_merge_bytes(sh.tokens * heads * model.d_head,

@@ -67,7 +67,8 @@ from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ra
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
-                                      embedding_times, head_times, newton_schulz_time)
+                                      embedding_times, head_times, math_ring_attention_time,
+                                      newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
@@ -322,8 +323,13 @@ class StepModel:
         if lay.cp_mode == "ring":
             shard_kv = 2 * n * kv * self.a
             step = self._coll("send", shard_kv, self.cp_group)
-            at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len,
-                                        m.d_head, lay.cp, self.prof, True, lay.precision)
+            if self.stack.ring_kernel == "math":
+                at_f, at_b = math_ring_attention_time(
+                    lay.micro_batch, m.heads // lay.tp, max(1, m.n_kv_heads // lay.tp),
+                    m.seq_len, m.d_head, lay.cp, self.prof)
+            else:
+                at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len,
+                                            m.d_head, lay.cp, self.prof, True, lay.precision)
             comm_f = (lay.cp - 1) * step
             comm_b = 2 * comm_f
             return (max(comm_f - e.overlap_eff * at_f, (1 - e.overlap_eff) * comm_f),

@@ -88,6 +88,11 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   issue #1174: ZeRO-3's forward 8x ZeRO-2's, bound by the gathers): False here, so each
   tensor's gather is on the critical path. Its gradient reduce-scatter stays overlapped
   (overlap_comm on its own stream).
+- ring_kernel: the kernel ring context parallelism runs per block. "math": fivefold's ring
+  (fivefold.parallel.context.block_attention has only its explicit fp32 matmul path, on
+  every device), timed by fivefold.planner.compute.math_ring_attention_time; "fused": a
+  FlashAttention-class kernel that returns the log-sum-exp (Transformer Engine, torch's
+  SDPA), timed like any fused attention.
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -135,6 +140,7 @@ class Stack:
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
     sdpa_repeats_kv: bool = False
     zero3_overlap: bool = True
+    ring_kernel: str = "fused"  # "fused" | "math": ring CP's per-block attention kernel
     fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
     release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
@@ -153,7 +159,7 @@ class Stack:
         return FLASH2_RATE
 
 
-FIVEFOLD = Stack("fivefold", source="this runtime: eager PyTorch blocks (train.compile fuses "
+FIVEFOLD = Stack("fivefold", ring_kernel="math", source="this runtime: eager PyTorch blocks (train.compile fuses "
                                     "them), SDPA attention, fp32 loss, exposed TP collectives")
 STACKS: dict[str, Stack] = {s.name: s for s in [
     FIVEFOLD,
