@@ -305,11 +305,17 @@ class StepModel:
 
     def tensor_gathers_s(self, moe: bool) -> float:
         """Seconds to all-gather one block's parameters tensor by tensor over the ZeRO-3
-        group, one collective each (a latency term per tensor), none overlapped."""
-        lay = self.lay
-        return sum(self._coll("all_gather", local_numel(self.model, p, lay.tp, lay.ep) * self.a,
-                              self.shard_group)
-                   for p in block_parameters(self.model, self.first_layer(moe)))
+        group, one collective each (a latency term per tensor), none overlapped; tensors
+        below the stack's persistence threshold are not gathered, and a list gather adds
+        its copy-back kernel per rank (fivefold.planner.stack)."""
+        lay, st, n = self.lay, self.stack, self.shard_group.size
+        copies = n * self.prof.eff.kernel_overhead_s if st.zero3_list_gather else 0.0
+        total = 0.0
+        for p in block_parameters(self.model, self.first_layer(moe)):
+            numel = local_numel(self.model, p, lay.tp, lay.ep)
+            if numel >= st.zero3_persist_numel:
+                total += self._coll("all_gather", numel * self.a, self.shard_group) + copies
+        return total
 
     def _cp_exposed(self, moe: bool) -> tuple[float, float]:
         m, lay, sh, e = self.model, self.lay, self.shard, self.prof.eff

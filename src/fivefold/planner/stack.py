@@ -88,6 +88,16 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   issue #1174: ZeRO-3's forward 8x ZeRO-2's, bound by the gathers): False here, so each
   tensor's gather is on the critical path. Its gradient reduce-scatter stays overlapped
   (overlap_comm on its own stream).
+- zero3_persist_numel: ZeRO-3 parameters with fewer elements stay whole on every rank and are
+  never gathered (DeepSpeed's stage3_param_persistence_threshold, default 100000 in v0.3.14
+  of April 2021, runtime/zero/constants.py: norms and biases); 0: every tensor is sharded.
+- zero3_list_gather: each synchronous gather (zero3_overlap False) is a
+  torch.distributed.all_gather into a list of one view per rank (DeepSpeed v0.3.14,
+  partition_parameters._allgather_param), which PyTorch's ProcessGroupNCCL of that time ran
+  into a flat buffer and copied back with one copy_ per rank (ProcessGroupNCCL::allgather's
+  copy-back loop; `_all_gather_base`, which avoids it, came later, as DeepSpeed PR #1188 of
+  June 2021 notes): n kernels per gather on an n-rank group, each the profile's
+  kernel_overhead_s.
 - ring_kernel: the kernel ring context parallelism runs per block. "math": fivefold's ring
   (fivefold.parallel.context.block_attention has only its explicit fp32 matmul path, on
   every device), timed by fivefold.planner.compute.math_ring_attention_time; "fused": a
@@ -140,6 +150,8 @@ class Stack:
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
     sdpa_repeats_kv: bool = False
     zero3_overlap: bool = True
+    zero3_persist_numel: int = 0
+    zero3_list_gather: bool = False
     ring_kernel: str = "fused"  # "fused" | "math": ring CP's per-block attention kernel
     fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
     release: str | None = None  # train.stack_release; None: the newest
@@ -177,7 +189,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                  "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
                  "cross-entropy"),
     Stack("deepspeed", zero3_recompute_gathers=3, zero3_live_params=10**9,
-          zero3_overlap=False,
+          zero3_overlap=False, zero3_persist_numel=100_000, zero3_list_gather=True,
           source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
                  "ZeRO-3 parameter hooks that re-gather for the recomputed forward, one "
                  "synchronous all-gather per parameter tensor: DeepSpeed issues #1069, #1174)"),
