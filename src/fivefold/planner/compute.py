@@ -298,6 +298,21 @@ def selective_recomputed(gemms: list[Gemm], moe: bool) -> tuple[str, ...]:
     return tuple(g.name for g in gemms[1::2])
 
 
+def block_attention_time(model: ModelConfig, sh: Shard, prof: HardwareProfile
+                         ) -> tuple[float, float]:
+    """(forward s, backward s) of one block's attention kernels on one rank, as the stack runs
+    them (its kernel class and ring kernel; an all-gather stack's eager merges excluded)."""
+    heads = model.heads // sh.tp
+    if sh.cp > 1 and sh.cp_mode == "ring" and sh.stack.ring_kernel == "math":
+        return math_ring_attention_time(sh.micro_batch, heads,
+                                        max(1, model.n_kv_heads // sh.tp), sh.seq_len,
+                                        model.d_head, sh.cp, prof)
+    eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
+    return attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
+                          sh.cp_mode != "ulysses", sh.precision,
+                          sh.stack.attention_speedup(prof.name), not eager_merge)
+
+
 def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool) -> OpTimes:
     """Compute seconds and FLOPs of one block for one micro-batch on one rank."""
     a, fp8 = sh.act_bytes, sh.precision == "fp8"
@@ -321,14 +336,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
     eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
-    if sh.cp > 1 and sh.cp_mode == "ring" and sh.stack.ring_kernel == "math":
-        at_f, at_b = math_ring_attention_time(sh.micro_batch, heads,
-                                              max(1, model.n_kv_heads // sh.tp), sh.seq_len,
-                                              model.d_head, sh.cp, prof)
-    else:
-        at_f, at_b = attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp,
-                                    prof, sh.cp_mode != "ulysses", sh.precision,
-                                    sh.stack.attention_speedup(prof.name), not eager_merge)
+    at_f, at_b = block_attention_time(model, sh, prof)
     if eager_merge:
         kv_heads = heads if sh.stack.sdpa_repeats_kv else max(1, model.n_kv_heads // sh.tp)
         mf, mb = torch_cp_merge_bytes(sh.tokens * heads * model.d_head,

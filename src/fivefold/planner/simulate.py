@@ -66,8 +66,8 @@ from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_conf
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
-from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_times,
-                                      embedding_times, head_times, math_ring_attention_time,
+from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_attention_time,
+                                      block_times, embedding_times, head_times,
                                       newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner import offload
@@ -329,13 +329,7 @@ class StepModel:
         if lay.cp_mode == "ring":
             shard_kv = 2 * n * kv * self.a
             step = self._coll("send", shard_kv, self.cp_group)
-            if self.stack.ring_kernel == "math":
-                at_f, at_b = math_ring_attention_time(
-                    lay.micro_batch, m.heads // lay.tp, max(1, m.n_kv_heads // lay.tp),
-                    m.seq_len, m.d_head, lay.cp, self.prof)
-            else:
-                at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len,
-                                            m.d_head, lay.cp, self.prof, True, lay.precision)
+            at_f, at_b = block_attention_time(m, sh, self.prof)  # the window it hides behind
             comm_f = (lay.cp - 1) * step
             comm_b = 2 * comm_f
             return (max(comm_f - e.overlap_eff * at_f, (1 - e.overlap_eff) * comm_f),
