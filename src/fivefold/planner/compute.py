@@ -30,8 +30,9 @@ expert parallelism have split it) and timed against the hardware profile
 Recomputation (`full`: the whole block's forward again before its backward; `selective`:
 torchtitan's per-op policy, arXiv 2410.06511, which saves matmul and attention outputs except
 every second matmul (wk, wo, w3 of a Llama block; wk, wo, w2 of a GELU block) and recomputes
-those and every element-wise op) adds forward work to the backward. Model FLOPs follow docs/planner.md: forward matmuls
-(attention scores and values over the full s x s square) times three.
+those and every element-wise op) adds forward work to the backward. Model FLOPs follow
+docs/planner.md: forward matmuls (attention scores and values over the full s x s square)
+times three.
 """
 
 from __future__ import annotations

@@ -171,8 +171,10 @@ class Stack:
         return FLASH2_RATE
 
 
-FIVEFOLD = Stack("fivefold", ring_kernel="math", source="this runtime: eager PyTorch blocks (train.compile fuses "
-                                    "them), SDPA attention, fp32 loss, exposed TP collectives")
+FIVEFOLD = Stack("fivefold", ring_kernel="math",
+                 source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
+                        "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
+                        "collectives")
 STACKS: dict[str, Stack] = {s.name: s for s in [
     FIVEFOLD,
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
