@@ -251,6 +251,11 @@ class Shard:
         return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
 
     @property
+    def eager_cp_merge(self) -> bool:
+        """Ring CP whose partial outputs are merged by eager ops (an all-gather stack)."""
+        return self.stack.cp_kv_exchange == "allgather" and self.cp_mode == "ring" and self.cp > 1
+
+    @property
     def tokens(self) -> int:
         """Tokens of the micro-batch in this rank's GEMMs (cp splits the sequence)."""
         return self.micro_batch * self.seq_len // self.cp
@@ -308,10 +313,9 @@ def block_attention_time(model: ModelConfig, sh: Shard, prof: HardwareProfile
         return math_ring_attention_time(sh.micro_batch, heads,
                                         max(1, model.n_kv_heads // sh.tp), sh.seq_len,
                                         model.d_head, sh.cp, prof)
-    eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
     return attention_time(sh.micro_batch, heads, sh.seq_len, model.d_head, sh.cp, prof,
                           sh.cp_mode != "ulysses", sh.precision,
-                          sh.stack.attention_speedup(prof.name), not eager_merge)
+                          sh.stack.attention_speedup(prof.name), not sh.eager_cp_merge)
 
 
 def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool) -> OpTimes:
@@ -336,9 +340,8 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
                                     sh.fp8_tensors)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
-    eager_merge = sh.stack.cp_kv_exchange == "allgather" and sh.cp_mode == "ring" and sh.cp > 1
     at_f, at_b = block_attention_time(model, sh, prof)
-    if eager_merge:
+    if sh.eager_cp_merge:
         kv_heads = heads if sh.stack.sdpa_repeats_kv else max(1, model.n_kv_heads // sh.tp)
         mf, mb = torch_cp_merge_bytes(sh.tokens * heads * model.d_head,
                                       sh.tokens * kv_heads * model.d_head, sh.cp, a)

@@ -66,9 +66,8 @@ from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_conf
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
-from fivefold.planner.compute import (OpTimes, Shard, attention_time, block_attention_time,
-                                      block_times, embedding_times, head_times,
-                                      newton_schulz_time)
+from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, block_times,
+                                      embedding_times, head_times, newton_schulz_time)
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
@@ -344,13 +343,10 @@ class StepModel:
         the forward's K/V all-gather hides only behind the first of cp equal attention steps;
         the backward's second all-gather likewise, and of its cp fp32 dK/dV passes each of
         the first cp - 1 hides behind the next step, the last not at all."""
-        m, lay, e = self.model, self.lay, self.prof.eff
-        cp, hide = lay.cp, e.overlap_eff
+        cp, hide = self.lay.cp, self.prof.eff.overlap_eff
         ag = self._coll("all_gather", cp * 2 * n * kv_width * self.a, self.cp_group)
         dkv = self._coll("send", 2 * n * kv_width * 4, self.cp_group)
-        at_f, at_b = attention_time(lay.micro_batch, m.heads // lay.tp, m.seq_len, m.d_head,
-                                    cp, self.prof, True, lay.precision,
-                                    self.stack.attention_speedup(self.prof.name), False)
+        at_f, at_b = block_attention_time(self.model, self.shard, self.prof)
 
         def behind(comm: float, window: float) -> float:
             return max(comm - hide * window, (1 - hide) * comm)
