@@ -142,13 +142,19 @@ def device_units(units: list[Unit], lay: ParallelPlan) -> list[Unit]:
     return units[lay.offloaded_units(local):]
 
 
-def rank_offload(sm, rank: int, device_s: float) -> OffloadTimes:
-    """`offload_times` of pipeline rank `rank` of StepModel `sm`, whose training thread
-    spends `device_s` on the device's step and re-gathers before the next forward."""
+def work_offload(sm, work: list[UnitWork], device_s: float) -> OffloadTimes:
+    """`offload_times` of the offloaded units `work` of one rank of StepModel `sm`'s layout,
+    whose training thread spends `device_s` on the device's step and re-gathers before the
+    next forward."""
     lay = sm.lay
     grad_bytes = PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage >= 2 else sm.a
-    return offload_times(rank_work(sm, rank), lay.offload, sm.prof.host, sharing(sm),
-                         grad_bytes, sm.a, sm.cfg.train.grad_clip > 0, device_s)
+    return offload_times(work, lay.offload, sm.prof.host, sharing(sm), grad_bytes, sm.a,
+                         sm.cfg.train.grad_clip > 0, device_s)
+
+
+def rank_offload(sm, rank: int, device_s: float) -> OffloadTimes:
+    """`work_offload` of pipeline rank `rank`'s own units."""
+    return work_offload(sm, rank_work(sm, rank), device_s)
 
 
 def sharing(sm) -> int:

@@ -35,7 +35,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
-from fivefold.planner.offload import UnitWork, offload_times, ranks_on_host
+from fivefold.planner import offload
+from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.simulate import Estimate, StepModel, default_precision
@@ -173,13 +174,10 @@ class FastScorer:
         per_block = local / blocks
         count = max(1, math.ceil(lay.offload_fraction * blocks))
         work = [UnitWork(round(per_block), cost.f)] * count
-        host = self.prof.host
-        sharing = ranks_on_host(host, lay.gpus, self.cfg.cluster.gpus_per_node)
-        grad = PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage >= 2 else sm.a
-        times = offload_times(work, lay.offload, host, sharing, grad, sm.a,
-                              self.cfg.train.grad_clip > 0, device_s)
-        host_bytes = OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local * sharing
-        return times.exposed_s, host_bytes <= host.memory_bytes
+        times = offload.work_offload(sm, work, device_s)
+        host_bytes = (OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local
+                      * offload.sharing(sm))
+        return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
 
     def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: float, window: float):
         if lay.zero_stage >= 2:
