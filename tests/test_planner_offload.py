@@ -17,7 +17,7 @@ from fivefold.models.llama import Transformer
 from fivefold.parallel.data_parallel import split_units
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.ledger_model import predict_ledger
-from fivefold.planner.offload import UnitWork, offload_times
+from fivefold.planner.offload import CHUNK_ELEMENTS, UnitWork, offload_times
 from fivefold.planner.rank_memory import predicted_rank_memory
 from fivefold.planner.report import plan_text
 from fivefold.planner.search import search
@@ -295,3 +295,9 @@ def test_predicted_tiers_equal_the_offload_runtime_record(parity_overrides, tmp_
             for sets, (recorded, predicted) in zip(cases, results):
                 assert recorded == predicted, (world, rank, sets[-4:])
                 assert recorded["host"] > 0
+
+
+def test_the_nvme_chunk_the_planner_streams_is_the_stores():
+    """planner.offload keeps its own copy (the planner runs without torch)."""
+    from fivefold.memory import nvme_store
+    assert CHUNK_ELEMENTS == nvme_store.CHUNK_ELEMENTS

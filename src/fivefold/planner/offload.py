@@ -53,7 +53,7 @@ from fivefold.planner.memory import Unit, model_state_bytes
 from fivefold.planner.params import block_params, root_params
 
 MOMENT_BYTES = 8  # exp_avg and exp_avg_sq, fp32
-CHUNK_ELEMENTS = 1 << 16  # elements per streamed chunk: fivefold.memory.nvme_store's
+CHUNK_ELEMENTS = 1 << 16  # elements per streamed chunk: nvme_store's (a test holds them equal)
 CLIP_BYTES = 12  # the norm reads the fp32 gradient (4 B), the scaling reads and writes it (8 B)
 
 
