@@ -1,6 +1,7 @@
 """The simulator's terms for what published stacks did differently (issue 20): torch's
-all-gather context parallelism (torchtitan), DeepSpeed 2021's per-tensor ZeRO-3 gathers,
-and the search over virtual pipeline stages.
+all-gather context parallelism (torchtitan), DeepSpeed 2021's per-tensor ZeRO-3 gathers
+and reduce-scatters, the gradient-reduction stream over model chunks, Megatron-LM 2021's
+exposed tensor-parallel all-reduces, and the search over virtual pipeline stages.
 
 Each formula is held against an independent count on a tiny case (exact up to float
 rounding, rel 1e-9), and the "fivefold" stack is shown not to take any of them, so that its
@@ -120,10 +121,15 @@ def test_deepspeed_zero3_gathers_each_tensor_on_the_critical_path():
     assert 0 < len(gathered) < len(block_parameters(cfg.model, 0))
     one = sum(7 / 8 * local_numel(cfg.model, p) * 2 / links.intra_Bps
               + 7 * links.latency_intra_s + 8 * prof.eff.kernel_overhead_s for p in gathered)
-    assert sm.tensor_gathers_s(False) == pytest.approx(one, rel=1e-9)
+    assert sm.tensor_collectives_s(False, "all_gather") == pytest.approx(one, rel=1e-9)
     _, f_comm, _ = sm.core_cost(False)
     cost = sm.dense_cost
     assert cost.f_comm - f_comm == pytest.approx(one, rel=1e-9)  # nothing hidden
+    # gradients: a list reduce-scatter per tensor (its flatten copies one kernel per rank),
+    # hidden only behind the block's own backward (the next gather synchronises the device)
+    rs = sum(7 / 8 * local_numel(cfg.model, p) * 2 / links.intra_Bps
+             + 7 * links.latency_intra_s + 8 * prof.eff.kernel_overhead_s for p in gathered)
+    assert sm.tensor_collectives_s(False, "reduce_scatter") == pytest.approx(rs, rel=1e-9)
     # the FSDP-style stacks prefetch: the same layout exposes less
     fsdp = StepModel(_cfg("fivefold", gpus=8, zero_stage=3, recompute="full"), H100, lay)
     assert fsdp.dense_cost.f_comm < cost.f_comm
@@ -159,3 +165,59 @@ def test_fivefold_ring_is_timed_as_its_math_kernel():
     ring = simulate(_cfg("fivefold", cp=4, cp_mode="ring"))
     fused = simulate(_cfg("megatron", cp=4, cp_mode="ring"))
     assert ring.breakdown_s["compute"] > fused.breakdown_s["compute"]
+
+
+def _slow_network(**parallel):
+    """A layout whose gradient reductions cross a very slow network: the stream is the
+    bottleneck, so what hides is exactly the compute it runs behind."""
+    return spec_config({
+        "model": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
+                  "vocab": 1024, "seq_len": 4096},
+        "cluster": {"gpu": "H100-SXM", "gpus": 16, "gpus_per_node": 1,
+                    "inter_node_GBps": 0.01},
+        "parallel": {"global_batch": 16, "micro_batch": 1, "pp": 2, "zero_stage": 1,
+                     **parallel},
+        "train": {"stack": "megatron"}})
+
+
+def test_gradient_reduction_stream_hides_early_chunks_behind_later_ones():
+    cfg = _slow_network(schedule="1f1b")
+    sm = StepModel(cfg, H100, plan_from_config(cfg, 16))
+    rp = sm.run_pipeline(False)
+    # one model chunk: its blocks finish in reverse order, evenly over its last backward, and
+    # the stream starts with the first one: what hides is that backward but one block's share
+    for r in range(2):
+        (start, end), = rp.last_grads[r].values()
+        blocks = [sm._coll("reduce_scatter", sm.layer_cost(i).grad_sync_bytes,
+                           sm.shard_group) for i in sm.stage_ranges[r]]
+        assert min(blocks) > end - start
+        window = (end - start) * (1 - 1 / len(blocks))
+        assert sm.hidden_grad_sync_s(r, "reduce_scatter", rp.last_grads[r]) == pytest.approx(
+            window, rel=1e-9)
+    # two chunks per rank: the chunk that finishes first reduces behind the other's backward
+    inter = _slow_network(vpp=2, schedule="interleaved")
+    ism = StepModel(inter, H100, plan_from_config(inter, 16))
+    chunks = ism.run_pipeline(False).last_grads[0]
+    (s0, e0), (s1, e1) = chunks[0], chunks[2]
+    assert e1 < s0  # virtual stage 2 (chunk 1) finishes its gradients first
+    own = sum((e - s) * (1 - 1 / len(ism.stage_ranges[g])) for g, (s, e) in chunks.items())
+    assert ism.hidden_grad_sync_s(0, "reduce_scatter", chunks) > own
+
+
+def test_megatron_2021_exposes_its_tensor_parallel_all_reduces():
+    assert STACKS["megatron"].tp_overlap_since == "2023-05"
+    assert not FIVEFOLD.overlaps_tp
+
+    def megatron(release: str):
+        return spec_config({
+            "model": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2,
+                      "ffn_hidden": 512, "vocab": 1024, "seq_len": 4096},
+            "cluster": {"gpu": "H100-SXM", "gpus": 8, "gpus_per_node": 8},
+            "parallel": {"global_batch": 8, "micro_batch": 1, "tp": 8},
+            "train": {"stack": "megatron", "stack_release": release}})
+
+    new, old = megatron("2025-11"), megatron("2021-04")
+    lay = plan_from_config(new, 8)
+    hidden = StepModel(new, H100, lay).dense_cost
+    exposed = StepModel(old, H100, lay).dense_cost
+    assert exposed.f_comm > hidden.f_comm > 0

@@ -18,7 +18,8 @@ from typing import Callable
 from fivefold.parallel.pipeline import replay as runtime_replay
 from fivefold.parallel.pipeline import schedules as runtime
 from fivefold.parallel.pipeline.replay import Event
-from fivefold.parallel.pipeline.schedules import B, COMPUTE, F, I, W, Action, Schedule
+from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, GRADIENT_KINDS, I, W, Action,
+                                                 Schedule)
 
 
 def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
@@ -60,6 +61,9 @@ class Replay:
     busy_s: list[float]  # its compute seconds; the rest of finish_s is bubble
     peak_weight: list[float]  # peak sum of `weight(stage)` over in-flight micro-batches
     events: list[Event] = field(default_factory=list)
+    # per rank, virtual stage -> (start, end) of its last gradient action (B, or W): the
+    # stage's weight gradients are complete, layer by layer, during it
+    last_grads: list[dict[int, tuple[float, float]]] = field(default_factory=list)
 
 
 def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: float,
@@ -71,12 +75,15 @@ def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: 
     carries no rounding of the clock."""
     events = runtime_replay.replay(schedule, duration, p2p_s)
     finish = [0.0] * schedule.pp
+    last_grads: list[dict[int, tuple[float, float]]] = [{} for _ in range(schedule.pp)]
     for e in events:  # a rank's events come in its list order
         finish[e.rank] = e.end
+        if e.action.kind in GRADIENT_KINDS:
+            last_grads[e.rank][e.action.stage] = (e.start, e.end)
     busy = [sum(duration(a) for a in actions if a.kind in COMPUTE)
             for actions in schedule.ranks]
     return Replay(finish, busy, runtime_replay.peak_in_flight(schedule, weight),
-                  events if keep_events else [])
+                  events if keep_events else [], last_grads)
 
 
 def peak_in_flight(schedule: str, pp: int, m: int, rank: int, vpp: int = 1,

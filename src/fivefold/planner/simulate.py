@@ -37,10 +37,13 @@ Overlap rules (each technique's own):
   previous block's compute, and its gradient reduce-scatter runs during the next block's
   backward; only the excess over that compute shows, plus the first gather of each pass.
   A stack without `zero3_overlap` (DeepSpeed's ZeRO-3 of early 2021) gathers each parameter
-  tensor with its own synchronous all-gather, all of it exposed (`tensor_gathers_s`).
+  tensor with its own synchronous all-gather, all of it exposed, and reduce-scatters each
+  gradient tensor behind its block's own backward only (`tensor_collectives_s`).
 - DDP / ZeRO-1/2 (arXiv 2006.15704): a block's gradient bucket is reduced as soon as its
-  backward ends, during the remaining backward of the step's last micro-batch; the root
-  unit (embeddings, reduced last) is exposed.
+  backward ends, on one stream, in the order the blocks finish: during the remaining
+  backward of the step's last micro-batch, and under the interleaved schedule behind the
+  later model chunks' backward too (`hidden_grad_sync_s`); the root unit (embeddings,
+  reduced last) is exposed.
 - pipeline send/receive: activations and gradients cross stages on their own stream; the
   receiver waits for the transfer. With tied embeddings the first rank lends the matrix to
   the last stage at the start of the step (hidden behind the pipeline's fill) and receives
@@ -239,7 +242,7 @@ class StepModel:
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
         tp_f = tp_b = 2 * tp_one
-        if self.stack.tp_overlap and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
+        if self.stack.overlaps_tp and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
             hide = self.prof.eff.overlap_eff
             tp_f = max(tp_f - hide * t.wgrad, (1 - hide) * tp_f)
             tp_b = max(tp_b + regather - hide * 2 * t.wgrad, (1 - hide) * (tp_b + regather))
@@ -291,10 +294,13 @@ class StepModel:
                 bwd_ag = ag * bwd_gathers
                 z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
                 z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
-            else:  # one synchronous gather per parameter tensor (fivefold.planner.stack)
-                ag = self.tensor_gathers_s(moe)
+            else:  # one synchronous gather per parameter tensor (fivefold.planner.stack):
+                # the block's gradient reduce-scatters run behind its own backward only, since
+                # the next block's first gather synchronises the device
+                ag = self.tensor_collectives_s(moe, "all_gather")
+                rs = self.tensor_collectives_s(moe, "reduce_scatter")
                 z_f = ag
-                z_b = bwd_gathers * ag + max(rs - hide * (t.bwd + t.recompute), (1 - hide) * rs)
+                z_b = bwd_gathers * ag + max(rs - hide * t.bwd, (1 - hide) * rs)
         elif lay.zero_stage == 2:
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
             z_b = max(rs - hide * t.bwd, (1 - hide) * rs)
@@ -302,18 +308,20 @@ class StepModel:
         return LayerCost(t.fwd, f_comm + z_f, t.bwd + t.recompute, b_comm + z_b, t.wgrad,
                          grad_bytes)
 
-    def tensor_gathers_s(self, moe: bool) -> float:
-        """Seconds to all-gather one block's parameters tensor by tensor over the ZeRO-3
-        group, one collective each (a latency term per tensor), none overlapped; tensors
-        below the stack's persistence threshold are not gathered, and a list gather adds
-        its copy-back kernel per rank (fivefold.planner.stack)."""
+    def tensor_collectives_s(self, moe: bool, op: str) -> float:
+        """Seconds of one block's per-tensor collectives `op` over the ZeRO-3 group, one
+        collective per parameter tensor (a latency term each): "all_gather" of the
+        parameters, "reduce_scatter" of their gradients. Tensors below the stack's
+        persistence threshold take part in neither, and a list collective adds its copy
+        kernel per rank (fivefold.planner.stack: zero3_list_gather)."""
         lay, st, n = self.lay, self.stack, self.shard_group.size
+        width = self.a if op == "all_gather" else PRECISION_BYTES[lay.reduce_dtype]
         copies = n * self.prof.eff.kernel_overhead_s if st.zero3_list_gather else 0.0
         total = 0.0
         for p in block_parameters(self.model, self.first_layer(moe)):
             numel = local_numel(self.model, p, lay.tp, lay.ep)
             if numel >= st.zero3_persist_numel:
-                total += self._coll("all_gather", numel * self.a, self.shard_group) + copies
+                total += self._coll(op, numel * width, self.shard_group) + copies
         return total
 
     def _cp_exposed(self, moe: bool) -> tuple[float, float]:
@@ -481,7 +489,7 @@ class StepModel:
                           for k in (2, 3))
             return Replay([c - b for b, c in zip(two.finish_s, three.finish_s)],
                           [c - b for b, c in zip(two.busy_s, three.busy_s)],
-                          three.peak_weight, three.events)
+                          three.peak_weight, three.events, three.last_grads)
         sched = runtime_schedule(lay.schedule, lay.pp, lay.vpp, m, n)
         return replay_step(sched, duration, self.p2p_s, lambda g: weights[g], keep_events)
 
@@ -494,9 +502,11 @@ class StepModel:
         return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last,
                                           self.stack, sp=lay.sequence_parallel)
 
-    def dp_sync(self, rank: int, last_backward_s: float) -> tuple[float, float]:
+    def dp_sync(self, rank: int, last_grads: dict[int, tuple[float, float]]
+                ) -> tuple[float, float]:
         """(exposed gradient-sync seconds after the last backward, parameter re-gather after
-        the optimizer) of pipeline rank `rank`."""
+        the optimizer) of pipeline rank `rank`, whose virtual stages' last gradient actions
+        span `last_grads` (stage -> (start, end), Replay.last_grads)."""
         lay, e = self.lay, self.prof.eff
         layers = [i for g in range(rank, len(self.stage_layers), lay.pp)
                   for i in self.stage_ranges[g]]
@@ -509,8 +519,8 @@ class StepModel:
             op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
             blocks = sum(self._coll(op, nb, self.shard_group) for nb in block_bytes)
             root_t = self._coll(op, root * p, self.shard_group)
-            window = max(0.0, last_backward_s - (last_backward_s / max(1, len(layers))))
-            tail = max(blocks - e.overlap_eff * window, (1 - e.overlap_eff) * blocks) + root_t
+            hidden = self.hidden_grad_sync_s(rank, op, last_grads)
+            tail = max(blocks - e.overlap_eff * hidden, (1 - e.overlap_eff) * blocks) + root_t
         elif lay.zero_stage >= 2:  # the root's reduce-scatter ends the last backward
             tail = self._coll("reduce_scatter", root * g, self.shard_group)
         if lay.zero_stage >= 1 and self.replicate_group.size > 1:
@@ -523,6 +533,34 @@ class StepModel:
             regather = sum(self._coll("all_gather", nb / g * p if lay.zero_stage == 2 else nb,
                                       self.shard_group) for nb in block_bytes + [root * p])
         return tail, regather
+
+    def hidden_grad_sync_s(self, rank: int, op: str,
+                           last_grads: dict[int, tuple[float, float]]) -> float:
+        """Seconds of rank `rank`'s block gradient reductions that run while it still
+        computes. Within a virtual stage's last gradient action its blocks complete their
+        gradients in reverse order, evenly spread; one stream reduces the blocks in the order
+        they become ready (PyTorch DDP's buckets; Megatron-Core's overlap_grad_reduce, which
+        keeps one set of buckets per model chunk), so under the interleaved schedule a chunk
+        that finishes early reduces behind the later chunks' backward (arXiv 2104.04473,
+        Sec. 2.2: chunk c's last backward precedes the rank's end by c x pp micro-batch
+        backwards of a chunk). What the stream still runs after the rank's last gradient
+        action is exposed."""
+        ready: list[tuple[float, float]] = []
+        for g in range(rank, len(self.stage_layers), self.lay.pp):
+            start, end = last_grads[g]
+            blocks = self.stage_ranges[g][::-1]
+            for k, i in enumerate(blocks):
+                ready.append((start + (k + 1) * (end - start) / len(blocks),
+                              self._coll(op, self.layer_cost(i).grad_sync_bytes,
+                                         self.shard_group)))
+        if not ready:
+            return 0.0
+        clock = 0.0
+        for at, seconds in sorted(ready):
+            clock = max(clock, at) + seconds
+        done = max(end for _, end in (last_grads[g] for g in
+                                      range(rank, len(self.stage_layers), self.lay.pp)))
+        return sum(seconds for _, seconds in ready) - max(0.0, clock - done)
 
     def optimizer_s(self, rank: int) -> float:
         """The optimizer step over this rank's shard of parameters: memory bound (fp32
@@ -632,8 +670,7 @@ class StepModel:
         if self.tied_grad_s:  # rank 0's final backward waits for the returned head gradient
             finish[0] = max(finish[0], finish[-1] + self.tied_grad_s + times[0][1])
         for r in range(lay.pp):
-            last_g = r  # the last backward of rank r is its first virtual stage's
-            tail, regather = self.dp_sync(r, times[last_g][1])
+            tail, regather = self.dp_sync(r, rp.last_grads[r])
             if self.stack.dp_overlap and regather:  # behind the next step's first forward
                 hide = prof.eff.overlap_eff
                 window = sum(times[g][0] for g in range(r, stages, lay.pp))

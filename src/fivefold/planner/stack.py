@@ -41,6 +41,10 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
 - tp_overlap: tensor-parallel collectives overlap the GEMMs they feed (Transformer
   Engine's userbuffers, NeMo's tp_comm_overlap = True): only the excess over the block's
   GEMM time and (1 - overlap_eff) of it show.
+- tp_overlap_since: the first release (`train.stack_release`) with tp_overlap: Transformer
+  Engine's userbuffers overlap arrived in TE v0.9 (2023-05; TE PR #147, "TP communication
+  overlap with userbuffers"); Megatron-LM of 2021 (arXiv 2104.04473) runs its tensor-parallel
+  all-reduces between the GEMMs, exposed.
 - dp_overlap: the distributed optimizer's parameter all-gather after the step overlaps the
   next forward (Megatron's overlap_param_gather, NeMo's performance recipes): only the
   excess over the first micro-batch's forward shows.
@@ -86,8 +90,10 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   (DeepSpeed issue #1069: per-parameter all_gather calls with a torch.cuda.synchronize()
   between them; PR #1170, June 2021, fixed the off-by-one trace that broke its prefetch;
   issue #1174: ZeRO-3's forward 8x ZeRO-2's, bound by the gathers): False here, so each
-  tensor's gather is on the critical path. Its gradient reduce-scatter stays overlapped
-  (overlap_comm on its own stream).
+  tensor's gather is on the critical path. Its gradients are reduce-scattered tensor by
+  tensor on their own stream (partition_parameters._reduce_scatter_gradient, a list
+  reduce_scatter per parameter), but the next block's first gather calls
+  torch.cuda.synchronize(), so they hide only behind the backward of their own block.
 - zero3_persist_numel: ZeRO-3 parameters with fewer elements stay whole on every rank and are
   never gathered (DeepSpeed's stage3_param_persistence_threshold, default 100000 in v0.3.14
   of April 2021, runtime/zero/constants.py: norms and biases); 0: every tensor is sharded.
@@ -97,7 +103,8 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   into a flat buffer and copied back with one copy_ per rank (ProcessGroupNCCL::allgather's
   copy-back loop; `_all_gather_base`, which avoids it, came later, as DeepSpeed PR #1188 of
   June 2021 notes): n kernels per gather on an n-rank group, each the profile's
-  kernel_overhead_s.
+  kernel_overhead_s; likewise each gradient's list reduce_scatter
+  (partition_parameters._reduce_scatter_gradient) copies its n inputs into a flat buffer.
 - ring_kernel: the kernel ring context parallelism runs per block. "math": fivefold's ring
   (fivefold.parallel.context.block_attention has only its explicit fp32 matmul path, on
   every device), timed by fivefold.planner.compute.math_ring_attention_time; "fused": a
@@ -154,8 +161,14 @@ class Stack:
     zero3_list_gather: bool = False
     ring_kernel: str = "fused"  # "fused" | "math": ring CP's per-block attention kernel
     fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
+    tp_overlap_since: str = ""  # first "YYYY-MM" release with tp_overlap; "": every one
     release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
+
+    @property
+    def overlaps_tp(self) -> bool:
+        """tp_overlap in this release."""
+        return self.tp_overlap and (self.release is None or self.release >= self.tp_overlap_since)
 
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
@@ -180,7 +193,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
           loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
           fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
-          fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")),
+          fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")), tp_overlap_since="2023-05",
           source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
