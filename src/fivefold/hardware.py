@@ -236,11 +236,14 @@ HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_e
 # (fivefold.planner.stack), not a property of the profile.
 H100 = HOPPER
 # Ampere (A100): fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of calibration_runs.json
-# (`python -m fivefold.planner.fit A100-80GB`): GEMMs at 0.74 of 312 TFLOP/s; their unfused
-# s x s attention as 3.1 ps of memory traffic per score. Link efficiencies, overlap and NIC
-# aggregation are now fivefold.planner.fitted's (the values here are overridden).
-AMPERE = Efficiency(gemm_eff=0.740, gemm_fp8_eff=0.740, gemm_mem_eff=1.0, attn_eff=0.25,
-                    attn_score_s=3.1e-12, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
+# (`python -m fivefold.planner.fit A100-80GB`, fields gemm_eff and attn_score_s; refitted
+# 2026-12-01 after those rows took their micro-batch sizes and virtual stages from the
+# paper's run scripts and Megatron-LM 2021's tensor-parallel all-reduces became exposed):
+# GEMMs at 0.81 of 312 TFLOP/s; their unfused s x s attention as 7.8 ps of memory traffic
+# per score. Link efficiencies, overlap and NIC aggregation are fivefold.planner.fitted's
+# (the values here are overridden).
+AMPERE = Efficiency(gemm_eff=0.81, gemm_fp8_eff=0.81, gemm_mem_eff=1.0, attn_eff=0.25,
+                    attn_score_s=7.8e-12, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
                     kernel_overhead_s=6e-6, comm_intra_eff=0.90, comm_inter_eff=0.85,
                     latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.70,
                     nic_aggregation=0.06, reserved_bytes=3 * GB)
