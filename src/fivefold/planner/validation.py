@@ -224,6 +224,9 @@ def cross_report(cv: CrossValidation) -> str:
     n_const = len(BOUNDS)
     lines.append(f"fitted constants: {n_const} (fivefold.planner.fitted) against "
                  f"{len(cv.in_sample)} rows; none keyed by run, model, source or profile")
+    lines.append("  besides them, Ampere's gemm_eff and attn_score_s (fivefold.hardware) were "
+                 "fitted to megatron21's 16 rows, the only A100 rows, and stay fixed in every "
+                 "fold")
     lines.append("in-sample fit: " + ", ".join(f"{k} = {v:.4g}" for k, v in
                                                cv.in_sample_fit.fit.as_dict().items()))
     lines.append("at their bounds (in-sample): " + (", ".join(cv.in_sample_fit.at_bounds)
