@@ -1,7 +1,8 @@
 """The simulator's terms for what published stacks did differently (issue 20): torch's
 all-gather context parallelism (torchtitan), DeepSpeed 2021's per-tensor ZeRO-3 gathers
 and reduce-scatters, the gradient-reduction stream over model chunks, Megatron-LM 2021's
-exposed tensor-parallel all-reduces, and the search over virtual pipeline stages.
+exposed tensor-parallel all-reduces, torchtitan's ZeRO-3 blocks kept gathered through a
+pipelined step, and the search over virtual pipeline stages.
 
 Each formula is held against an independent count on a tiny case (exact up to float
 rounding, rel 1e-9), and the "fivefold" stack is shown not to take any of them, so that its
@@ -220,3 +221,32 @@ def test_megatron_2021_exposes_its_tensor_parallel_all_reduces():
     hidden = StepModel(new, H100, lay).dense_cost
     exposed = StepModel(old, H100, lay).dense_cost
     assert exposed.f_comm > hidden.f_comm > 0
+
+
+def test_torchtitan_keeps_zero3_blocks_gathered_through_a_pipelined_step():
+    from fivefold.planner.params import block_params, root_params
+    from fivefold.planner.schedules import action_durations
+    from fivefold.parallel.pipeline.schedules import Action
+    assert STACKS["torchtitan"].zero3_pp_unsharded and not FIVEFOLD.zero3_pp_unsharded
+    spec = dict(gpus=8, pp=2, zero_stage=3, global_batch=16, micro_batch=1,
+                schedule="1f1b", reduce_dtype="fp32")
+    tt_cfg, ff_cfg = _cfg("torchtitan", **spec), _cfg("fivefold", **spec)
+    lay = plan_from_config(tt_cfg, 8)
+    tt, ff = StepModel(tt_cfg, H100, lay), StepModel(ff_cfg, H100, lay)
+    assert tt.pp_unsharded and not ff.pp_unsharded
+    # no gathers per micro-batch; once a step: behind the first forward and the last backward
+    assert tt.dense_cost.f_comm < ff.dense_cost.f_comm
+    first, last = tt.stage_once(0)
+    assert first > 0 and last > 0 and ff.stage_once(0) == (0.0, 0.0)
+    duration = action_durations([tt.stage_times(0)], 1, 4, [(first, last)])
+    f, b = tt.stage_times(0)[:2]
+    assert duration(Action("F", 0, 0)) == pytest.approx(f + first)
+    assert duration(Action("F", 0, 1)) == pytest.approx(f)
+    assert duration(Action("B", 0, 3)) == pytest.approx(b + last)
+    assert duration(Action("B", 0, 2)) == pytest.approx(b)
+    # memory: the rank's blocks and root stay unsharded, parameters and fp32 gradients
+    m = tt_cfg.model
+    unsharded = (sum(sum(block_params(m, i, 1, 1)) for i in tt.rank_layers(0))
+                 + root_params(m, 1, True, False))
+    extra = tt.other_bytes(0) - tt.prof.eff.reserved_bytes
+    assert extra == pytest.approx(unsharded * (2 + 4))

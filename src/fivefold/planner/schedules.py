@@ -34,20 +34,27 @@ def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
     return runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1)
 
 
-def action_durations(stage_times: list[tuple], slices: int) -> Callable[[Action], float]:
+def action_durations(stage_times: list[tuple], slices: int, micro_batches: int = 1,
+                     once: list[tuple[float, float]] | None = None
+                     ) -> Callable[[Action], float]:
     """Seconds of each compute action from the simulator's per-stage times (forward,
     backward, its weight-gradient part, ...) of one micro-batch: a token slice takes 1/slices
-    of them, and zero-bubble's I is the backward without its weight gradients (W)."""
+    of them, and zero-bubble's I is the backward without its weight gradients (W). `once`
+    adds, per stage, seconds paid once a step: the first to the stage's first forward, the
+    second to the gradient action (B, or W) of its last micro-batch (backward runs a
+    micro-batch's slices in reverse, so slice 0 comes last)."""
     def duration(a: Action) -> float:
         f, b, w = stage_times[a.stage][:3]
+        first, last = once[a.stage] if once else (0.0, 0.0)
         if a.kind == F:
-            return f / slices
+            return f / slices + (first if a.mb == 0 and a.slice == 0 else 0.0)
+        end = last if a.mb == micro_batches - 1 and a.slice == 0 else 0.0
         if a.kind == B:
-            return b / slices
+            return b / slices + end
         if a.kind == I:
             return (b - w) / slices
         if a.kind == W:
-            return w / slices
+            return w / slices + end
         return 0.0
 
     return duration

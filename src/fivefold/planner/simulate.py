@@ -273,6 +273,31 @@ class StepModel:
                                      self.lay.ep)
         return dense if dense_only else dense + expert
 
+    @functools.cached_property
+    def pp_unsharded(self) -> bool:
+        """ZeRO-3 blocks stay gathered for the whole pipelined step (the stack's
+        zero3_pp_unsharded, fivefold.planner.stack)."""
+        lay = self.lay
+        return (lay.zero_stage == 3 and lay.pp > 1 and self.stack.zero3_pp_unsharded
+                and lay.schedule != "pipedream-2bw")
+
+    def stage_once(self, g: int) -> tuple[float, float]:
+        """(first forward, last backward) exposed seconds that virtual stage g pays once a
+        step when its ZeRO-3 blocks stay gathered: their all-gathers behind its first
+        forward, their gradient reduce-scatters behind its last backward."""
+        if not self.pp_unsharded:
+            return 0.0, 0.0
+        hide, g_bytes = self.prof.eff.overlap_eff, PRECISION_BYTES[self.lay.reduce_dtype]
+        ag = rs = fwd = bwd = 0.0
+        for i in self.stage_ranges[g]:
+            moe = is_moe_layer(self.model, i)
+            numel = self.block_numel(moe)
+            ag += self._coll("all_gather", numel * self.a, self.shard_group)
+            rs += self._coll("reduce_scatter", numel * g_bytes, self.shard_group)
+            cost = self.layer_cost(i)
+            fwd, bwd = fwd + cost.f - cost.f_comm, bwd + cost.b - cost.b_comm
+        return (max(ag - hide * fwd, (1 - hide) * ag), max(rs - hide * bwd, (1 - hide) * rs))
+
     def _layer_cost(self, moe: bool) -> LayerCost:
         lay, e = self.lay, self.prof.eff
         t, f_comm, b_comm = self.core_cost(moe)
@@ -280,7 +305,9 @@ class StepModel:
         z_f = z_b = 0.0
         hide = e.overlap_eff
         g = PRECISION_BYTES[lay.reduce_dtype]
-        if lay.zero_stage == 3:
+        if lay.zero_stage == 3 and self.pp_unsharded:
+            pass  # gathered once a step, reduced once: `stage_once`
+        elif lay.zero_stage == 3:
             ag = self._coll("all_gather", numel * self.a, self.shard_group)
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
             # the block is freed after its forward; under full recomputation the published
@@ -480,8 +507,9 @@ class StepModel:
         lay = self.lay
         stages = len(self.stage_layers)
         n = lay.slices
-        duration = action_durations([self.stage_times(g) for g in range(stages)], n)
         m = lay.micro_batches
+        once = [self.stage_once(g) for g in range(stages)] if self.pp_unsharded else None
+        duration = action_durations([self.stage_times(g) for g in range(stages)], n, m, once)
         weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
         if lay.schedule == "pipedream-2bw":
             two, three = (replay_step(runtime_schedule(lay.schedule, lay.pp, 1, m, steps=k),
@@ -621,7 +649,12 @@ class StepModel:
         """Reserved memory, ZeRO-3's gathered buffers and the loss's logits on `rank`."""
         lay, m = self.lay, self.model
         other = self.prof.eff.reserved_bytes
-        if lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
+        if lay.zero_stage == 3 and self.pp_unsharded:  # every block of the rank, all step
+            unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep))
+                             for i in self.rank_layers(rank))
+                         + root_params(m, lay.tp, rank == 0, rank == lay.pp - 1))
+            other += unsharded * (self.a + PRECISION_BYTES[lay.reduce_dtype])
+        elif lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
             dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep)
             live = 2 * (dense + expert)
             if self.stack.zero3_live_params:
@@ -683,7 +716,8 @@ class StepModel:
         step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
-        comm_in = sum(m * (times[g][3] + times[g][4]) for g in rank_stages)
+        comm_in = sum(m * (times[g][3] + times[g][4]) + sum(self.stage_once(g))
+                      for g in rank_stages)
         busy = rp.busy_s[r]
         compute = busy - comm_in
         bubble = max(0.0, rp.finish_s[r] - busy)

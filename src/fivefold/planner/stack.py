@@ -63,6 +63,15 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   tensor x data grid (Megatron-Core's MoE parallel folding, arXiv 2504.14960), so an
   expert group of up to a node's size stays on NVLink; and with sequence parallelism each
   tensor-parallel rank dispatches only its 1/tp of the tokens.
+- zero3_pp_unsharded: under pipeline parallelism each ZeRO-3 block stays gathered from its
+  first forward of the step to its last backward (torchtitan's apply_fsdp: with pp,
+  `reshard_after_forward = False`, "to avoid per-microbatch all-gathers, which can be
+  expensive and non-overlapped"; torch.distributed.pipelining syncs and reshards FSDP
+  gradients only on a stage's last backward): one all-gather per block per step, behind
+  the stage's first forward, and one reduce-scatter, behind its last backward; the rank
+  holds its blocks' unsharded parameters and their accumulated unsharded gradients (in the
+  reduce dtype) all step. Else (fivefold's runtime, FSDP without pp) a block is gathered
+  for every micro-batch's forward and backward.
 - zero3_live_params: ZeRO-3 parameters held gathered at once: DeepSpeed gathers per
   sub-module up to `stage3_max_live_parameters` (default 1e9, DeepSpeed's config
   reference); FSDP2, Megatron-FSDP and fivefold hold the block being computed and the one
@@ -154,6 +163,7 @@ class Stack:
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
+    zero3_pp_unsharded: bool = False
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
     sdpa_repeats_kv: bool = False
     zero3_overlap: bool = True
@@ -198,7 +208,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
     Stack("torchtitan", loss_logit_bytes="8", flash2_attention=True,
-          cp_kv_exchange="allgather", sdpa_repeats_kv=True,
+          cp_kv_exchange="allgather", sdpa_repeats_kv=True, zero3_pp_unsharded=True,
           source="torchtitan Dec 2024 (arXiv 2410.06511): eager blocks unless compiled, SDPA "
                  "(FlashAttention-2) on K/V repeated to every head, torch 2.5/2.6's "
                  "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
