@@ -305,9 +305,7 @@ class StepModel:
         z_f = z_b = 0.0
         hide = e.overlap_eff
         g = PRECISION_BYTES[lay.reduce_dtype]
-        if lay.zero_stage == 3 and self.pp_unsharded:
-            pass  # gathered once a step, reduced once: `stage_once`
-        elif lay.zero_stage == 3:
+        if lay.zero_stage == 3 and not self.pp_unsharded:  # else gathered once: stage_once
             ag = self._coll("all_gather", numel * self.a, self.shard_group)
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
             # the block is freed after its forward; under full recomputation the published
@@ -569,10 +567,9 @@ class StepModel:
         gradients in reverse order, evenly spread; one stream reduces the blocks in the order
         they become ready (PyTorch DDP's buckets; Megatron-Core's overlap_grad_reduce, which
         keeps one set of buckets per model chunk), so under the interleaved schedule a chunk
-        that finishes early reduces behind the later chunks' backward (arXiv 2104.04473,
-        Sec. 2.2: chunk c's last backward precedes the rank's end by c x pp micro-batch
-        backwards of a chunk). What the stream still runs after the rank's last gradient
-        action is exposed."""
+        whose last backward comes early in the replayed schedule reduces behind the later
+        chunks' backward. What the stream still runs after the rank's last gradient action
+        is exposed."""
         ready: list[tuple[float, float]] = []
         for g in range(rank, len(self.stage_layers), self.lay.pp):
             start, end = last_grads[g]
