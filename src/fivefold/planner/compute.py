@@ -38,7 +38,6 @@ times three.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig

@@ -39,7 +39,7 @@ from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
-from fivefold.planner.simulate import Estimate, StepModel, default_precision
+from fivefold.planner.simulate import Estimate, StepModel, default_precision, exposed
 from fivefold.planner.spec import cluster_gpus
 
 RECOMPUTE = ("none", "selective", "full")
@@ -185,8 +185,7 @@ class FastScorer:
                          if lay.zero_stage == 2 else 0.0)
         op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
         t = sm._coll(op, grad_bytes, sm.shard_group)
-        hide = self.prof.eff.overlap_eff
-        tail = max(t - hide * window, (1 - hide) * t)
+        tail = exposed(t, window, self.prof.eff.overlap_eff)
         return tail, (sm._coll("all_gather", grad_bytes, sm.shard_group)
                       if lay.zero_stage == 1 else 0.0)
 

@@ -114,6 +114,13 @@ class Estimate:
                 **({"offload": dict(self.offload)} if self.offload else {})}
 
 
+def exposed(comm: float, window: float, hide: float) -> float:
+    """Seconds of a collective of `comm` seconds that show when it runs behind `window`
+    seconds of compute: the excess over `hide` of the window, and never less than its own
+    `1 - hide` (overlap_eff: a hidden collective still shares SMs and HBM)."""
+    return max(comm - hide * window, (1 - hide) * comm)
+
+
 def default_precision(prof: HardwareProfile) -> str:
     """bf16 where the device has bf16 units at least as fast as fp32, else fp32 (CPUs)."""
     peaks = prof.peak_tflops
@@ -238,14 +245,14 @@ class StepModel:
             # each region's input gathered again for its weight gradients (2205.05198,
             # Sec. 4.2.2), which the paper overlaps with those gradients' matmuls
             hide = self.prof.eff.overlap_eff
-            regather = max(2 * ag - hide * t.wgrad, (1 - hide) * 2 * ag)
+            regather = exposed(2 * ag, t.wgrad, hide)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
         tp_f = tp_b = 2 * tp_one
         if self.stack.overlaps_tp and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
             hide = self.prof.eff.overlap_eff
-            tp_f = max(tp_f - hide * t.wgrad, (1 - hide) * tp_f)
-            tp_b = max(tp_b + regather - hide * 2 * t.wgrad, (1 - hide) * (tp_b + regather))
+            tp_f = exposed(tp_f, t.wgrad, hide)
+            tp_b = exposed(tp_b + regather, 2 * t.wgrad, hide)
             regather = 0.0
         cp_f, cp_b = self._cp_exposed(moe)
         ep = 0.0
@@ -281,6 +288,11 @@ class StepModel:
         return (lay.zero_stage == 3 and lay.pp > 1 and self.stack.zero3_pp_unsharded
                 and lay.schedule != "pipedream-2bw")
 
+    @functools.cached_property
+    def stages_once(self) -> list[tuple[float, float]]:
+        """`stage_once` of every virtual stage."""
+        return [self.stage_once(g) for g in range(len(self.stage_layers))]
+
     def stage_once(self, g: int) -> tuple[float, float]:
         """(first forward, last backward) exposed seconds that virtual stage g pays once a
         step when its ZeRO-3 blocks stay gathered: their all-gathers behind its first
@@ -296,7 +308,7 @@ class StepModel:
             rs += self._coll("reduce_scatter", numel * g_bytes, self.shard_group)
             cost = self.layer_cost(i)
             fwd, bwd = fwd + cost.f - cost.f_comm, bwd + cost.b - cost.b_comm
-        return (max(ag - hide * fwd, (1 - hide) * ag), max(rs - hide * bwd, (1 - hide) * rs))
+        return exposed(ag, fwd, hide), exposed(rs, bwd, hide)
 
     def _layer_cost(self, moe: bool) -> LayerCost:
         lay, e = self.lay, self.prof.eff
@@ -317,18 +329,18 @@ class StepModel:
                            else 1)
             if self.stack.zero3_overlap:
                 bwd_ag = ag * bwd_gathers
-                z_f = max(ag - hide * t.fwd, (1 - hide) * ag)
-                z_b = max(bwd_ag + rs - hide * (t.bwd + t.recompute), (1 - hide) * (bwd_ag + rs))
+                z_f = exposed(ag, t.fwd, hide)
+                z_b = exposed(bwd_ag + rs, t.bwd + t.recompute, hide)
             else:  # one synchronous gather per parameter tensor (fivefold.planner.stack):
                 # the block's gradient reduce-scatters run behind its own backward only, since
                 # the next block's first gather synchronises the device
                 ag = self.tensor_collectives_s(moe, "all_gather")
                 rs = self.tensor_collectives_s(moe, "reduce_scatter")
                 z_f = ag
-                z_b = bwd_gathers * ag + max(rs - hide * t.bwd, (1 - hide) * rs)
+                z_b = bwd_gathers * ag + exposed(rs, t.bwd, hide)
         elif lay.zero_stage == 2:
             rs = self._coll("reduce_scatter", numel * g, self.shard_group)
-            z_b = max(rs - hide * t.bwd, (1 - hide) * rs)
+            z_b = exposed(rs, t.bwd, hide)
         grad_bytes = numel * (self.a if lay.zero_stage <= 1 else g)
         return LayerCost(t.fwd, f_comm + z_f, t.bwd + t.recompute, b_comm + z_b, t.wgrad,
                          grad_bytes)
@@ -364,8 +376,7 @@ class StepModel:
             at_f, at_b = block_attention_time(m, sh, self.prof)  # the window it hides behind
             comm_f = (lay.cp - 1) * step
             comm_b = 2 * comm_f
-            return (max(comm_f - e.overlap_eff * at_f, (1 - e.overlap_eff) * comm_f),
-                    max(comm_b - e.overlap_eff * at_b, (1 - e.overlap_eff) * comm_b))
+            return (exposed(comm_f, at_f, e.overlap_eff), exposed(comm_b, at_b, e.overlap_eff))
         a2a = sum(self._coll("all_to_all", n * width * self.a, self.cp_group)
                   for width in (q, kv, kv, q))
         return a2a, a2a
@@ -380,12 +391,8 @@ class StepModel:
         ag = self._coll("all_gather", cp * 2 * n * kv_width * self.a, self.cp_group)
         dkv = self._coll("send", 2 * n * kv_width * 4, self.cp_group)
         at_f, at_b = block_attention_time(self.model, self.shard, self.prof)
-
-        def behind(comm: float, window: float) -> float:
-            return max(comm - hide * window, (1 - hide) * comm)
-
-        fwd = behind(ag, at_f / cp)
-        bwd = behind(ag, at_b / cp) + (cp - 1) * behind(dkv, at_b / cp) + dkv
+        fwd = exposed(ag, at_f / cp, hide)
+        bwd = exposed(ag, at_b / cp, hide) + (cp - 1) * exposed(dkv, at_b / cp, hide) + dkv
         return fwd, bwd
 
     def _root_op(self, times) -> OpTimes:
@@ -506,7 +513,7 @@ class StepModel:
         stages = len(self.stage_layers)
         n = lay.slices
         m = lay.micro_batches
-        once = [self.stage_once(g) for g in range(stages)] if self.pp_unsharded else None
+        once = self.stages_once if self.pp_unsharded else None
         duration = action_durations([self.stage_times(g) for g in range(stages)], n, m, once)
         weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
         if lay.schedule == "pipedream-2bw":
@@ -546,7 +553,7 @@ class StepModel:
             blocks = sum(self._coll(op, nb, self.shard_group) for nb in block_bytes)
             root_t = self._coll(op, root * p, self.shard_group)
             hidden = self.hidden_grad_sync_s(rank, op, last_grads)
-            tail = max(blocks - e.overlap_eff * hidden, (1 - e.overlap_eff) * blocks) + root_t
+            tail = exposed(blocks, hidden, e.overlap_eff) + root_t
         elif lay.zero_stage >= 2:  # the root's reduce-scatter ends the last backward
             tail = self._coll("reduce_scatter", root * g, self.shard_group)
         if lay.zero_stage >= 1 and self.replicate_group.size > 1:
@@ -571,20 +578,18 @@ class StepModel:
         chunks' backward. What the stream still runs after the rank's last gradient action
         is exposed."""
         ready: list[tuple[float, float]] = []
+        done = 0.0
         for g in range(rank, len(self.stage_layers), self.lay.pp):
             start, end = last_grads[g]
+            done = max(done, end)
             blocks = self.stage_ranges[g][::-1]
             for k, i in enumerate(blocks):
                 ready.append((start + (k + 1) * (end - start) / len(blocks),
                               self._coll(op, self.layer_cost(i).grad_sync_bytes,
                                          self.shard_group)))
-        if not ready:
-            return 0.0
         clock = 0.0
         for at, seconds in sorted(ready):
             clock = max(clock, at) + seconds
-        done = max(end for _, end in (last_grads[g] for g in
-                                      range(rank, len(self.stage_layers), self.lay.pp)))
         return sum(seconds for _, seconds in ready) - max(0.0, clock - done)
 
     def optimizer_s(self, rank: int) -> float:
@@ -704,7 +709,7 @@ class StepModel:
             if self.stack.dp_overlap and regather:  # behind the next step's first forward
                 hide = prof.eff.overlap_eff
                 window = sum(times[g][0] for g in range(r, stages, lay.pp))
-                regather = max(regather - hide * window, (1 - hide) * regather)
+                regather = exposed(regather, window, hide)
             opt = self.optimizer_s(r)
             offloaded = offload.rank_offload(self, r, opt + regather)
             opt += offloaded.exposed_s  # downloads, host clipping, the forward's waits
@@ -713,13 +718,13 @@ class StepModel:
         step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
-        comm_in = sum(m * (times[g][3] + times[g][4]) + sum(self.stage_once(g))
+        comm_in = sum(m * (times[g][3] + times[g][4]) + sum(self.stages_once[g])
                       for g in rank_stages)
         busy = rp.busy_s[r]
         compute = busy - comm_in
         bubble = max(0.0, rp.finish_s[r] - busy)
-        exposed = comm_in + tail + regather + (finish[r] - rp.finish_s[r])
-        breakdown = {"compute": compute, "exposed_comm": exposed, "bubble": bubble,
+        exposed_s = comm_in + tail + regather + (finish[r] - rp.finish_s[r])
+        breakdown = {"compute": compute, "exposed_comm": exposed_s, "bubble": bubble,
                      "optimizer": opt}
         mems = [self.memory(k, rp.peak_weight[k]) for k in range(lay.pp)]
         mem = max(mems, key=lambda x: x["total"])

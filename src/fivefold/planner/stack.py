@@ -175,10 +175,14 @@ class Stack:
     release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
 
+    def released_since(self, first: str) -> bool:
+        """This release is `first` ("YYYY-MM") or later; no release given is the newest."""
+        return self.release is None or self.release >= first
+
     @property
     def overlaps_tp(self) -> bool:
         """tp_overlap in this release."""
-        return self.tp_overlap and (self.release is None or self.release >= self.tp_overlap_since)
+        return self.tp_overlap and self.released_since(self.tp_overlap_since)
 
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
@@ -189,7 +193,7 @@ class Stack:
         if not self.flash2_attention or arch is None:
             return 1.0
         since = dict(self.fa3_since).get(arch)
-        if since is not None and (self.release is None or self.release >= since):
+        if since is not None and self.released_since(since):
             return 1.0
         return FLASH2_RATE
 
