@@ -19,7 +19,7 @@ from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.comm import Group, Links
 from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
 from fivefold.planner.fitted import in_training
-from fivefold.planner.params import local_numel
+from fivefold.planner.params import block_params, local_numel
 from fivefold.planner.search import candidates, exact_estimate
 from fivefold.planner.simulate import StepModel, simulate
 from fivefold.planner.spec import spec_config
@@ -250,3 +250,34 @@ def test_torchtitan_keeps_zero3_blocks_gathered_through_a_pipelined_step():
                  + root_params(m, 1, True, False))
     extra = tt.other_bytes(0) - tt.prof.eff.reserved_bytes
     assert extra == pytest.approx(unsharded * (2 + 4))
+
+
+def _moe_cfg(stack: str, ep: int, gpus: int = 16, gpn: int = 8):
+    return spec_config({
+        "model": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
+                  "vocab": 1024, "seq_len": 1024,
+                  "moe": {"experts": 16, "top_k": 2, "expert_ffn_hidden": 512}},
+        "cluster": {"gpu": "H100-SXM", "gpus": gpus, "gpus_per_node": gpn},
+        "parallel": {"global_batch": 16, "micro_batch": 1, "ep": ep, "zero_stage": 1},
+        "train": {"stack": stack}})
+
+
+@pytest.mark.parametrize("stack", ["fivefold", "megatron"])
+def test_routed_experts_sync_over_their_expert_data_parallel_group(stack):
+    """A block's routed experts are data-parallel over the dp / ep ranks that hold the same
+    experts (fivefold.parallel.expert's edp axis), ep apart, so only they reduce them; the
+    rest of the block reduces over all dp ranks."""
+    sm = StepModel(_moe_cfg(stack, 4), H100, plan_from_config(_moe_cfg(stack, 4), 16))
+    assert (sm.shard_group.size, sm.expert_shard_group.size) == (16, 4)
+    assert sm.expert_shard_group.per_node == 2  # ep = 4 apart: two of them on each node
+    dense, expert = block_params(sm.model, 0, 1, 4)
+    assert sm.block_numels(True) == (dense, expert) and expert > 0
+    alone = sm._coll("reduce_scatter", 2 * dense, sm.shard_group)
+    assert sm.block_sync_s("reduce_scatter", 0) == pytest.approx(
+        alone + sm._coll("reduce_scatter", 2 * expert, sm.expert_shard_group), rel=1e-9)
+    # ep = dp: every rank holds experts no other rank has, and nothing syncs them
+    full = StepModel(_moe_cfg(stack, 16), H100, plan_from_config(_moe_cfg(stack, 16), 16))
+    assert full.expert_shard_group.size == 1
+    dense16 = block_params(full.model, 0, 1, 16)[0]
+    assert full.block_sync_s("reduce_scatter", 0) == pytest.approx(
+        full._coll("reduce_scatter", 2 * dense16, full.shard_group), rel=1e-9)

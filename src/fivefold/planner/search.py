@@ -136,7 +136,8 @@ class FastScorer:
         bubble = bubble_fraction(lay.schedule, pp, micro, v)
         pipe = micro * per_rank / (1 - bubble) + 2 * (pp - 1) * v * sm.p2p_s
         rank_layers = math.ceil(L / pp)
-        grad_bytes = sum(n * c.grad_sync_bytes for n, c in costs) / pp
+        grad_bytes = (sum(n * c.grad_sync_bytes for n, c in costs) / pp,
+                      sum(n * c.expert_sync_bytes for n, c in costs) / pp)
         tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
         numel = sum(n * sm.block_numel(moe) for n, moe in kinds) / pp + \
             root_params(m, lay.tp, True, pp == 1)
@@ -179,14 +180,17 @@ class FastScorer:
                       * offload.sharing(sm))
         return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
 
-    def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: float, window: float):
+    def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: tuple[float, float],
+            window: float):
+        """(exposed gradient sync, parameter re-gather) of a rank's (dense, routed-expert)
+        gradient bytes."""
         if lay.zero_stage >= 2:
-            return 0.0, (sm._coll("all_gather", grad_bytes, sm.shard_group)
+            return 0.0, (sm._data_coll("all_gather", *grad_bytes)
                          if lay.zero_stage == 2 else 0.0)
         op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-        t = sm._coll(op, grad_bytes, sm.shard_group)
+        t = sm._data_coll(op, *grad_bytes)
         tail = exposed(t, window, self.prof.eff.overlap_eff)
-        return tail, (sm._coll("all_gather", grad_bytes, sm.shard_group)
+        return tail, (sm._data_coll("all_gather", *grad_bytes)
                       if lay.zero_stage == 1 else 0.0)
 
     def _memory(self, sm: StepModel, lay: ParallelPlan, numel: float, shard: int,

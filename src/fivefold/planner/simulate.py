@@ -168,6 +168,7 @@ class LayerCost:
     b_comm: float
     wgrad: float
     grad_sync_bytes: float  # this block's gradient bucket (data-parallel sync)
+    expert_sync_bytes: float = 0.0  # its routed experts' bucket, synced over edp (ep > 1)
 
     @property
     def f(self) -> float:
@@ -197,6 +198,13 @@ class StepModel:
                                       gpn)
         shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
         self.shard_group = Group.strided(shard, tp, gpn)
+        # the routed experts are data-parallel over the edp ranks that hold the same experts
+        # (fivefold.parallel.expert; Megatron-Core's expert data parallelism): shard / ep of
+        # them, one per ep group; an ep group is ep data ranks tp apart, or ep adjacent
+        # ranks under the stack's parallel folding (expert_group_stride_1)
+        ep_stride = lay.ep * (1 if self.stack.expert_group_stride_1 else tp)
+        self.expert_shard_group = (Group.strided(max(1, shard // lay.ep), ep_stride, gpn)
+                                   if lay.ep > 1 else self.shard_group)
         self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
                                              gpn) if lay.zero_stage >= 1 else Group(1, 1)
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
@@ -220,6 +228,18 @@ class StepModel:
 
     def _coll(self, op: str, nbytes: float, group: Group) -> float:
         return collective_time(op, nbytes, group, self.links)
+
+    def _data_coll(self, op: str, dense_bytes: float, expert_bytes: float) -> float:
+        """One data-parallel collective of a block: its dense part over the ZeRO group, its
+        routed experts' part over their edp group."""
+        return (self._coll(op, dense_bytes, self.shard_group)
+                + self._coll(op, expert_bytes, self.expert_shard_group))
+
+    def block_sync_s(self, op: str, i: int, scale: float = 1.0) -> float:
+        """Block i's data-parallel collective `op` over its gradient buckets (`scale`: their
+        bytes times this, for a collective of another element width)."""
+        c = self.layer_cost(i)
+        return self._data_coll(op, c.grad_sync_bytes * scale, c.expert_sync_bytes * scale)
 
     def _shape_key(self) -> tuple:
         lay = self.lay
@@ -302,10 +322,9 @@ class StepModel:
         hide, g_bytes = self.prof.eff.overlap_eff, PRECISION_BYTES[self.lay.reduce_dtype]
         ag = rs = fwd = bwd = 0.0
         for i in self.stage_ranges[g]:
-            moe = is_moe_layer(self.model, i)
-            numel = self.block_numel(moe)
-            ag += self._coll("all_gather", numel * self.a, self.shard_group)
-            rs += self._coll("reduce_scatter", numel * g_bytes, self.shard_group)
+            dense, expert = self.block_numels(is_moe_layer(self.model, i))
+            ag += self._data_coll("all_gather", dense * self.a, expert * self.a)
+            rs += self._data_coll("reduce_scatter", dense * g_bytes, expert * g_bytes)
             cost = self.layer_cost(i)
             fwd, bwd = fwd + cost.f - cost.f_comm, bwd + cost.b - cost.b_comm
         return exposed(ag, fwd, hide), exposed(rs, bwd, hide)
@@ -313,13 +332,13 @@ class StepModel:
     def _layer_cost(self, moe: bool) -> LayerCost:
         lay, e = self.lay, self.prof.eff
         t, f_comm, b_comm = self.core_cost(moe)
-        numel = self.block_numel(moe)
+        dense, expert = self.block_numels(moe)
         z_f = z_b = 0.0
         hide = e.overlap_eff
         g = PRECISION_BYTES[lay.reduce_dtype]
         if lay.zero_stage == 3 and not self.pp_unsharded:  # else gathered once: stage_once
-            ag = self._coll("all_gather", numel * self.a, self.shard_group)
-            rs = self._coll("reduce_scatter", numel * g, self.shard_group)
+            ag = self._data_coll("all_gather", dense * self.a, expert * self.a)
+            rs = self._data_coll("reduce_scatter", dense * g, expert * g)
             # the block is freed after its forward; under full recomputation the published
             # ZeRO-3 systems gather it once more (their pre-forward hook runs again), then
             # for the backward. fivefold's runtime recomputes on the backward gather (two
@@ -339,26 +358,39 @@ class StepModel:
                 z_f = ag
                 z_b = bwd_gathers * ag + exposed(rs, t.bwd, hide)
         elif lay.zero_stage == 2:
-            rs = self._coll("reduce_scatter", numel * g, self.shard_group)
+            rs = self._data_coll("reduce_scatter", dense * g, expert * g)
             z_b = exposed(rs, t.bwd, hide)
-        grad_bytes = numel * (self.a if lay.zero_stage <= 1 else g)
+        width = self.a if lay.zero_stage <= 1 else g
         return LayerCost(t.fwd, f_comm + z_f, t.bwd + t.recompute, b_comm + z_b, t.wgrad,
-                         grad_bytes)
+                         dense * width, expert * width)
+
+    def block_numels(self, moe: bool) -> tuple[int, int]:
+        """(elements synced over the ZeRO group, routed-expert elements synced over edp) of
+        one block of the kind on one rank; with ep = 1 the experts are data-parallel like
+        every other parameter."""
+        numel = self.block_numel(moe)
+        if self.lay.ep == 1:
+            return numel, 0
+        dense = self.block_numel(moe, dense_only=True)
+        return dense, numel - dense
 
     def tensor_collectives_s(self, moe: bool, op: str) -> float:
-        """Seconds of one block's per-tensor collectives `op` over the ZeRO-3 group, one
-        collective per parameter tensor (a latency term each): "all_gather" of the
-        parameters, "reduce_scatter" of their gradients. Tensors below the stack's
-        persistence threshold take part in neither, and a list collective adds its copy
-        kernel per rank (fivefold.planner.stack: zero3_list_gather)."""
-        lay, st, n = self.lay, self.stack, self.shard_group.size
+        """Seconds of one block's per-tensor collectives `op` over the ZeRO-3 group (the
+        routed experts' over theirs), one collective per parameter tensor (a latency term
+        each): "all_gather" of the parameters, "reduce_scatter" of their gradients. Tensors
+        below the stack's persistence threshold take part in neither, and a list collective
+        adds its copy kernel per rank (fivefold.planner.stack: zero3_list_gather)."""
+        lay, st = self.lay, self.stack
         width = self.a if op == "all_gather" else PRECISION_BYTES[lay.reduce_dtype]
-        copies = n * self.prof.eff.kernel_overhead_s if st.zero3_list_gather else 0.0
         total = 0.0
         for p in block_parameters(self.model, self.first_layer(moe)):
             numel = local_numel(self.model, p, lay.tp, lay.ep)
-            if numel >= st.zero3_persist_numel:
-                total += self._coll(op, numel * width, self.shard_group) + copies
+            group = (self.expert_shard_group if p.part == "experts" and lay.ep > 1
+                     else self.shard_group)
+            if numel >= st.zero3_persist_numel and group.size > 1:
+                copies = group.size * self.prof.eff.kernel_overhead_s
+                total += (self._coll(op, numel * width, group)
+                          + (copies if st.zero3_list_gather else 0.0))
         return total
 
     def _cp_exposed(self, moe: bool) -> tuple[float, float]:
@@ -546,25 +578,28 @@ class StepModel:
         first, last = rank == 0, rank == lay.pp - 1
         root = root_params(self.model, lay.tp, first, last)
         p, g = self.a, PRECISION_BYTES[lay.reduce_dtype]
-        block_bytes = [self.layer_cost(i).grad_sync_bytes for i in layers]
+        costs = [self.layer_cost(i) for i in layers]
         tail = 0.0
         if lay.zero_stage <= 1:
             op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-            blocks = sum(self._coll(op, nb, self.shard_group) for nb in block_bytes)
+            blocks = sum(self.block_sync_s(op, i) for i in layers)
             root_t = self._coll(op, root * p, self.shard_group)
             hidden = self.hidden_grad_sync_s(rank, op, last_grads)
             tail = exposed(blocks, hidden, e.overlap_eff) + root_t
         elif lay.zero_stage >= 2:  # the root's reduce-scatter ends the last backward
             tail = self._coll("reduce_scatter", root * g, self.shard_group)
         if lay.zero_stage >= 1 and self.replicate_group.size > 1:
-            shard_n = self.shard_group.size
-            tail += sum(self._coll("all_reduce", nb / shard_n, self.replicate_group)
-                        for nb in block_bytes + [root * g])
+            shard_n, expert_n = self.shard_group.size, self.expert_shard_group.size
+            tail += sum(self._coll("all_reduce", c.grad_sync_bytes / shard_n
+                                   + c.expert_sync_bytes / expert_n, self.replicate_group)
+                        for c in costs)
+            tail += self._coll("all_reduce", root * g / shard_n, self.replicate_group)
             tail += self._coll("all_reduce", 4, self.shard_group)
         regather = 0.0
         if lay.zero_stage in (1, 2):
-            regather = sum(self._coll("all_gather", nb / g * p if lay.zero_stage == 2 else nb,
-                                      self.shard_group) for nb in block_bytes + [root * p])
+            width = p / g if lay.zero_stage == 2 else 1.0
+            regather = (sum(self.block_sync_s("all_gather", i, width) for i in layers)
+                        + self._coll("all_gather", root * p, self.shard_group))
         return tail, regather
 
     def hidden_grad_sync_s(self, rank: int, op: str,
@@ -585,8 +620,7 @@ class StepModel:
             blocks = self.stage_ranges[g][::-1]
             for k, i in enumerate(blocks):
                 ready.append((start + (k + 1) * (end - start) / len(blocks),
-                              self._coll(op, self.layer_cost(i).grad_sync_bytes,
-                                         self.shard_group)))
+                              self.block_sync_s(op, i)))
         clock = 0.0
         for at, seconds in sorted(ready):
             clock = max(clock, at) + seconds
