@@ -19,7 +19,7 @@ from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.comm import Group, Links
 from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
 from fivefold.planner.fitted import in_training
-from fivefold.planner.params import block_params, local_numel
+from fivefold.planner.params import block_params, local_numel, root_params
 from fivefold.planner.search import candidates, exact_estimate
 from fivefold.planner.simulate import StepModel, simulate
 from fivefold.planner.spec import spec_config
@@ -281,3 +281,58 @@ def test_routed_experts_sync_over_their_expert_data_parallel_group(stack):
     dense16 = block_params(full.model, 0, 1, 16)[0]
     assert full.block_sync_s("reduce_scatter", 0) == pytest.approx(
         full._coll("reduce_scatter", 2 * dense16, full.shard_group), rel=1e-9)
+
+
+def _megatron_tp(release: str, tp: int = 4, **parallel):
+    return spec_config({
+        "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1024,
+                  "vocab": 1024, "seq_len": 2048},
+        "cluster": {"gpu": "H100-SXM", "gpus": 8, "gpus_per_node": 8},
+        "parallel": {"global_batch": 8, "micro_batch": 1, "tp": tp,
+                     **{"sequence_parallel": True, **parallel}},
+        "train": {"stack": "megatron", "stack_release": release}})
+
+
+def test_megatron_tp_overlap_runs_its_gemms_as_ring_exchange_chunks():
+    """Under Transformer Engine's ring exchange each TP-overlapped GEMM is tp GEMMs of 1/tp
+    of the rows: forward for all seven of a Llama block, input gradients for wo and w2; the
+    weight gradients and the other input gradients stay whole. Before TP overlap (TE v0.9,
+    2023-05) and under the fivefold stack the GEMMs are whole."""
+    from fivefold.planner.compute import (Gemm, TP_RING_FORWARD, TP_RING_INPUT_GRAD,
+                                          block_gemms, block_times, gemm_time)
+    new, old = _megatron_tp("2023-05"), _megatron_tp("2023-04")
+    sm_new, sm_old = (StepModel(c, H100, plan_from_config(c, 8)) for c in (new, old))
+    t_new = block_times(sm_new.model, sm_new.shard, sm_new.prof, False)
+    t_old = block_times(sm_old.model, sm_old.shard, sm_old.prof, False)
+    attn, mlp = block_gemms(sm_new.model, sm_new.shard, False)
+    whole = chunks = 0.0
+    for g in attn + mlp:
+        assert g.name in TP_RING_FORWARD
+        part = Gemm(g.name, g.m // 4, g.k, g.n)
+        n = 2 if g.name in TP_RING_INPUT_GRAD else 1
+        whole += n * gemm_time(g, sm_new.prof, False, 2)
+        chunks += n * 4 * gemm_time(part, sm_new.prof, False, 2)
+    assert chunks > whole
+    assert t_new.fwd + t_new.bwd - (t_old.fwd + t_old.bwd) == pytest.approx(chunks - whole,
+                                                                           rel=1e-9)
+    assert t_new.wgrad == pytest.approx(t_old.wgrad, rel=1e-12)
+    assert not FIVEFOLD.tp_overlap_chunks
+
+
+def test_megatron_fp8_regathers_one_byte_a_parameter_from_2024_09():
+    """NeMo's fp8 recipes from 2024-09 gather fp8 parameters after the step: the
+    distributed optimizer's re-gather of the blocks moves half the bytes of a bf16 one."""
+    kw = dict(tp=1, dp=8, zero_stage=1, precision="fp8", sequence_parallel=False)
+    new, old = _megatron_tp("2025-02", **kw), _megatron_tp("2024-03", **kw)
+    assert STACKS["megatron"].fp8_param_gather_since == "2024-09"
+    sm_new, sm_old = (StepModel(c, H100, plan_from_config(c, 8)) for c in (new, old))
+    last = {0: (0.0, 1.0)}
+    _, regather_new = sm_new.dp_sync(0, last)
+    _, regather_old = sm_old.dp_sync(0, last)
+    root = sm_new._coll("all_gather", root_params(sm_new.model, 1, True, True) * 2,
+                        sm_new.shard_group)
+    blocks = [sm_new.block_sync_s("all_gather", i) for i in range(2)]
+    assert regather_old == pytest.approx(sum(blocks) + root, rel=1e-9)
+    assert regather_new == pytest.approx(
+        sum(sm_new.block_sync_s("all_gather", i, 0.5) for i in range(2)) + root, rel=1e-9)
+    assert regather_new < regather_old

@@ -84,6 +84,21 @@ def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int) -> floa
     return g.flops / rate + nbytes / (prof.hbm_GBps * 1e9 * e.gemm_mem_eff) + e.kernel_overhead_s
 
 
+# Transformer Engine's ring-exchange TP overlap (fivefold.planner.stack: tp_overlap_chunks):
+# the GEMMs an all-gather feeds or a reduce-scatter drains in forward, and of those the two
+# whose input gradient an all-gather of the output gradient feeds (proj and fc2). MoE blocks'
+# routed and shared experts are not among them (expert tensor parallelism is its own).
+TP_RING_FORWARD = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+TP_RING_INPUT_GRAD = ("wo", "w2")
+
+
+def tp_ring_gemm_time(g: Gemm, tp: int, prof: HardwareProfile, fp8: bool,
+                      act_bytes: int) -> float:
+    """`g` run as tp ring-exchange chunks of 1/tp of its rows: each chunk reads the whole
+    weight and pays one launch."""
+    return tp * gemm_time(Gemm(g.name, -(-g.m // tp), g.k, g.n), prof, fp8, act_bytes)
+
+
 def newton_schulz_time(matrices: list[tuple[int, int]], prof: HardwareProfile,
                        steps: int = 5) -> float:
     """Muon's orthogonalization (torch.optim.Muon): per (rows, cols) matrix, `steps` quintic
@@ -323,12 +338,18 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     attn_g, mlp_g = block_gemms(model, sh, moe)
     gemms = attn_g + mlp_g
     in_fp8 = fp8_gemms(sh.fp8_tensors)  # which of a linear's three GEMMs run in fp8
+    ring_chunked = sh.stack.tp_overlap_chunks and sh.stack.overlaps_tp and sh.tp > 1 and sh.sp
     gemm_s = wgrad_s = bwd_gemm_s = selective_s = cast_f = cast_b = 0.0
     selected = selective_recomputed(gemms, moe)
     for g in gemms:
         quantized = fp8 and g.name != "router"
         t_fwd, t_dgrad, t_wgrad = (gemm_time(g, prof, quantized and kind in in_fp8, a)
                                    for kind in ("forward", "grad_input", "grad_weight"))
+        if ring_chunked and g.name in TP_RING_FORWARD:
+            t_fwd = tp_ring_gemm_time(g, sh.tp, prof, quantized and "forward" in in_fp8, a)
+            if g.name in TP_RING_INPUT_GRAD:
+                t_dgrad = tp_ring_gemm_time(g, sh.tp, prof,
+                                            quantized and "grad_input" in in_fp8, a)
         gemm_s += t_fwd
         wgrad_s += t_wgrad
         bwd_gemm_s += t_dgrad + t_wgrad

@@ -598,6 +598,8 @@ class StepModel:
         regather = 0.0
         if lay.zero_stage in (1, 2):
             width = p / g if lay.zero_stage == 2 else 1.0
+            if lay.precision == "fp8" and self.stack.gathers_fp8_params:
+                width /= p  # one byte per parameter (fivefold.planner.stack)
             regather = (sum(self.block_sync_s("all_gather", i, width) for i in layers)
                         + self._coll("all_gather", root * p, self.shard_group))
         return tail, regather

@@ -45,9 +45,27 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   Engine's userbuffers overlap arrived in TE v0.9 (2023-05; TE PR #147, "TP communication
   overlap with userbuffers"); Megatron-LM of 2021 (arXiv 2104.04473) runs its tensor-parallel
   all-reduces between the GEMMs, exposed.
+- tp_overlap_chunks: the overlap is Transformer Engine's ring exchange: a GEMM fed by a
+  sequence-parallel all-gather (qkv and fc1 forward, proj and fc2 input gradients) or
+  drained by a reduce-scatter (proj and fc2 forward) runs as tp GEMMs of 1/tp of the rows,
+  each overlapping one chunk's transfer, so each chunk reads the whole weight again and pays
+  its own launch (`compute.tp_ring_gemm_time`); the reduce-scatters of qkv and fc1's input
+  gradients ride behind the weight-gradient GEMMs whole ("bulk"). This is every fp8
+  userbuffers configuration of NeMo 2.x (nemo/collections/llm/recipes/tp_overlap_configs/
+  userbuffers.py @v2.3.0: RingExchangeOverlapCfg for those six GEMMs, BulkOverlapCfg for the
+  rest) and TE's default for the all-gather side; NeMo's bf16 configurations drain proj and
+  fc2 forward in 4 pipelined splits with 16-32 SMs held instead, which is not modelled (no
+  bf16 row overlaps TP).
 - dp_overlap: the distributed optimizer's parameter all-gather after the step overlaps the
   next forward (Megatron's overlap_param_gather, NeMo's performance recipes): only the
   excess over the first micro-batch's forward shows.
+- fp8_param_gather_since: from this release, under fp8 that all-gather moves fp8
+  parameters, one byte each (NeMo's fp8 precision recipes from PR #10208, 2024-09-19:
+  `bf16_with_fp8_mixed` sets fp8_params, hence Megatron's fp8_param_gather; its current-
+  scaling recipes set fp8_param_gather = True, its MXFP8 ones from v2.4.0; the NeMo docs:
+  "reducing the all-gather overhead by half"). Megatron-LM scripts choose it by a flag
+  (--fp8-param-gather) no row states; the rows of 2024-09 and later outside NeMo take the
+  release's default, and their re-gather hides behind the forward either way.
 - fp8_fused_casts: fp8 scaling and casts are fused into the preceding norm / activation
   kernels and the weights cast once per step (Transformer Engine), so the per-micro-batch
   cast traffic is one read and one fp8 write of the activations only; else torchao's
@@ -172,6 +190,8 @@ class Stack:
     ring_kernel: str = "fused"  # "fused" | "math": ring CP's per-block attention kernel
     fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
     tp_overlap_since: str = ""  # first "YYYY-MM" release with tp_overlap; "": every one
+    tp_overlap_chunks: bool = False  # tp_overlap runs its GEMMs as tp ring-exchange chunks
+    fp8_param_gather_since: str | None = None  # first release gathering fp8 parameters
     release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
 
@@ -183,6 +203,12 @@ class Stack:
     def overlaps_tp(self) -> bool:
         """tp_overlap in this release."""
         return self.tp_overlap and self.released_since(self.tp_overlap_since)
+
+    @property
+    def gathers_fp8_params(self) -> bool:
+        """Under fp8 the distributed optimizer all-gathers fp8 parameters (this release)."""
+        return (self.fp8_param_gather_since is not None
+                and self.released_since(self.fp8_param_gather_since))
 
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
@@ -208,6 +234,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
           loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
           fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
           fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")), tp_overlap_since="2023-05",
+          tp_overlap_chunks=True, fp8_param_gather_since="2024-09",
           source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
