@@ -53,9 +53,13 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   gradients ride behind the weight-gradient GEMMs whole ("bulk"). This is every fp8
   userbuffers configuration of NeMo 2.x (nemo/collections/llm/recipes/tp_overlap_configs/
   userbuffers.py @v2.3.0: RingExchangeOverlapCfg for those six GEMMs, BulkOverlapCfg for the
-  rest) and TE's default for the all-gather side; NeMo's bf16 configurations drain proj and
-  fc2 forward in 4 pipelined splits with 16-32 SMs held instead, which is not modelled (no
-  bf16 row overlaps TP).
+  rest) and TE's default for the all-gather side; NeMo's bf16 configurations, and TE's
+  default for the reduce-scatter side (which runs without a NeMo config, as the 2024-03
+  rows may have), drain proj and fc2 forward in 4 pipelined splits with 16-32 SMs held
+  instead, which is timed here as ring chunks too. TE issues the chunks round-robin on up
+  to three compute streams (comm_gemm_overlap.cpp), so part of each chunk's fixed cost may
+  overlap the next; charging one launch per GEMM instead fitted the rows worse
+  (docs/planner.md).
 - dp_overlap: the distributed optimizer's parameter all-gather after the step overlaps the
   next forward (Megatron's overlap_param_gather, NeMo's performance recipes): only the
   excess over the first micro-batch's forward shows.
