@@ -184,14 +184,13 @@ class FastScorer:
             window: float):
         """(exposed gradient sync, parameter re-gather) of a rank's (dense, routed-expert)
         gradient bytes."""
+        regather = (sm._data_coll("all_gather", *(b * sm.regather_scale for b in grad_bytes))
+                    if lay.zero_stage in (1, 2) else 0.0)
         if lay.zero_stage >= 2:
-            return 0.0, (sm._data_coll("all_gather", *grad_bytes)
-                         if lay.zero_stage == 2 else 0.0)
+            return 0.0, regather
         op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-        t = sm._data_coll(op, *grad_bytes)
-        tail = exposed(t, window, self.prof.eff.overlap_eff)
-        return tail, (sm._data_coll("all_gather", *grad_bytes)
-                      if lay.zero_stage == 1 else 0.0)
+        tail = exposed(sm._data_coll(op, *grad_bytes), window, self.prof.eff.overlap_eff)
+        return tail, regather
 
     def _memory(self, sm: StepModel, lay: ParallelPlan, numel: float, shard: int,
                 rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:

@@ -597,12 +597,22 @@ class StepModel:
             tail += self._coll("all_reduce", 4, self.shard_group)
         regather = 0.0
         if lay.zero_stage in (1, 2):
-            width = p / g if lay.zero_stage == 2 else 1.0
-            if lay.precision == "fp8" and self.stack.gathers_fp8_params:
-                width /= p  # one byte per parameter (fivefold.planner.stack)
-            regather = (sum(self.block_sync_s("all_gather", i, width) for i in layers)
+            scale = self.regather_scale
+            regather = (sum(self.block_sync_s("all_gather", i, scale) for i in layers)
                         + self._coll("all_gather", root * p, self.shard_group))
         return tail, regather
+
+    @property
+    def regather_scale(self) -> float:
+        """The blocks' parameter re-gather after the step (ZeRO-1/2) in bytes per byte of
+        their gradient buckets: parameters at their own width (the buckets hold ZeRO-2's
+        reduce dtype), one byte each where the stack gathers fp8 parameters
+        (fivefold.planner.stack)."""
+        lay, p = self.lay, self.a
+        scale = p / PRECISION_BYTES[lay.reduce_dtype] if lay.zero_stage == 2 else 1.0
+        if lay.precision == "fp8" and self.stack.gathers_fp8_params:
+            scale /= p
+        return scale
 
     def hidden_grad_sync_s(self, rank: int, op: str,
                            last_grads: dict[int, tuple[float, float]]) -> float:
