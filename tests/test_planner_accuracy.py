@@ -2,7 +2,8 @@
 all-gather context parallelism (torchtitan), DeepSpeed 2021's per-tensor ZeRO-3 gathers
 and reduce-scatters, the gradient-reduction stream over model chunks, Megatron-LM 2021's
 exposed tensor-parallel all-reduces, torchtitan's ZeRO-3 blocks kept gathered through a
-pipelined step, and the search over virtual pipeline stages.
+pipelined step, torchao's fp8 casts on the sequence shard, each stack's fp8 sequence-parallel
+gather width, and the search over virtual pipeline stages.
 
 Each formula is held against an independent count on a tiny case (exact up to float
 rounding, rel 1e-9), and the "fivefold" stack is shown not to take any of them, so that its
@@ -336,3 +337,59 @@ def test_megatron_fp8_regathers_one_byte_a_parameter_from_2024_09():
     assert regather_new == pytest.approx(
         sum(sm_new.block_sync_s("all_gather", i, 0.5) for i in range(2)) + root, rel=1e-9)
     assert regather_new < regather_old
+
+
+def _torchtitan_tp(stack: str = "torchtitan", release: str | None = None, **parallel):
+    train = {"stack": stack, **({"stack_release": release} if release else {})}
+    return spec_config({
+        "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1024,
+                  "vocab": 1024, "seq_len": 2048},
+        "cluster": {"gpu": "H100-SXM", "gpus": 8, "gpus_per_node": 8},
+        "parallel": {"global_batch": 8, "micro_batch": 1, "tp": 4, "sequence_parallel": True,
+                     "precision": "fp8", "recompute": "none", **parallel},
+        "train": train})
+
+
+def test_torchtitan_fp8_casts_each_module_input_once_on_its_shard():
+    """torchao's Float8 tensor parallelism (torchtitan's TP plan): the attention and MLP
+    inputs are cast once each on the 1/tp sequence shard before their fp8 all-gather, where
+    a plain Float8Linear casts its whole gathered input in each of wq, wk, wv, w1 and w3;
+    wo's and w2's output gradients are cast on their shards. Against an independent count
+    of the bytes that saves: forward (2a + 1) n D (5 - 2/tp), backward (2a + 1) 2 n D
+    (1 - 1/tp), over n gathered tokens of width D (exact)."""
+    import dataclasses
+
+    from fivefold.planner.compute import block_times, eltwise_time
+    cfg = _torchtitan_tp()
+    sm = StepModel(cfg, H100, plan_from_config(cfg, 8))
+    assert sm.stack.fp8_shard_casts and not FIVEFOLD.fp8_shard_casts
+    per_linear = dataclasses.replace(sm.shard,
+                                     stack=dataclasses.replace(sm.stack, fp8_shard_casts=False))
+    shard = block_times(sm.model, sm.shard, sm.prof, False)
+    whole = block_times(sm.model, per_linear, sm.prof, False)
+    n, D, tp, cast = 2048, 512, 4, 2 * 2 + 1
+    assert whole.fwd - shard.fwd == pytest.approx(
+        eltwise_time(cast * n * D * (5 - 2 / tp), sm.prof, 0, 1.0), rel=1e-9)
+    assert whole.bwd - shard.bwd == pytest.approx(
+        eltwise_time(cast * 2 * n * D * (1 - 1 / tp), sm.prof, 0, 1.0), rel=1e-9)
+    no_sp = StepModel(c := _torchtitan_tp(tp=4, sequence_parallel=False), H100,
+                      plan_from_config(c, 8))
+    assert no_sp.shard.stack.fp8_shard_casts and not no_sp.shard.sp  # no shard to cast on
+
+
+@pytest.mark.parametrize("stack, release, width", [("fivefold", None, 2),
+                                                   ("torchtitan", None, 1),
+                                                   ("megatron", "2023-04", 1)])
+def test_fp8_sequence_parallel_gather_width_is_the_stacks(stack, release, width):
+    """Under fp8 Transformer Engine and torchao all-gather a region's fp8 input (one byte an
+    element); fivefold's runtime gathers the compute dtype, as its ledger records. (Megatron
+    before its TP overlap, so that the collectives are on the critical path; exact.)"""
+    cfg = _torchtitan_tp(stack, release)
+    sm = StepModel(cfg, H100, plan_from_config(cfg, 8))
+    assert not sm.stack.overlaps_tp
+    act = 2048 * 512 * 2
+    ag = sm._coll("all_gather", act * width / 2, sm.tp_group)
+    _, f_comm, _ = sm.core_cost(False)
+    assert f_comm == pytest.approx(2 * (ag + sm._coll("reduce_scatter", act, sm.tp_group)),
+                                   rel=1e-9)
+    assert sm.stack.fp8_sp_gather == (width == 1)

@@ -50,8 +50,8 @@ def fp8_input_copy(lay: ParallelPlan) -> bool:
     fp8, the "input" class in fp8, tensorwise scales. Rowwise scales x along K for the
     forward GEMM and along the tokens for the weight gradient's, so its forward copy does not
     serve backward; with the input class off there is no fp8 copy. Such a copy is what a
-    stack may save for backward (Stack.fp8_saved_inputs) and what torchao's fp8
-    sequence-parallel all-gather moves (fivefold.planner.simulate)."""
+    stack may save for backward (Stack.fp8_saved_inputs) and what a stack's fp8
+    sequence-parallel all-gather moves (Stack.fp8_sp_gather, fivefold.planner.simulate)."""
     return (lay.precision == "fp8" and lay.fp8_recipe == "tensorwise"
             and "input" in lay.fp8_tensors)
 

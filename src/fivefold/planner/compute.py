@@ -116,9 +116,18 @@ def _compute_precision(act_bytes: int) -> str:
     return "fp32" if act_bytes == 4 else "bf16"
 
 
+# torchao's Float8 tensor parallelism (Stack.fp8_shard_casts): the linear that carries each
+# module's one input cast (its siblings share it), the siblings, and the row-parallel linears
+# whose output gradient is cast on its sequence shard.
+SHARD_CAST_CARRIERS = ("wq", "w1")
+SHARD_CAST_SHARERS = ("wk", "wv", "w3")
+ROW_PARALLEL = ("wo", "w2")
+
+
 def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
                    scaling: str = "tensorwise",
-                   tensors: tuple[str, ...] = FP8_TENSORS) -> tuple[float, float]:
+                   tensors: tuple[str, ...] = FP8_TENSORS,
+                   shard_tp: int = 1) -> tuple[float, float]:
     """Forward and backward bytes of torchao-style dynamic fp8 scaling around one linear,
     for the tensor classes in fp8 (`tensors`: input m x k, weight k x n, grad_output m x n).
 
@@ -130,7 +139,11 @@ def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
     gradient), each cast writing the layout its GEMM reads. `fused` (Transformer Engine,
     fivefold.planner.stack): the casts ride in the kernels that produce the activations and
     the weights are cast once per step, so only the fp8 copies of the input (forward) and
-    output gradient (backward) are written.
+    output gradient (backward) are written. `shard_tp` > 1 (tensorwise; Stack.fp8_shard_casts,
+    tp > 1 with sequence parallelism): the module's input is cast once on its sequence
+    shard, 1/shard_tp of its rows, charged to wq or w1 (wk, wv, w3 share it), and wo's and
+    w2's output gradients are cast on their shards; the transposes are of the gathered
+    tensors, as before.
     """
     x = g.m * g.k if "input" in tensors else 0
     w = g.k * g.n if "weight" in tensors else 0
@@ -138,10 +151,14 @@ def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
     if fused:
         return float(x), float(dy)
     cast = 2 * act_bytes + 1
-    fwd = cast * (x + w)
     if scaling == "rowwise":
-        return fwd, cast * (x + w + 2 * dy)
-    return fwd, cast * dy + 2 * (x + w + dy)
+        return cast * (x + w), cast * (x + w + 2 * dy)
+    x_cast, dy_cast = x, dy
+    if shard_tp > 1:
+        x_cast = (x / shard_tp if g.name in SHARD_CAST_CARRIERS
+                  else 0 if g.name in SHARD_CAST_SHARERS else x)
+        dy_cast = dy / shard_tp if g.name in ROW_PARALLEL else dy
+    return cast * (x_cast + w), cast * dy_cast + 2 * (x + w + dy)
 
 
 def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: HardwareProfile,
@@ -339,6 +356,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     gemms = attn_g + mlp_g
     in_fp8 = fp8_gemms(sh.fp8_tensors)  # which of a linear's three GEMMs run in fp8
     ring_chunked = sh.stack.tp_overlap_chunks and sh.stack.overlaps_tp and sh.tp > 1 and sh.sp
+    shard_tp = sh.tp if sh.stack.fp8_shard_casts and sh.sp else 1
     gemm_s = wgrad_s = bwd_gemm_s = selective_s = cast_f = cast_b = 0.0
     selected = selective_recomputed(gemms, moe)
     for g in gemms:
@@ -357,7 +375,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
             selective_s += t_fwd
         if quantized:
             cf, cb = fp8_cast_bytes(g, a, sh.stack.fp8_fused_casts, sh.fp8_recipe,
-                                    sh.fp8_tensors)
+                                    sh.fp8_tensors, shard_tp)
             cast_f, cast_b = cast_f + cf, cast_b + cb
     heads = model.heads // sh.tp
     at_f, at_b = block_attention_time(model, sh, prof)

@@ -19,8 +19,9 @@ Overlap rules (each technique's own):
 - tensor parallelism (Megatron-LM, arXiv 1909.08053): two all-reduces per block forward and
   two backward (all-gather + reduce-scatter pairs with sequence parallelism, arXiv
   2205.05198), on the critical path; full recomputation repeats the forward ones. Under fp8
-  the sequence-parallel all-gather moves fp8 activations (torchao's Float8 tensor parallel)
-  where the input class is in fp8 with tensorwise scales (activations.fp8_input_copy).
+  a stack with `fp8_sp_gather` (Transformer Engine, torchao's Float8 tensor parallel)
+  all-gathers fp8 activations where the input class is in fp8 with tensorwise scales
+  (activations.fp8_input_copy); fivefold's runtime gathers the compute dtype.
   Sequence parallelism gathers each region's input again in backward for its weight
   gradients, hidden behind those matmuls (2205.05198, Sec. 4.2.2). The end stages add the
   embedding's, final norm's and vocabulary-parallel loss's collectives as the runtime
@@ -258,8 +259,9 @@ class StepModel:
         t: OpTimes = block_times(m, sh, self.prof, moe)
         act = sh.tokens * m.hidden * self.a  # one full-width activation of the micro-batch
         regather = 0.0
-        if lay.sequence_parallel:  # fp8: the gathered activation travels as fp8 (torchao)
-            gathered = act / self.a if A.fp8_input_copy(lay) else act
+        if lay.sequence_parallel:  # fp8: the stack may gather the fp8 copy (Stack docs)
+            fp8_copy = self.stack.fp8_sp_gather and A.fp8_input_copy(lay)
+            gathered = act / self.a if fp8_copy else act
             ag = self._coll("all_gather", gathered, self.tp_group)
             tp_one = ag + self._coll("reduce_scatter", act, self.tp_group)
             # each region's input gathered again for its weight gradients (2205.05198,

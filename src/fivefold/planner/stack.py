@@ -70,6 +70,19 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   "reducing the all-gather overhead by half"). Megatron-LM scripts choose it by a flag
   (--fp8-param-gather) no row states; the rows of 2024-09 and later outside NeMo take the
   release's default, and their re-gather hides behind the forward either way.
+- fp8_sp_gather: under fp8 with sequence parallelism the all-gather of a region's input
+  moves its fp8 copy, one byte per element (Transformer Engine's LayerNormLinear writes the
+  norm's output in fp8 and gathers that, `_LayerNormLinear.forward` @v1.7; torchao's
+  `PrepareFloat8ModuleInput`, below). fivefold's runtime gathers the compute dtype and
+  quantizes inside each linear (fivefold.parallel.fp8.linear; its ledger says bf16).
+- fp8_shard_casts: torchao's Float8 tensor parallelism as torchtitan's plan applies it
+  (`parallelize_llama.apply_tp` @9dec370: `PrepareFloat8ModuleInput` ahead of attention and
+  feed_forward, `Float8RowwiseParallel` for wo and w2; torchao
+  float8/float8_tensor_parallel.py): with tp > 1 and sequence parallelism each module's
+  input is cast once, on its sequence shard (1/tp of the rows), before its fp8 all-gather,
+  and wq, wk, wv (w1, w3) share it; a row-parallel linear's output gradient is cast on its
+  shard before its all-gather back. Without it each linear casts its whole gathered input
+  (compute.fp8_cast_bytes).
 - fp8_fused_casts: fp8 scaling and casts are fused into the preceding norm / activation
   kernels and the weights cast once per step (Transformer Engine), so the per-micro-batch
   cast traffic is one read and one fp8 write of the activations only; else torchao's
@@ -196,6 +209,8 @@ class Stack:
     tp_overlap_since: str = ""  # first "YYYY-MM" release with tp_overlap; "": every one
     tp_overlap_chunks: bool = False  # tp_overlap runs its GEMMs as tp ring-exchange chunks
     fp8_param_gather_since: str | None = None  # first release gathering fp8 parameters
+    fp8_sp_gather: bool = False  # fp8 + sequence parallelism: the input gather moves fp8
+    fp8_shard_casts: bool = False  # torchao Float8 TP: one cast per module, on its shard
     release: str | None = None  # train.stack_release; None: the newest
     source: str = ""
 
@@ -238,12 +253,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
           loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
           fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
           fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")), tp_overlap_since="2023-05",
-          tp_overlap_chunks=True, fp8_param_gather_since="2024-09",
+          tp_overlap_chunks=True, fp8_param_gather_since="2024-09", fp8_sp_gather=True,
           source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
     Stack("torchtitan", loss_logit_bytes="8", flash2_attention=True,
           cp_kv_exchange="allgather", sdpa_repeats_kv=True, zero3_pp_unsharded=True,
+          fp8_sp_gather=True, fp8_shard_casts=True,
           source="torchtitan Dec 2024 (arXiv 2410.06511): eager blocks unless compiled, SDPA "
                  "(FlashAttention-2) on K/V repeated to every head, torch 2.5/2.6's "
                  "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
