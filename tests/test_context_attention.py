@@ -282,3 +282,17 @@ def test_block_attention_by_query_chunks_equals_one_chunk(causal, monkeypatch):
                                                             0.3)))
     for whole, chunked in zip(*runs):
         torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+
+
+def test_cpu_query_chunks_keep_scores_below_the_heap_threshold():
+    """On the CPU a chunk holds at most CPU_SCORE_BYTES of scores (glibc's mmap threshold,
+    block_attention's docstring), at least one row and at most QUERY_CHUNK; elsewhere it is
+    QUERY_CHUNK rows."""
+    from fivefold.parallel.context import block_attention as ba
+
+    assert ba.query_chunk_rows("cpu", 4 * 8, 512, 4) == 128  # 4 x 8 heads x 512 keys, fp32
+    assert ba.query_chunk_rows("cpu", 1, 64, 4) == ba.QUERY_CHUNK
+    assert ba.query_chunk_rows("cpu", 4096, 4096, 8) == 1
+    assert ba.query_chunk_rows("cuda", 4 * 8, 512, 4) == ba.QUERY_CHUNK
+    rows = ba.query_chunk_rows("cpu", 6, 1000, 8)
+    assert rows * 6 * 1000 * 8 <= ba.CPU_SCORE_BYTES < (rows + 1) * 6 * 1000 * 8

@@ -152,10 +152,14 @@ def test_plan_searches_interleaved_virtual_stages():
 def test_fivefold_ring_is_timed_as_its_math_kernel():
     """fivefold's ring runs block_attention's explicit fp32 path on every device: its step
     is timed by the math model (fp32 matmuls, eager element-wise passes), slower than a
-    fused ring of the same layout; the chunk size the model assumes is the runtime's."""
-    from fivefold.parallel.context.block_attention import QUERY_CHUNK
-    from fivefold.planner.compute import RING_QUERY_CHUNK, math_ring_attention_time
-    assert RING_QUERY_CHUNK == QUERY_CHUNK
+    fused ring of the same layout; the chunk size the model assumes is the runtime's, on a
+    GPU and on the CPU."""
+    from fivefold.parallel.context.block_attention import query_chunk_rows
+    from fivefold.planner.compute import math_ring_attention_time, ring_query_rows
+    for batch_heads, keys in [(32, 512), (32, 256), (1, 64), (64, 4096), (4096, 4096)]:
+        for prof, device in [(H100, "cuda"), (PROFILES["cpu"], "cpu")]:
+            assert (ring_query_rows(prof, batch_heads, keys)
+                    == query_chunk_rows(device, batch_heads, keys, 4))
     assert FIVEFOLD.ring_kernel == "math" and STACKS["megatron"].ring_kernel == "fused"
     mf, mb = math_ring_attention_time(1, 8, 2, 4096, 32, 4, H100)
     ff, fb = attention_time(1, 8, 4096, 32, 4, H100, True, "bf16")

@@ -187,16 +187,26 @@ def attention_time(b: int, heads: int, seq: int, d: int, cp: int, prof: Hardware
     return fwd, bwd
 
 
-# block_attention.QUERY_CHUNK (that module needs torch; the planner runs without it; a test
-# holds the two equal)
+# block_attention.QUERY_CHUNK and CPU_SCORE_BYTES (that module needs torch; the planner runs
+# without it; a test holds the rules equal)
 RING_QUERY_CHUNK = 512
+RING_CPU_SCORE_BYTES = 8 << 20
+
+
+def ring_query_rows(prof: HardwareProfile, batch_heads: int, keys: int) -> int:
+    """Query rows per chunk of the math ring's fp32 scores (block_attention.query_chunk_rows:
+    on a CPU profile also at most RING_CPU_SCORE_BYTES of scores)."""
+    if not prof.cores:
+        return RING_QUERY_CHUNK
+    return max(1, min(RING_QUERY_CHUNK, RING_CPU_SCORE_BYTES // (batch_heads * keys * 4)))
 
 
 def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int, cp: int,
                              prof: HardwareProfile) -> tuple[float, float]:
     """(forward s, backward s) of fivefold's own ring attention on one of cp ranks
     (fivefold.parallel.context.ring_attention over block_attention's "math" kernel, the only
-    one it has): explicit fp32 matmuls and element-wise ops, query rows QUERY_CHUNK at a time.
+    one it has): explicit fp32 matmuls and element-wise ops, query rows a chunk at a time
+    (`ring_query_rows`).
 
     Blocks (zigzag, T = seq/cp local tokens): the diagonal T x T, computed whole and masked,
     then cp - 1 blocks of T/2 x T (or T x T/2). Per computed score, fp32: forward the q k^T
@@ -217,7 +227,7 @@ def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int
     fwd = bwd = 0.0
     for tq, tk, diag in blocks:
         scores = b * heads * tq * tk
-        chunks = math.ceil(tq / RING_QUERY_CHUNK)
+        chunks = math.ceil(tq / ring_query_rows(prof, b * heads, int(tk)))
         expand = b * heads * tk * d * 4 * 2 * 2  # K and V to every head, read + write
         fwd += (scores * 4 * d / rate + (scores * (48 if diag else 40) + expand) / bw
                 + 9 * chunks * e.kernel_overhead_s)

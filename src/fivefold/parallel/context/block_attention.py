@@ -25,10 +25,17 @@ _backward ops take out, dout and lse), which is all these two functions need.
 Layout: q (B, H, Tq, E), k and v (B, K, Tk, E), H a multiple of K. `causal` masks a diagonal
 block (Tq == Tk, query i sees keys 0..i of the block); off-diagonal blocks are fully visible.
 
-Memory: the math path runs the query rows `QUERY_CHUNK` at a time (rows are independent in
-both passes; the key/value gradients add up over the chunks), so a block holds at most
-QUERY_CHUNK x Tk scores per head instead of Tq x Tk, the difference between a long sequence
-training and a rank killed for memory.
+Memory: the math path runs the query rows in chunks (rows are independent in both passes;
+the key/value gradients add up over the chunks), so a block holds at most a chunk's rows x Tk
+scores per head instead of Tq x Tk, the difference between a long sequence training and a
+rank killed for memory. A chunk is at most `QUERY_CHUNK` rows, and on the CPU also at most
+`CPU_SCORE_BYTES` of scores for all heads (`query_chunk_rows`): glibc's malloc serves a
+request at or above its mmap threshold (dynamic, at most 32 MiB on 64-bit: mallopt(3),
+M_MMAP_THRESHOLD) with a fresh mapping whose every page faults and is zeroed on first touch,
+and its heap gives memory back above the trim threshold; each of a chunk's half-dozen score
+temporaries paid that. Measured on the 2-core development machine (one thread, 4 x 8 heads,
+a 512 x 512 diagonal block, forward and backward): 512-row chunks (32 MiB of scores)
+310-410 ms and 117k page faults a pass, 128 rows (8 MiB) 185-205 ms and 42k.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import math
 
 import torch
 
-QUERY_CHUNK = 512  # query rows whose scores the math path holds at once
+QUERY_CHUNK = 512  # query rows whose scores the math path holds at once, at most
+CPU_SCORE_BYTES = 8 << 20  # on the CPU also at most this many bytes of a chunk's scores
 
 
 def attention_kernel(device: torch.device) -> str:
@@ -79,8 +87,18 @@ def _scores(q_BHTE, k_BHSE, causal: bool, scale: float, acc: torch.dtype,
     return s_BHTS
 
 
-def _row_chunks(T: int) -> list[slice]:
-    return [slice(i, min(i + QUERY_CHUNK, T)) for i in range(0, T, QUERY_CHUNK)]
+def query_chunk_rows(device_type: str, batch_heads: int, keys: int, elem_bytes: int) -> int:
+    """Query rows per chunk of a block with `keys` keys over batch x heads = `batch_heads`,
+    scores of `elem_bytes` each (see the module docstring)."""
+    if device_type != "cpu":
+        return QUERY_CHUNK
+    return max(1, min(QUERY_CHUNK, CPU_SCORE_BYTES // (batch_heads * keys * elem_bytes)))
+
+
+def _row_chunks(q_BHTE: torch.Tensor, keys: int, acc: torch.dtype) -> list[slice]:
+    B, H, T = q_BHTE.shape[:3]
+    rows = query_chunk_rows(q_BHTE.device.type, B * H, keys, acc.itemsize)
+    return [slice(i, min(i + rows, T)) for i in range(0, T, rows)]
 
 
 def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
@@ -94,7 +112,7 @@ def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: 
     k_BHSE, v_BHSE = _expand_kv(k_BKSE, H).to(acc), _expand_kv(v_BKSE, H).to(acc)
     out_BHTE = torch.empty(B, H, T, v_BKSE.shape[-1], dtype=acc, device=q_BHTE.device)
     lse_BHT = torch.empty(B, H, T, dtype=acc, device=q_BHTE.device)
-    for rows in _row_chunks(T):
+    for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
         s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE, causal, scale, acc, rows.start)
         lse_BHt = torch.logsumexp(s_BHtS, dim=-1)
         out_BHTE[:, :, rows] = torch.exp(s_BHtS - lse_BHt.unsqueeze(-1)) @ v_BHSE
@@ -110,11 +128,11 @@ def block_attention_backward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE:
     `out` and `lse` are the final (merged over all blocks) output and log-sum-exp."""
     assert attention_kernel(q_BHTE.device) == "math"
     acc = accumulation_dtype(q_BHTE.dtype)
-    H, K, T = q_BHTE.shape[1], k_BKSE.shape[1], q_BHTE.shape[2]
+    H, K = q_BHTE.shape[1], k_BKSE.shape[1]
     k_BHSE, v_BHSE = _expand_kv(k_BKSE, H).to(acc), _expand_kv(v_BKSE, H).to(acc)
     dq_BHTE = torch.empty(q_BHTE.shape, dtype=acc, device=q_BHTE.device)
     dk_BHSE, dv_BHSE = torch.zeros_like(k_BHSE), torch.zeros_like(v_BHSE)
-    for rows in _row_chunks(T):
+    for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
         q, dout = q_BHTE[:, :, rows].to(acc), dout_BHTE[:, :, rows].to(acc)
         s_BHtS = _scores(q, k_BHSE, causal, scale, acc, rows.start)
         p_BHtS = torch.exp(s_BHtS - lse_BHT[:, :, rows].to(acc).unsqueeze(-1))
