@@ -607,3 +607,13 @@ def test_docs_cover_every_key():
         assert f"| `{f.name}` |" in text, f"model.moe.{f.name}"
     assert "status 2" in text
     assert "--set section.key=value" in text
+
+
+def test_a_huge_head_count_is_refused_at_once():
+    """The message's divisor list is found up to sqrt(n) and cut at 16: a drawn 2**40 heads
+    (tests/test_config_fuzz.py) had stalled the check that names it for hours (the suite's
+    timeout would fail it)."""
+    with pytest.raises(ConfigError, match="model.kv_heads") as err:
+        validate(load_config(None, [f"model.heads={2**40}", "model.kv_heads=3",
+                                    "model.head_dim=64"]))
+    assert "..., 1099511627776" in str(err.value)

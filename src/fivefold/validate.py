@@ -53,7 +53,12 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, for an error message: found up to sqrt(n) (a drawn 2**40 heads
+    must not stall the check that names it) and listed up to 16, then "...", then n."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    shown = found if len(found) <= 16 else found[:15] + ["...", n]
+    return ", ".join(map(str, shown))
 
 
 def validate_model(cfg: Config) -> None:
@@ -87,6 +92,10 @@ def validate_model(cfg: Config) -> None:
         _positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
         _positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
         _positive("model.moe.bias_update_rate", moe.bias_update_rate, allow_zero=True)
+        _positive("model.moe.rank_imbalance", moe.rank_imbalance)
+        if moe.rank_imbalance < 1:
+            raise ConfigError("model.moe.rank_imbalance", f"must be 1 (balanced) or more, got "
+                                                          f"{moe.rank_imbalance}")
         _choice("model.moe.score", moe.score, MOE_SCORES)
         _choice("model.moe.expert_matmul", moe.expert_matmul, EXPERT_MATMULS)
         if moe.dense_layers >= m.layers:
