@@ -397,3 +397,50 @@ def test_fp8_sequence_parallel_gather_width_is_the_stacks(stack, release, width)
     assert f_comm == pytest.approx(2 * (ag + sm._coll("reduce_scatter", act, sm.tp_group)),
                                    rel=1e-9)
     assert sm.stack.fp8_sp_gather == (width == 1)
+
+
+def test_experts_and_all_to_alls_are_timed_at_the_busiest_ranks_load():
+    """`model.moe.rank_imbalance` x: every all-to-all waits for the busiest ep rank, so a MoE
+    block's expert GEMMs run x times the mean's routed rows and its dispatch/combine move x
+    times the mean's bytes; capped at ep, and without expert parallelism it is 1."""
+    from fivefold.config import ConfigError
+    from fivefold.planner.compute import Gemm, block_gemms, eltwise_time, gemm_time
+    from fivefold.planner.simulate import expert_load
+
+    def step_model(ep: int, imbalance: float) -> StepModel:
+        cfg = _moe_cfg("fivefold", ep)
+        cfg.model.moe.rank_imbalance = imbalance
+        return StepModel(cfg, H100, plan_from_config(cfg, 16))
+
+    flat, busy = step_model(4, 1.0), step_model(4, 1.5)
+    assert (flat.shard.expert_load, busy.shard.expert_load) == (1.0, 1.5)
+    n, D, F = 1024, 256, 512
+    mlp_flat, mlp_busy = (block_gemms(sm.model, sm.shard, True)[1] for sm in (flat, busy))
+    for g_flat, g_busy in zip(mlp_flat, mlp_busy):
+        routed = g_flat.name.startswith("expert.")
+        assert (g_flat.m, g_busy.m) == ((2 * n, 3 * n) if routed else (n, n))
+    prof = busy.prof
+    expert_s = sum(gemm_time(Gemm(name, 3 * n, k, m), prof, False, 2)
+                   - gemm_time(Gemm(name, 2 * n, k, m), prof, False, 2)
+                   for name, k, m in [("w1", D, F), ("w3", D, F), ("w2", F, D)])
+    # the busier rank's element-wise work: the SwiGLU (3 F wide) and the row permutes (2 D)
+    # of its extra top_k x 0.5 rows a token
+    eltwise_s = eltwise_time(2 * n * (3 * F + 2 * D), prof, 0, busy.shard.passes(prof))
+    t_flat, f_flat, _ = flat.core_cost(True)
+    t_busy, f_busy, _ = busy.core_cost(True)
+    assert t_busy.fwd - t_flat.fwd == pytest.approx(expert_s + eltwise_s, rel=1e-9)
+    a2a = 2 * busy._coll("all_to_all", n * 2 * D * 2 * 1.5, busy.ep_group)
+    assert f_busy == pytest.approx(a2a, rel=1e-9)
+    assert expert_load(step_model(4, 9.0).model, 4) == 4.0  # all rows on one rank at most
+    assert step_model(1, 1.5).shard.expert_load == 1.0  # every rank holds every expert
+    with pytest.raises(ConfigError, match="model.moe.rank_imbalance"):
+        spec_config({**_moe_spec(), "model": {**_moe_spec()["model"],
+                                              "moe": {"experts": 16, "expert_ffn_hidden": 512,
+                                                      "rank_imbalance": 0.5}}})
+
+
+def _moe_spec() -> dict:
+    return {"model": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
+                      "vocab": 1024, "seq_len": 1024},
+            "cluster": {"gpu": "H100-SXM", "gpus": 16, "gpus_per_node": 8},
+            "parallel": {"global_batch": 16, "micro_batch": 1, "ep": 4}}

@@ -56,6 +56,11 @@ class MoEConfig:
     bias_update_rate: float = _doc("auxiliary-loss-free balancing (DeepSeek-V3 Sec. 2.1.2): "
                                    "after each step every expert's routing bias moves by this "
                                    "towards the mean load (0.001 there); 0 disables", 0.0)
+    rank_imbalance: float = _doc("planner only: the busiest expert-parallel rank's routed "
+                                 "assignments over the ranks' mean, at which the simulator "
+                                 "times every rank's expert GEMMs and all-to-alls (1: balanced, "
+                                 "as forced balance or a padded capacity runs; capped at "
+                                 "parallel.ep); memory is counted at the mean", 1.0)
     expert_matmul: str = _doc('dropless experts\' matrix multiplies: "grouped" '
                               "(torch._grouped_mm where the device runs it, else a padded "
                               'batched matmul) | "loop" (one expert after another)', "grouped")

@@ -287,6 +287,7 @@ class Shard:
     stack: Stack = FIVEFOLD  # the software's switches (fivefold.planner.stack)
     fp8_recipe: str = "tensorwise"  # precision fp8: the scaling (fivefold.parallel.fp8)
     fp8_tensors: tuple[str, ...] = FP8_TENSORS  # precision fp8: the classes in fp8
+    expert_load: float = 1.0  # ep > 1: the busiest rank's routed rows over the mean
 
     def passes(self, prof: HardwareProfile) -> float:
         return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
@@ -316,7 +317,7 @@ def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], l
         return attn, mlp_gemms(model.ffn_type, n, D, model.ffn_hidden // tp, "")
     m = model.moe
     mlp = [Gemm("router", n, D, m.experts)]
-    routed = n * m.top_k  # token-expert pairs this rank computes (balanced dispatch)
+    routed = n * m.top_k * sh.expert_load  # token-expert pairs the busiest rank computes
     mlp += mlp_gemms(model.ffn_type, routed, D, m.expert_ffn_hidden // tp, "expert.")
     if m.shared_experts:
         mlp += mlp_gemms(model.ffn_type, n, D, m.shared_experts * m.expert_ffn_hidden // tp,
@@ -421,13 +422,13 @@ def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:
     q, kv = model.heads * model.d_head / tp, max(1, model.n_kv_heads // tp) * model.d_head
     if moe:
         m = model.moe
-        f = (m.top_k * m.expert_ffn_hidden + m.shared_experts * m.expert_ffn_hidden) / tp
+        f = (m.top_k * sh.expert_load + m.shared_experts) * m.expert_ffn_hidden / tp
     else:
         f = model.ffn_hidden / tp
     act = 3 * f if model.ffn_type == "swiglu" else 2 * f
     per_token = 2 * 2 * d_side + 2 * (q + kv) + 2 * q + act + 2 * 3 * d_side
     if moe:
-        per_token += 2 * model.hidden * model.moe.top_k  # permute and unpermute tokens
+        per_token += 2 * model.hidden * model.moe.top_k * sh.expert_load  # (un)permute rows
     return a * n * per_token
 
 

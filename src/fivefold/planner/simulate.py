@@ -33,7 +33,9 @@ Overlap rules (each technique's own):
   torchtitan) all-gathers K/V once per pass, hidden only behind the first attention step,
   and passes fp32 dK/dV around the ring in backward (`_cp_allgather_exposed`).
 - expert parallelism: dispatch and combine all-to-alls (GShard, arXiv 2006.16668) forward
-  and backward, on the critical path.
+  and backward, on the critical path. Each all-to-all waits for every rank, so a block's
+  experts and all-to-alls are timed at the busiest rank's routed rows (`expert_load`:
+  `model.moe.rank_imbalance` over the mean, 1 = balanced).
 - ZeRO-3 / FSDP (arXiv 2304.11277): each block's all-gather is prefetched during the
   previous block's compute, and its gradient reduce-scatter runs during the next block's
   backward; only the excess over that compute shows, plus the first gather of each pass.
@@ -120,6 +122,15 @@ def exposed(comm: float, window: float, hide: float) -> float:
     seconds of compute: the excess over `hide` of the window, and never less than its own
     `1 - hide` (overlap_eff: a hidden collective still shares SMs and HBM)."""
     return max(comm - hide * window, (1 - hide) * comm)
+
+
+def expert_load(model: ModelConfig, ep: int) -> float:
+    """The busiest expert-parallel rank's routed rows over the ranks' mean, at which a MoE
+    block's experts and all-to-alls are timed: `model.moe.rank_imbalance`, capped at ep (all
+    rows on one rank); 1 without expert parallelism, where every rank holds every expert."""
+    if model.moe is None or ep == 1:
+        return 1.0
+    return min(float(ep), model.moe.rank_imbalance)
 
 
 def default_precision(prof: HardwareProfile) -> str:
@@ -211,7 +222,8 @@ class StepModel:
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
         self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
                            lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
-                           self.stack, lay.fp8_recipe, lay.fp8_tensors)
+                           self.stack, lay.fp8_recipe, lay.fp8_tensors,
+                           expert_load(self.model, lay.ep))
         self.a = PRECISION_BYTES[lay.precision]
 
     # ------------------------------------------------------------ per-block costs
@@ -246,7 +258,7 @@ class StepModel:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, lay.micro_batch, lay.recompute,
                 lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
-                self.cfg.cluster.gpus_per_node, self.stack.name)
+                self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load)
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
         """(compute times, forward comm, backward comm) of one block and micro-batch, before
@@ -282,8 +294,8 @@ class StepModel:
             tokens = sh.tokens
             if self.stack.expert_group_stride_1 and lay.sequence_parallel:
                 tokens /= lay.tp  # each tp rank dispatches its sequence shard
-            routed = tokens * m.moe.top_k * m.hidden * self.a
-            ep = 2 * self._coll("all_to_all", routed, self.ep_group)
+            routed = tokens * m.moe.top_k * m.hidden * self.a * sh.expert_load
+            ep = 2 * self._coll("all_to_all", routed, self.ep_group)  # the busiest rank's
         f_comm = tp_f + cp_f + ep
         b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
