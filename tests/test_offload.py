@@ -363,13 +363,14 @@ def test_next_forward_waits_per_unit_for_its_update(parity_overrides, tmp_path):
         block.register_forward_pre_hook(
             lambda m, a, i=i: events.append(("forward", f"layers.{i}")))
 
-    def release_once_block_0_runs():
+    def release_once_block_0_runs(since: int):
+        """Release once step 2 runs block 0 (step 1's forward events come before `since`)."""
         deadline = time.monotonic() + 120
-        while ("forward", "layers.0") not in events and time.monotonic() < deadline:
+        while ("forward", "layers.0") not in events[since:] and time.monotonic() < deadline:
             time.sleep(0.001)
         gate.set()
     trainer.train_step(0)
-    releaser = threading.Thread(target=release_once_block_0_runs)
+    releaser = threading.Thread(target=release_once_block_0_runs, args=(len(events),))
     releaser.start()
     try:
         trainer.train_step(1)
