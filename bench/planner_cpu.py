@@ -82,9 +82,10 @@ def main() -> None:
         if args.only not in " ".join(sets):
             continue
         sets = BASE + sets
-        prepare_data(load_config(None, sets))
+        run_cfg = load_config(None, sets)
+        prepare_data(run_cfg)
         measured, records = run_on_ranks(_steps, ranks, sets, args.steps, timeout_s=1800)[0]
-        ep = load_config(None, sets).parallel.ep
+        ep = run_cfg.parallel.ep
         routing = [f"model.moe.rank_imbalance={rank_imbalance(records, ep)}"] if ep > 1 else []
         cfg = prepare(load_config(None, sets + routing + [f"cluster.gpu='{args.profile}'",
                                                           f"cluster.gpus={ranks}",
@@ -92,7 +93,8 @@ def main() -> None:
         predicted = simulate(cfg).step_time_s
         error = predicted / measured - 1
         errors.append(abs(error))
-        load = f"  (busiest ep rank {cfg.model.moe.rank_imbalance:.3f} x the mean)" if ep > 1 else ""
+        load = (f"  (busiest ep rank {cfg.model.moe.rank_imbalance:.3f} x the mean)"
+                if ep > 1 else "")
         print(f"{ranks} rank(s) {' '.join(s for s in sets if s not in BASE):60} measured "
               f"{measured:7.3f} s  predicted {predicted:7.3f} s  {100 * error:+6.1f}%{load}",
               flush=True)
