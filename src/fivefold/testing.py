@@ -5,7 +5,8 @@ process group (rendezvous through a file, so parallel test runs never fight over
 calls `fn(runtime, *args)` on each and returns the per-rank results in rank order. A failure on
 any rank is re-raised here with that rank's traceback; a hang is killed after `timeout_s`.
 `fn` must be importable by name (defined at module level), as `spawn` requires. Each rank uses
-one intra-op thread so that 8 ranks share two cores without thrashing.
+one intra-op thread so that 8 ranks share two cores without thrashing, and keeps its freed
+memory for the next step as a `fivefold train` CPU rank does (fivefold.train.host_heap).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.train.dist import Runtime
+from fivefold.train.host_heap import keep_host_heap
 
 
 class RankFailure(RuntimeError):
@@ -46,6 +48,7 @@ def _die_with_parent() -> None:
 def _worker(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
             timeout_s: float, args: tuple, kwargs: dict) -> None:
     _die_with_parent()
+    keep_host_heap()
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:

@@ -8,7 +8,8 @@ leaving them waiting forever. A single process without those variables runs with
 group at all (world size 1).
 
 `detect_profile` asks torch which device this is and looks its hardware profile up
-(fivefold.hardware, which stays torch-free for the planner).
+(fivefold.hardware, which stays torch-free for the planner). A CPU rank keeps its freed memory
+in its heap for the next step (fivefold.train.host_heap).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from fivefold.config import ConfigError
 from fivefold.hardware import HardwareProfile, device_profile, load_profile
+from fivefold.train.host_heap import keep_host_heap
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def init_runtime(device: str = "auto", timeout_s: float = 600.0) -> Runtime:
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        keep_host_heap()
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
