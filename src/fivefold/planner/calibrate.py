@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -124,9 +125,23 @@ def _timeit(fn, sync, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _sweeps(probes: dict, sync, repeat: int, passes: int) -> dict:
+    """Each probe's median time over `passes` sweeps through all the probes (a sweep's value
+    for a probe is the median of `repeat` calls). A shared machine's speed moves by tens of
+    percent within seconds (bench/planner_cpu.py measured one 2-rank GEMM between 68 and 92
+    GFLOP/s over 20 s), so measuring each shape at one moment makes the fitted curve a
+    snapshot of that moment; sweeping spreads every shape's samples over the whole run."""
+    times: dict = {key: [] for key in probes}
+    for _ in range(passes):
+        for key, fn in probes.items():
+            times[key].append(_timeit(fn, sync, repeat))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def measure_device(device_type: str = "cpu", threads: int | None = None,
-                   repeat: int = 5) -> dict:
-    """Raw measurements of this device: GEMMs, attention, copy bandwidth, op overhead."""
+                   repeat: int = 5, passes: int = 5) -> dict:
+    """Raw measurements of this device: GEMMs, attention, copy bandwidth, op overhead; the
+    GEMM, attention and copy probes in `passes` interleaved sweeps (`_sweeps`)."""
     import torch
     import torch.nn.functional as F
 
@@ -135,34 +150,34 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     dev = torch.device(device_type)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    gemm_shapes = GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU
-    gemms = []
-    for M, K, N in gemm_shapes:
+    probes = {}
+    for M, K, N in GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU:
         a = torch.randn(M, K, device=dev, dtype=dtype)
         b = torch.randn(K, N, device=dev, dtype=dtype)
-        gemms.append((M, K, N, _timeit(lambda: a @ b, sync, repeat)))
-    attn = []
-    for bsz, h, s, d in (ATTN_SHAPES_CPU if device_type == "cpu" else ATTN_SHAPES_GPU):
-        q, k, v = (torch.randn(bsz, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+        probes["gemm", M, K, N] = lambda a=a, b=b: a @ b
+    attn_shapes = ATTN_SHAPES_CPU if device_type == "cpu" else ATTN_SHAPES_GPU
+    for shape in attn_shapes:
+        q, k, v = (torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
                    for _ in range(3))
-        fwd = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), sync,
-                      repeat)
-
-        def both():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        attn.append((bsz, h, s, d, fwd, _timeit(both, sync, repeat)))
+        probes["fwd", *shape] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)
+        probes["both", *shape] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True).sum().backward()
     n = (64 if device_type == "cpu" else 1024) * 2**20
     x = torch.empty(n, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    copy_s = _timeit(lambda: y.copy_(x), sync, repeat)
+    probes["copy"] = lambda: y.copy_(x)
+    t = _sweeps(probes, sync, repeat, passes)
+    gemms = [(M, K, N, t[key, M, K, N]) for key, M, K, N in
+             (k for k in probes if k[0] == "gemm")]
+    attn = [(*shape, t["fwd", *shape], t["both", *shape]) for shape in attn_shapes]
     small = torch.ones(8, device=dev)
     op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
     adam, adam_fused = measure_cpu_adam(repeat), measure_cpu_adam(repeat, "fused")
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
-            "copy_Bps": 2 * n / copy_s, "op_overhead_s": op_s,
+            "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s,
             "host_copy_Bps": host_copy, "host_link_Bps": host_link,
             "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}
 
