@@ -373,6 +373,31 @@ def test_fits_recover_known_efficiencies():
     assert cal.fit_attention(attn, peak) == pytest.approx((0.6, 1e-15, 2e-10), rel=1e-6)
 
 
+def test_calibration_sweeps_interleave_the_probes_and_run_each_ones_preparation(monkeypatch):
+    """`_sweeps`: every probe once per sweep, in turn; its value the median over the sweeps
+    of its timed call; a probe's `before` (the GEMMs' cache eviction) runs ahead of each
+    timed call, never timed."""
+    clock, log = [0.0], []
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    gemm_s = iter([9.0, 3.0, 9.0, 1.0, 9.0, 2.0])  # (warm-up, timed) per sweep
+
+    def probe(name, seconds):
+        def fn():
+            log.append(name)
+            clock[0] += next(seconds) if name == "gemm" else seconds
+
+        return fn
+
+    def evict():
+        log.append("evict")
+        clock[0] += 100.0
+
+    probes = {("gemm", 8, 8, 8): (probe("gemm", gemm_s), evict), ("copy",): probe("copy", 0.5)}
+    t = cal._sweeps(probes, lambda: None, repeat=1, passes=3)
+    assert t == {("gemm", 8, 8, 8): 2.0, ("copy",): 0.5}
+    assert log == ["gemm", "evict", "gemm", "copy", "copy"] * 3
+
+
 def test_profile_file_round_trip(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(H100.to_dict()))

@@ -42,6 +42,7 @@ GEMM_SHAPES_GPU = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 2048, 2048),
                    (16384, 4096, 14336), (16384, 14336, 4096), (2048, 1024, 1024),
                    (8192, 4096, 1024), (16384, 8192, 28672)]
 ATTN_SHAPES_CPU = [(2, 4, 256, 32), (1, 8, 512, 32), (4, 8, 128, 64)]
+EVICT_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # above the last-level cache
 ATTN_SHAPES_GPU = [(8, 16, 2048, 128), (4, 32, 4096, 128), (1, 32, 16384, 128),
                    (16, 16, 2048, 64)]
 
@@ -113,11 +114,16 @@ def fit_h200_reference(path: str | Path) -> dict[str, float]:
 
 # ------------------------------------------------------------------ measuring
 
-def _timeit(fn, sync, repeat: int) -> float:
+def _timeit(fn, sync, repeat: int, evict=None) -> float:
+    """Median seconds of `fn` over `repeat` calls after one warm-up; `evict`, when given,
+    runs untimed before each call."""
     fn()
     sync()
     times = []
     for _ in range(repeat):
+        if evict is not None:
+            evict()
+            sync()
         start = time.perf_counter()
         fn()
         sync()
@@ -128,20 +134,24 @@ def _timeit(fn, sync, repeat: int) -> float:
 def _sweeps(probes: dict, sync, repeat: int, passes: int) -> dict:
     """Each probe's median time over `passes` sweeps through all the probes (a sweep's value
     for a probe is the median of `repeat` calls). A shared machine's speed moves by tens of
-    percent within seconds (bench/planner_cpu.py measured one 2-rank GEMM between 68 and 92
-    GFLOP/s over 20 s), so measuring each shape at one moment makes the fitted curve a
-    snapshot of that moment; sweeping spreads every shape's samples over the whole run."""
+    percent within seconds (on the 2-core development machine one 1024^3 GEMM on each of two
+    ranks ran between 68 and 92 GFLOP/s over 20 s), so measuring each shape at one moment
+    makes the fitted curve a snapshot of that moment; sweeping spreads every shape's samples
+    over the whole run. A probe is `fn` or `(fn, before)`, `before` run untimed ahead of
+    each call."""
     times: dict = {key: [] for key in probes}
     for _ in range(passes):
-        for key, fn in probes.items():
-            times[key].append(_timeit(fn, sync, repeat))
+        for key, probe in probes.items():
+            fn, before = probe if isinstance(probe, tuple) else (probe, None)
+            times[key].append(_timeit(fn, sync, repeat, before))
     return {key: statistics.median(t) for key, t in times.items()}
 
 
 def measure_device(device_type: str = "cpu", threads: int | None = None,
                    repeat: int = 5, passes: int = 5) -> dict:
     """Raw measurements of this device: GEMMs, attention, copy bandwidth, op overhead; the
-    GEMM, attention and copy probes in `passes` interleaved sweeps (`_sweeps`)."""
+    GEMM, attention and copy probes in `passes` interleaved sweeps (`_sweeps`), each GEMM
+    with its weight operand out of the caches and its activation operand in them."""
     import torch
     import torch.nn.functional as F
 
@@ -150,11 +160,18 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     dev = torch.device(device_type)
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    # a training step's GEMM meets its activation just written by the op before it and its
+    # weight, last touched a block ago, out of the caches; a loop over one product finds
+    # both in cache, and on this CPU the tiny preset's block GEMMs ran 0-20% (mostly 10-15%)
+    # faster so than with both evicted. So each GEMM runs after a write over a buffer larger
+    # than the last-level cache and then a write of its activation operand.
+    flush = torch.empty(EVICT_BYTES[device_type] // 4, device=dev)
     probes = {}
     for M, K, N in GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU:
         a = torch.randn(M, K, device=dev, dtype=dtype)
         b = torch.randn(K, N, device=dev, dtype=dtype)
-        probes["gemm", M, K, N] = lambda a=a, b=b: a @ b
+        probes["gemm", M, K, N] = (lambda a=a, b=b: a @ b,
+                                   lambda a=a: (flush.add_(1.0), a.mul_(1.0)))
     attn_shapes = ATTN_SHAPES_CPU if device_type == "cpu" else ATTN_SHAPES_GPU
     for shape in attn_shapes:
         q, k, v = (torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
