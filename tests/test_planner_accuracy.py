@@ -430,7 +430,10 @@ def test_experts_and_all_to_alls_are_timed_at_the_busiest_ranks_load():
     t_busy, f_busy, _ = busy.core_cost(True)
     assert t_busy.fwd - t_flat.fwd == pytest.approx(expert_s + eltwise_s, rel=1e-9)
     a2a = 2 * busy._coll("all_to_all", n * 2 * D * 2 * 1.5, busy.ep_group)
-    assert f_busy == pytest.approx(a2a, rel=1e-9)
+    counts = busy._coll("all_to_all", 16 * 8, busy.ep_group)  # an int64 per expert, forward
+    assert f_busy == pytest.approx(a2a + counts, rel=1e-9)
+    flat_a2a = 2 * flat._coll("all_to_all", n * 2 * D * 2, flat.ep_group)
+    assert f_flat == pytest.approx(flat_a2a + counts, rel=1e-9)  # the counts do not scale
     assert expert_load(step_model(4, 9.0).model, 4) == 4.0  # all rows on one rank at most
     assert step_model(1, 1.5).shard.expert_load == 1.0  # every rank holds every expert
     with pytest.raises(ConfigError, match="model.moe.rank_imbalance"):

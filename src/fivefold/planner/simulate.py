@@ -296,7 +296,12 @@ class StepModel:
                 tokens /= lay.tp  # each tp rank dispatches its sequence shard
             routed = tokens * m.moe.top_k * m.hidden * self.a * sh.expert_load
             ep = 2 * self._coll("all_to_all", routed, self.ep_group)  # the busiest rank's
-        f_comm = tp_f + cp_f + ep
+            # ahead of each dispatch, the ranks exchange their int64 count per expert
+            # (`moe_counts` in the ledger): a latency-bound all-to-all, forward only
+            ep_counts = self._coll("all_to_all", m.moe.experts * 8, self.ep_group)
+        else:
+            ep_counts = 0.0
+        f_comm = tp_f + cp_f + ep + ep_counts
         b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
         self.cache[key] = (t, f_comm, b_comm)
