@@ -1,13 +1,23 @@
 """The simulator against measured CPU steps: predicted vs measured step time of small runs.
 
-    python bench/planner_cpu.py [--profile FILE] [--steps 6] [--only TEXT]
+    python bench/planner_cpu.py [--profile FILE | --calibrate] [--steps 6] [--rounds 3]
+                                [--only TEXT]
 
 For each case (the built-in corpus, fp32, gloo ranks of one thread each, as
 `fivefold train --nproc N` runs them), the median wall time of `Trainer.train_step` after two
 warm-up steps is set against `fivefold.planner.simulate` of the same config on the CPU
 profile (`--profile`: a file written by `fivefold calibrate`; default the built-in "cpu"
-profile, itself such a measurement; `--only`: the cases whose overrides contain TEXT). Prints
-one line per case and the mean absolute error.
+profile, itself such a measurement; `--only`: the cases whose overrides contain TEXT).
+
+The cases are measured in `--rounds` interleaved rounds (every case once per round, each in
+fresh processes). With `--calibrate`, each round starts with `fivefold calibrate --ranks 2`
+and its cases are predicted on the profile that round measured: the issue's protocol
+(calibrate, then run) repeated, so that a calibration and the steps it predicts are minutes
+apart, not a whole run. On a machine shared with other work a minute can run 1.5x slower than
+the next, and one 10-second calibration is a snapshot of whichever phase it fell in. Each
+measurement is printed as it lands, then one line per case (every round's measured time and
+error) with the median of its rounds' errors, and the mean over cases of those medians'
+absolute values.
 
 Routing is the one input the simulator cannot know before a run: the expert-parallel case's
 router does not balance its experts, and each all-to-all waits for the busiest rank. That case
@@ -23,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+from pathlib import Path
 
 from fivefold.config import load_config
+from fivefold.planner.calibrate import calibrate, summary
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import prepare
 from fivefold.testing import run_on_ranks
@@ -71,34 +84,51 @@ def rank_imbalance(records: list[dict], ep: int) -> float:
     return busiest / mean if mean else 1.0
 
 
+def _predicted(sets: list[str], ranks: int, profile: str, records: list[dict]) -> tuple:
+    """The simulated step of a case, and the routing it was predicted at (ep > 1 only)."""
+    ep = load_config(None, sets).parallel.ep
+    routing = [f"model.moe.rank_imbalance={rank_imbalance(records, ep)}"] if ep > 1 else []
+    cfg = prepare(load_config(None, sets + routing + [f"cluster.gpu='{profile}'",
+                                                      f"cluster.gpus={ranks}",
+                                                      f"cluster.gpus_per_node={ranks}"]))
+    load = (f"  (busiest ep rank {cfg.model.moe.rank_imbalance:.3f} x the mean)"
+            if ep > 1 else "")
+    return simulate(cfg).step_time_s, load
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate before each round and predict it on that profile")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="", help="run the cases whose overrides contain it")
     args = parser.parse_args()
-    errors = []
-    for ranks, sets in CASES:
-        if args.only not in " ".join(sets):
-            continue
-        sets = BASE + sets
-        run_cfg = load_config(None, sets)
-        prepare_data(run_cfg)
-        measured, records = run_on_ranks(_steps, ranks, sets, args.steps, timeout_s=1800)[0]
-        ep = run_cfg.parallel.ep
-        routing = [f"model.moe.rank_imbalance={rank_imbalance(records, ep)}"] if ep > 1 else []
-        cfg = prepare(load_config(None, sets + routing + [f"cluster.gpu='{args.profile}'",
-                                                          f"cluster.gpus={ranks}",
-                                                          f"cluster.gpus_per_node={ranks}"]))
-        predicted = simulate(cfg).step_time_s
-        error = predicted / measured - 1
-        errors.append(abs(error))
-        load = (f"  (busiest ep rank {cfg.model.moe.rank_imbalance:.3f} x the mean)"
-                if ep > 1 else "")
-        print(f"{ranks} rank(s) {' '.join(s for s in sets if s not in BASE):60} measured "
-              f"{measured:7.3f} s  predicted {predicted:7.3f} s  {100 * error:+6.1f}%{load}",
-              flush=True)
-    print(f"mean absolute error {100 * statistics.mean(errors):.1f}% over {len(errors)} cases")
+    cases = [(ranks, BASE + sets) for ranks, sets in CASES if args.only in " ".join(sets)]
+    for _, sets in cases:
+        prepare_data(load_config(None, sets))
+    rounds: list[list[tuple[float, float, str]]] = [[] for _ in cases]
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(args.rounds):
+            profile = args.profile
+            if args.calibrate:
+                profile = str(Path(scratch) / f"round{round_ + 1}.json")
+                print(f"round {round_ + 1}: {summary(calibrate(profile, ranks=2))}", flush=True)
+            for i, (ranks, sets) in enumerate(cases):
+                step, recs = run_on_ranks(_steps, ranks, sets, args.steps, timeout_s=1800)[0]
+                predicted, load = _predicted(sets, ranks, profile, recs)
+                rounds[i].append((step, predicted / step - 1, load))
+                print(f"round {round_ + 1}/{args.rounds} case {i + 1}/{len(cases)}: measured "
+                      f"{step:.3f} s, predicted {predicted:.3f} s", flush=True)
+    medians = []
+    for (ranks, sets), results in zip(cases, rounds):
+        medians.append(statistics.median(error for _, error, _ in results))
+        each = ", ".join(f"{step:.3f} s {100 * error:+.1f}%" for step, error, _ in results)
+        print(f"{ranks} rank(s) {' '.join(s for s in sets if s not in BASE)}{results[-1][2]}\n"
+              f"    {each}; median {100 * medians[-1]:+.1f}%", flush=True)
+    print(f"mean absolute error {100 * statistics.mean(map(abs, medians)):.1f}% over "
+          f"{len(medians)} cases (each case: the median of its {args.rounds} rounds)")
 
 
 if __name__ == "__main__":
