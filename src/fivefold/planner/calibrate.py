@@ -1,7 +1,8 @@
 """`fivefold calibrate`: measure this machine and write a hardware profile file.
 
 Measures, on the local device (CPU by default, or this rank's GPU):
-- GEMM rates over a grid of shapes, then fits the compute model's GEMM roofline
+- GEMM rates over a grid of shapes (each GEMM with its weight out of the caches and its
+  activation in them, as in a training step), then fits the compute model's GEMM roofline
   (fivefold.planner.compute.gemm_time: peak * gemm_eff, HBM * gemm_mem_eff, a fixed
   kernel overhead) to them by least squares on log time (`fit_gemm`);
 - causal fused attention (SDPA) forward and forward+backward, fitted to the attention model
@@ -16,9 +17,11 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   write + fsync and read bandwidth of a scratch file under `--offload-path` (else the
   system's temporary directory), dropped from the page cache before it is read back
   (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
-On a CPU the `--ranks` processes measure all at once, one thread each, so the rates are
-what each rank of a `--nproc` run gets on this machine (shared memory bus and caches); the
-profile's `cores` says for how many ranks they hold (more ranks split them evenly).
+The GEMM, attention and copy probes run in interleaved sweeps, each one's time the median
+over them (`_sweeps`). On a CPU the `--ranks` processes measure all at once, one thread each,
+so the rates are what each rank of a `--nproc` run gets on this machine (shared memory bus
+and caches); the profile's `cores` says for how many ranks they hold (more ranks split them
+evenly).
 The profile file (JSON of fivefold.hardware.HardwareProfile) is accepted by
 `--set cluster.gpu=PATH`. `fit_gemm` and `fit_attention` are also how the H200 profile's
 curves were fitted to shared/reference/h200_measured.json.
@@ -42,9 +45,9 @@ GEMM_SHAPES_GPU = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 2048, 2048),
                    (16384, 4096, 14336), (16384, 14336, 4096), (2048, 1024, 1024),
                    (8192, 4096, 1024), (16384, 8192, 28672)]
 ATTN_SHAPES_CPU = [(2, 4, 256, 32), (1, 8, 512, 32), (4, 8, 128, 64)]
-EVICT_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # above the last-level cache
 ATTN_SHAPES_GPU = [(8, 16, 2048, 128), (4, 32, 4096, 128), (1, 32, 16384, 128),
                    (16, 16, 2048, 64)]
+EVICT_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # above the last-level cache
 
 
 # ------------------------------------------------------------------ fitting
@@ -114,15 +117,15 @@ def fit_h200_reference(path: str | Path) -> dict[str, float]:
 
 # ------------------------------------------------------------------ measuring
 
-def _timeit(fn, sync, repeat: int, evict=None) -> float:
-    """Median seconds of `fn` over `repeat` calls after one warm-up; `evict`, when given,
-    runs untimed before each call."""
+def _timeit(fn, sync, repeat: int, before=None) -> float:
+    """Median seconds of `fn` over `repeat` calls after one warm-up; `before`, when given,
+    runs untimed ahead of each call."""
     fn()
     sync()
     times = []
     for _ in range(repeat):
-        if evict is not None:
-            evict()
+        if before is not None:
+            before()
             sync()
         start = time.perf_counter()
         fn()
@@ -163,8 +166,8 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     # a training step's GEMM meets its activation just written by the op before it and its
     # weight, last touched a block ago, out of the caches; a loop over one product finds
     # both in cache, and on this CPU the tiny preset's block GEMMs ran 0-20% (mostly 10-15%)
-    # faster so than with both evicted. So each GEMM runs after a write over a buffer larger
-    # than the last-level cache and then a write of its activation operand.
+    # faster that way than with both evicted. So each GEMM runs after a write over a buffer
+    # larger than the last-level cache and then a write of its activation operand.
     flush = torch.empty(EVICT_BYTES[device_type] // 4, device=dev)
     probes = {}
     for M, K, N in GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU:
