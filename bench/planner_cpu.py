@@ -84,9 +84,9 @@ def rank_imbalance(records: list[dict], ep: int) -> float:
     return busiest / mean if mean else 1.0
 
 
-def _predicted(sets: list[str], ranks: int, profile: str, records: list[dict]) -> tuple:
+def _predicted(sets: list[str], ranks: int, ep: int, profile: str, records: list[dict]
+               ) -> tuple:
     """The simulated step of a case, and the routing it was predicted at (ep > 1 only)."""
-    ep = load_config(None, sets).parallel.ep
     routing = [f"model.moe.rank_imbalance={rank_imbalance(records, ep)}"] if ep > 1 else []
     cfg = prepare(load_config(None, sets + routing + [f"cluster.gpu='{profile}'",
                                                       f"cluster.gpus={ranks}",
@@ -106,8 +106,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run the cases whose overrides contain it")
     args = parser.parse_args()
     cases = [(ranks, BASE + sets) for ranks, sets in CASES if args.only in " ".join(sets)]
+    eps = []  # each case's config read once: its data prepared, its ep degree kept
     for _, sets in cases:
-        prepare_data(load_config(None, sets))
+        cfg = load_config(None, sets)
+        prepare_data(cfg)
+        eps.append(cfg.parallel.ep)
     rounds: list[list[tuple[float, float, str]]] = [[] for _ in cases]
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
@@ -117,7 +120,7 @@ def main() -> None:
                 print(f"round {round_ + 1}: {summary(calibrate(profile, ranks=2))}", flush=True)
             for i, (ranks, sets) in enumerate(cases):
                 step, recs = run_on_ranks(_steps, ranks, sets, args.steps, timeout_s=1800)[0]
-                predicted, load = _predicted(sets, ranks, profile, recs)
+                predicted, load = _predicted(sets, ranks, eps[i], profile, recs)
                 rounds[i].append((step, predicted / step - 1, load))
                 print(f"round {round_ + 1}/{args.rounds} case {i + 1}/{len(cases)}: measured "
                       f"{step:.3f} s, predicted {predicted:.3f} s", flush=True)
