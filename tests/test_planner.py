@@ -392,9 +392,10 @@ def test_calibration_sweeps_interleave_the_probes_and_run_each_ones_preparation(
         log.append("evict")
         clock[0] += 100.0
 
-    probes = {("gemm", 8, 8, 8): (probe("gemm", gemm_s), evict), ("copy",): probe("copy", 0.5)}
+    probes = {("gemm", 8, 8, 8): (probe("gemm", gemm_s), evict),
+              "copy": (probe("copy", 0.5), None)}
     t = cal._sweeps(probes, lambda: None, repeat=1, passes=3)
-    assert t == {("gemm", 8, 8, 8): 2.0, ("copy",): 0.5}
+    assert t == {("gemm", 8, 8, 8): 2.0, "copy": 0.5}
     assert log == ["gemm", "evict", "gemm", "copy", "copy"] * 3
 
 

@@ -140,12 +140,11 @@ def _sweeps(probes: dict, sync, repeat: int, passes: int) -> dict:
     percent within seconds (on the 2-core development machine one 1024^3 GEMM on each of two
     ranks ran between 68 and 92 GFLOP/s over 20 s), so measuring each shape at one moment
     makes the fitted curve a snapshot of that moment; sweeping spreads every shape's samples
-    over the whole run. A probe is `fn` or `(fn, before)`, `before` run untimed ahead of
+    over the whole run. A probe is `(fn, before)`, `before` (or None) run untimed ahead of
     each call."""
     times: dict = {key: [] for key in probes}
     for _ in range(passes):
-        for key, probe in probes.items():
-            fn, before = probe if isinstance(probe, tuple) else (probe, None)
+        for key, (fn, before) in probes.items():
             times[key].append(_timeit(fn, sync, repeat, before))
     return {key: statistics.median(t) for key, t in times.items()}
 
@@ -170,7 +169,8 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     # larger than the last-level cache and then a write of its activation operand.
     flush = torch.empty(EVICT_BYTES[device_type] // 4, device=dev)
     probes = {}
-    for M, K, N in GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU:
+    gemm_shapes = GEMM_SHAPES_CPU if device_type == "cpu" else GEMM_SHAPES_GPU
+    for M, K, N in gemm_shapes:
         a = torch.randn(M, K, device=dev, dtype=dtype)
         b = torch.randn(K, N, device=dev, dtype=dtype)
         probes["gemm", M, K, N] = (lambda a=a, b=b: a @ b,
@@ -179,17 +179,16 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     for shape in attn_shapes:
         q, k, v = (torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
                    for _ in range(3))
-        probes["fwd", *shape] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True)
-        probes["both", *shape] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True).sum().backward()
+        probes["fwd", *shape] = (lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True), None)
+        probes["both", *shape] = (lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True).sum().backward(), None)
     n = (64 if device_type == "cpu" else 1024) * 2**20
     x = torch.empty(n, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    probes["copy"] = lambda: y.copy_(x)
+    probes["copy"] = (lambda: y.copy_(x), None)
     t = _sweeps(probes, sync, repeat, passes)
-    gemms = [(M, K, N, t[key, M, K, N]) for key, M, K, N in
-             (k for k in probes if k[0] == "gemm")]
+    gemms = [(M, K, N, t["gemm", M, K, N]) for M, K, N in gemm_shapes]
     attn = [(*shape, t["fwd", *shape], t["both", *shape]) for shape in attn_shapes]
     small = torch.ones(8, device=dev)
     op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
