@@ -289,7 +289,7 @@ class StepModel:
             tp_b = exposed(tp_b + regather, 2 * t.wgrad, hide)
             regather = 0.0
         cp_f, cp_b = self._cp_exposed(moe)
-        ep = 0.0
+        ep = ep_counts = 0.0
         if moe and lay.ep > 1:
             tokens = sh.tokens
             if self.stack.expert_group_stride_1 and lay.sequence_parallel:
@@ -299,8 +299,6 @@ class StepModel:
             # ahead of each dispatch, the ranks exchange their int64 count per expert
             # (`moe_counts` in the ledger): a latency-bound all-to-all, forward only
             ep_counts = self._coll("all_to_all", m.moe.experts * 8, self.ep_group)
-        else:
-            ep_counts = 0.0
         f_comm = tp_f + cp_f + ep + ep_counts
         b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
