@@ -257,14 +257,18 @@ def test_torchtitan_keeps_zero3_blocks_gathered_through_a_pipelined_step():
     assert extra == pytest.approx(unsharded * (2 + 4))
 
 
-def _moe_cfg(stack: str, ep: int, gpus: int = 16, gpn: int = 8):
-    return spec_config({
+def _moe_spec(stack: str, ep: int, gpus: int = 16, gpn: int = 8) -> dict:
+    return {
         "model": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
                   "vocab": 1024, "seq_len": 1024,
                   "moe": {"experts": 16, "top_k": 2, "expert_ffn_hidden": 512}},
         "cluster": {"gpu": "H100-SXM", "gpus": gpus, "gpus_per_node": gpn},
         "parallel": {"global_batch": 16, "micro_batch": 1, "ep": ep, "zero_stage": 1},
-        "train": {"stack": stack}})
+        "train": {"stack": stack}}
+
+
+def _moe_cfg(stack: str, ep: int, gpus: int = 16, gpn: int = 8):
+    return spec_config(_moe_spec(stack, ep, gpus, gpn))
 
 
 @pytest.mark.parametrize("stack", ["fivefold", "megatron"])
@@ -436,14 +440,7 @@ def test_experts_and_all_to_alls_are_timed_at_the_busiest_ranks_load():
     assert f_flat == pytest.approx(flat_a2a + counts, rel=1e-9)  # the counts do not scale
     assert expert_load(step_model(4, 9.0).model, 4) == 4.0  # all rows on one rank at most
     assert step_model(1, 1.5).shard.expert_load == 1.0  # every rank holds every expert
+    below_balance = _moe_spec("fivefold", 4)
+    below_balance["model"]["moe"]["rank_imbalance"] = 0.5
     with pytest.raises(ConfigError, match="model.moe.rank_imbalance"):
-        spec_config({**_moe_spec(), "model": {**_moe_spec()["model"],
-                                              "moe": {"experts": 16, "expert_ffn_hidden": 512,
-                                                      "rank_imbalance": 0.5}}})
-
-
-def _moe_spec() -> dict:
-    return {"model": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 512,
-                      "vocab": 1024, "seq_len": 1024},
-            "cluster": {"gpu": "H100-SXM", "gpus": 16, "gpus_per_node": 8},
-            "parallel": {"global_batch": 16, "micro_batch": 1, "ep": 4}}
+        spec_config(below_balance)
