@@ -105,6 +105,13 @@ def wait(handle) -> None:
         handle.wait()
 
 
+def _copy_alone(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """A one-rank group's collective: `out` is `inp`, copied unless it is the same memory
+    (a one-rank ZeRO unit's shard is a view of its whole buffer: no copy onto itself)."""
+    if (out.data_ptr(), out.shape, out.stride()) != (inp.data_ptr(), inp.shape, inp.stride()):
+        out.copy_(inp)
+
+
 def all_reduce(tensor: torch.Tensor, axis: Axis, purpose: str, async_op: bool = False):
     """Sum `tensor` in place over the axis."""
     if axis.size == 1:
@@ -120,7 +127,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: st
                    async_op: bool = False):
     """out (numel/n) = this rank's chunk of the sum of `inp` over the axis."""
     if axis.size == 1:
-        out.copy_(inp)
+        _copy_alone(out, inp)
         return None
     if (run := axis.scheduled("reduce_scatter")) is not None:
         return run(out, inp, axis, purpose)
@@ -133,7 +140,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
                async_op: bool = False):
     """out (numel*n) = the concatenation of every rank's `inp`, in axis order."""
     if axis.size == 1:
-        out.copy_(inp)
+        _copy_alone(out, inp)
         return None
     if (run := axis.scheduled("all_gather")) is not None:
         return run(out, inp, axis, purpose)
@@ -146,7 +153,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, axis: Axis, purpose: str,
                out_splits: list[int] | None = None, in_splits: list[int] | None = None):
     """Chunk i of `inp` goes to rank i of the axis; chunk j of `out` comes from rank j."""
     if axis.size == 1:
-        out.copy_(inp)
+        _copy_alone(out, inp)
         return None
     if (run := axis.scheduled("all_to_all")) is not None:
         return run(out, inp, axis, purpose, out_splits, in_splits)
