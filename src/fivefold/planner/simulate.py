@@ -81,6 +81,7 @@ from fivefold.planner.schedules import Replay, action_durations, replay_step, ru
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.fitted import FITTED, Fitted, in_training
 from fivefold.planner.stack import stack_of
+from fivefold.planner.update_bytes import eager_adamw_traffic
 
 MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "other", "total")
 BREAKDOWN_FIELDS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -658,9 +659,16 @@ class StepModel:
     def optimizer_s(self, rank: int) -> float:
         """The optimizer step over this rank's shard of parameters: memory bound (fp32
         master, moments); Muon reads one momentum instead of two moments on the blocks'
-        matrices and adds their Newton-Schulz orthogonalization (compute bound)."""
+        matrices and adds their Newton-Schulz orthogonalization (compute bound). A stack
+        with `eager_adamw` runs AdamW as torch's unfused passes (fivefold.planner.
+        update_bytes)."""
         lay = self.lay
         units = offload.device_units(self.rank_units(rank), lay)  # the rest steps on the CPU
+        e = self.prof.eff
+        if self.stack.eager_adamw and lay.optimizer == "adamw":
+            traffic, passes = eager_adamw_traffic(units, lay, self.cfg.train.weight_decay)
+            return (traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff)
+                    + passes * e.kernel_overhead_s)
         g = PRECISION_BYTES[lay.reduce_dtype]
         adamw, momentum = 28 + 2 * g + self.a, 16 + 2 * g + self.a
         per_param = {"adamw": adamw, "muon": adamw, "sgd": momentum, "lomo": 0,
@@ -672,7 +680,6 @@ class StepModel:
             traffic += local * per_param - matrices * (adamw - momentum)
         if lay.optimizer == "muon":
             ns = sum(self.newton_schulz_s(i) for i in self.rank_layers(rank))
-        e = self.prof.eff
         return traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s + ns
 
     def newton_schulz_s(self, layer: int) -> float:

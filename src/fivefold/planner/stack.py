@@ -154,6 +154,11 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   every device), timed by fivefold.planner.compute.math_ring_attention_time; "fused": a
   FlashAttention-class kernel that returns the log-sum-exp (Transformer Engine, torch's
   SDPA), timed like any fused attention.
+- eager_adamw: the AdamW update runs as torch's unfused element-wise passes (72 bytes per
+  element) with the runtime's clipping, decay and gradient zeroing around it
+  (fivefold.planner.update_bytes: fivefold's runtime, which steps torch.optim.AdamW without
+  `fused`); else one fused pass, 28 bytes per element (Megatron-Core's and DeepSpeed's
+  FusedAdam; torchtitan's `optimizer.implementation = "fused"`, its default).
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -197,6 +202,7 @@ class Stack:
     zero3_recompute_gathers: int = 2
     expert_group_stride_1: bool = False
     selective_modules: bool = False
+    eager_adamw: bool = False
     zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
     zero3_pp_unsharded: bool = False
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
@@ -243,10 +249,10 @@ class Stack:
         return FLASH2_RATE
 
 
-FIVEFOLD = Stack("fivefold", ring_kernel="math",
+FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
-                        "collectives")
+                        "collectives, torch's unfused AdamW")
 STACKS: dict[str, Stack] = {s.name: s for s in [
     FIVEFOLD,
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
