@@ -13,6 +13,7 @@ predictions stay the runtime's (tests/test_planner_ledger.py and friends hold th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fivefold.hardware import PROFILES
 from fivefold.models.description import block_parameters
@@ -151,15 +152,23 @@ def test_plan_searches_interleaved_virtual_stages():
 
 def test_fivefold_ring_is_timed_as_its_math_kernel():
     """fivefold's ring runs block_attention's explicit fp32 path on every device: its step
-    is timed by the math model (fp32 matmuls, eager element-wise passes), slower than a
-    fused ring of the same layout; the chunk size the model assumes is the runtime's, on a
-    GPU and on the CPU."""
-    from fivefold.parallel.context.block_attention import query_chunk_rows
-    from fivefold.planner.compute import math_ring_attention_time, ring_query_rows
+    is timed by the math model (fp32 matmuls, eager element-wise ops), slower than a fused
+    ring of the same layout; the chunk size the model assumes is the runtime's, on a GPU and
+    on the CPU, and so are the scores of a diagonal block, whose chunks stop at their last
+    row's keys."""
+    from fivefold.parallel.context.block_attention import (_row_chunks, query_chunk_rows,
+                                                           visible_keys)
+    from fivefold.planner.compute import (diagonal_scores, math_ring_attention_time,
+                                          ring_query_rows)
     for batch_heads, keys in [(32, 512), (32, 256), (1, 64), (64, 4096), (4096, 4096)]:
         for prof, device in [(H100, "cuda"), (PROFILES["cpu"], "cpu")]:
             assert (ring_query_rows(prof, batch_heads, keys)
                     == query_chunk_rows(device, batch_heads, keys, 4))
+        q = torch.empty(1, batch_heads, keys, 1)  # the CPU runtime's own chunks
+        chunks = _row_chunks(q, keys, torch.float32)
+        assert diagonal_scores(ring_query_rows(PROFILES["cpu"], batch_heads, keys), keys) == sum(
+            (c.stop - c.start) * visible_keys(c, keys, True).stop for c in chunks)
+    assert diagonal_scores(128, 512) == 128 * (128 + 256 + 384 + 512)
     assert FIVEFOLD.ring_kernel == "math" and STACKS["megatron"].ring_kernel == "fused"
     mf, mb = math_ring_attention_time(1, 8, 2, 4096, 32, 4, H100)
     ff, fb = attention_time(1, 8, 4096, 32, 4, H100, True, "bf16")

@@ -201,35 +201,44 @@ def ring_query_rows(prof: HardwareProfile, batch_heads: int, keys: int) -> int:
     return max(1, min(RING_QUERY_CHUNK, RING_CPU_SCORE_BYTES // (batch_heads * keys * 4)))
 
 
+def diagonal_scores(rows: int, t: int) -> int:
+    """Scores per head of a t x t diagonal block in chunks of `rows` query rows, each chunk
+    against the keys up to its last row (block_attention.visible_keys)."""
+    return sum((min(c + rows, t) - c) * min(c + rows, t) for c in range(0, t, rows))
+
+
 def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int, cp: int,
                              prof: HardwareProfile) -> tuple[float, float]:
     """(forward s, backward s) of fivefold's own ring attention on one of cp ranks
     (fivefold.parallel.context.ring_attention over block_attention's "math" kernel, the only
-    one it has): explicit fp32 matmuls and element-wise ops, query rows a chunk at a time
-    (`ring_query_rows`).
+    one it has): explicit fp32 matmuls and eager element-wise ops, query rows a chunk at a
+    time (`ring_query_rows`).
 
-    Blocks (zigzag, T = seq/cp local tokens): the diagonal T x T, computed whole and masked,
-    then cp - 1 blocks of T/2 x T (or T x T/2). Per computed score, fp32: forward the q k^T
-    and p v matmuls (4d FLOPs) and 40 bytes of element-wise traffic (the score written, scaled,
-    log-sum-exp'd in two reads, shifted, exponentiated, read by p v), 8 more on the diagonal
-    for the mask; backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T,
-    ds k, ds^T q) and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout
-    v^T written, less D, times p, p and ds read three times). Per block: K and V expanded to
-    the query heads in fp32 (and their gradients summed back); per later step the fp32
-    output/lse merge (forward) and the dq, dk, dv accumulations (backward), about 40 bytes per
-    element they touch. Every op is one kernel per query chunk, and its bytes cost the
-    profile's eager `eltwise_passes` (none of it is fused or compiled)."""
+    Blocks (zigzag, T = seq/cp local tokens): the diagonal T x T, each chunk of its rows
+    against the keys up to the chunk's last row (`diagonal_scores`), masked; then cp - 1
+    blocks of T/2 x T (or T x T/2). Per computed score, fp32, each op's reads and writes
+    (they are separate eager kernels; none is fused or compiled): forward the q k^T and p v
+    matmuls (4d FLOPs), the score written (4 B), scaled (8), log-sum-exp'd (24: torch's CPU
+    and CUDA logsumexp is amax, subtract, exp and sum, 4 + 8 + 8 + 4), shifted (8),
+    exponentiated (8) and read by p v (4): 56 bytes, 8 more on the diagonal for the mask;
+    backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T, ds k, ds^T q)
+    and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T written,
+    less D, times p, p and ds read three times), 72 on the diagonal. Per block: K and V
+    expanded to the query heads in fp32 (and their gradients summed back); per later step
+    the fp32 output/lse merge (forward) and the dq, dk, dv accumulations (backward), about
+    40 bytes per element they touch. Every op is one kernel per query chunk."""
     e = prof.eff
     t = seq / cp
     blocks = [(t, t, True)] + [(t / 2, t, False)] * (cp - 1)
     rate = prof.peak_flops("fp32") * e.gemm_eff
-    bw = prof.hbm_GBps * 1e9 * e.mem_eff / e.eltwise_passes  # eager ops, as for the block's
+    bw = prof.hbm_GBps * 1e9 * e.mem_eff
     fwd = bwd = 0.0
     for tq, tk, diag in blocks:
-        scores = b * heads * tq * tk
-        chunks = math.ceil(tq / ring_query_rows(prof, b * heads, int(tk)))
+        rows = ring_query_rows(prof, b * heads, int(tk))
+        chunks = math.ceil(tq / rows)
+        scores = b * heads * (diagonal_scores(rows, int(tq)) if diag else tq * tk)
         expand = b * heads * tk * d * 4 * 2 * 2  # K and V to every head, read + write
-        fwd += (scores * 4 * d / rate + (scores * (48 if diag else 40) + expand) / bw
+        fwd += (scores * 4 * d / rate + (scores * (64 if diag else 56) + expand) / bw
                 + 9 * chunks * e.kernel_overhead_s)
         bwd += (scores * 10 * d / rate + (scores * (72 if diag else 64) + 2 * expand) / bw
                 + 16 * chunks * e.kernel_overhead_s)

@@ -101,6 +101,12 @@ def _row_chunks(q_BHTE: torch.Tensor, keys: int, acc: torch.dtype) -> list[slice
     return [slice(i, min(i + rows, T)) for i in range(0, T, rows)]
 
 
+def visible_keys(rows: slice, keys: int, causal: bool) -> slice:
+    """The keys a chunk of query rows attends to: on a diagonal block only those up to its
+    last row (the rest are masked for every row of the chunk, and never computed), else all."""
+    return slice(0, rows.stop if causal else keys)
+
+
 def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
                             causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, T, E), lse (B, H, T)) of this block, both in the accumulation dtype."""
@@ -113,9 +119,11 @@ def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: 
     out_BHTE = torch.empty(B, H, T, v_BKSE.shape[-1], dtype=acc, device=q_BHTE.device)
     lse_BHT = torch.empty(B, H, T, dtype=acc, device=q_BHTE.device)
     for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
-        s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE, causal, scale, acc, rows.start)
+        seen = visible_keys(rows, k_BHSE.shape[2], causal)
+        s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE[:, :, seen], causal, scale, acc,
+                         rows.start)
         lse_BHt = torch.logsumexp(s_BHtS, dim=-1)
-        out_BHTE[:, :, rows] = torch.exp(s_BHtS - lse_BHt.unsqueeze(-1)) @ v_BHSE
+        out_BHTE[:, :, rows] = torch.exp(s_BHtS - lse_BHt.unsqueeze(-1)) @ v_BHSE[:, :, seen]
         lse_BHT[:, :, rows] = lse_BHt
     return out_BHTE, lse_BHT
 
@@ -133,14 +141,16 @@ def block_attention_backward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE:
     dq_BHTE = torch.empty(q_BHTE.shape, dtype=acc, device=q_BHTE.device)
     dk_BHSE, dv_BHSE = torch.zeros_like(k_BHSE), torch.zeros_like(v_BHSE)
     for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
+        seen = visible_keys(rows, k_BHSE.shape[2], causal)
+        k, v = k_BHSE[:, :, seen], v_BHSE[:, :, seen]
         q, dout = q_BHTE[:, :, rows].to(acc), dout_BHTE[:, :, rows].to(acc)
-        s_BHtS = _scores(q, k_BHSE, causal, scale, acc, rows.start)
+        s_BHtS = _scores(q, k, causal, scale, acc, rows.start)
         p_BHtS = torch.exp(s_BHtS - lse_BHT[:, :, rows].to(acc).unsqueeze(-1))
         d_BHt1 = (dout * out_BHTE[:, :, rows].to(acc)).sum(-1, keepdim=True)
-        dv_BHSE += p_BHtS.transpose(-2, -1) @ dout
-        ds_BHtS = p_BHtS * (dout @ v_BHSE.transpose(-2, -1) - d_BHt1)
-        dq_BHTE[:, :, rows] = (ds_BHtS @ k_BHSE) * scale
-        dk_BHSE += (ds_BHtS.transpose(-2, -1) @ q) * scale
+        dv_BHSE[:, :, seen].add_(p_BHtS.transpose(-2, -1) @ dout)  # in place: no setitem
+        ds_BHtS = p_BHtS * (dout @ v.transpose(-2, -1) - d_BHt1)
+        dq_BHTE[:, :, rows] = (ds_BHtS @ k) * scale
+        dk_BHSE[:, :, seen].add_((ds_BHtS.transpose(-2, -1) @ q) * scale)
     return dq_BHTE, _reduce_kv(dk_BHSE, K), _reduce_kv(dv_BHSE, K)
 
 
