@@ -154,6 +154,37 @@ def test_ring_inside_a_node():
     assert collective_time("reduce_scatter", s, Group(1, 1), LINKS) == 0.0
 
 
+def test_a_backends_measured_rate_for_an_op_divides_its_bandwidth_term():
+    """gloo's reduce-scatter runs below the ring model's rate (`reduce_scatter_eff`): its
+    bandwidth term, not its latency, is divided by that; the other ops keep theirs."""
+    s, g = 1e9, Group(2, 2)
+    slow = dataclasses.replace(LINKS, op_eff=(("reduce_scatter", 0.25), ("all_to_all", 0.5)))
+    assert collective_time("reduce_scatter", s, g, slow) == pytest.approx(
+        1 / 2 * s / (100e9 * 0.25) + 1e-6)
+    assert collective_time("all_to_all", s, g, slow) == pytest.approx(
+        1 / 2 * s / (100e9 * 0.5) + 1e-6)
+    for op in ("all_reduce", "all_gather"):
+        assert collective_time(op, s, g, slow) == collective_time(op, s, g, LINKS)
+    prof = dataclasses.replace(H100, eff=dataclasses.replace(H100.eff, all_gather_eff=0.5))
+    assert Links.of(prof, 8).eff("all_gather") == 0.5 and Links.of(H100, 8).eff("all_gather") == 1
+
+
+def test_calibrate_reads_each_collectives_rate_against_the_all_reduces(monkeypatch):
+    """`measure_collectives` fits the all-reduce's bandwidth and latency, then each other
+    op's rate at 16 MiB over the ring model's at that bandwidth (fake 2-rank timings)."""
+    bw, lat, n = 1e9, 2e-4, 2
+    ring = (n - 1) / n * (16 << 20) / bw + (n - 1) * lat
+    times = {"all_reduce": [2 * (n - 1) / n * b / bw + 2 * (n - 1) * lat
+                            for b in (4096, 1 << 20, 16 << 20)],
+             "reduce_scatter": [3 * (ring - lat) + lat], "all_gather": [ring],
+             "all_to_all": [2 * (ring - lat) + lat]}
+    monkeypatch.setattr("fivefold.testing.run_on_ranks", lambda *args, **kw: [times] * n)
+    got_bw, got_lat, effs = cal.measure_collectives(n)
+    assert (got_bw, got_lat) == (pytest.approx(bw), pytest.approx(lat))
+    assert effs == pytest.approx({"reduce_scatter": 1 / 3, "all_gather": 1.0,
+                                  "all_to_all": 0.5})
+
+
 def test_across_nodes_the_nics_of_a_node_share_the_ring():
     s = 1e9
     strided = Group(16, 1)  # one rank per node (tp = 8 inside): one NIC each

@@ -79,6 +79,12 @@ class Efficiency:
                       per_node ranks of a group reach per_node^a NICs' bandwidth (1 = all)
     overlap_eff       fraction of a collective that hides behind concurrent compute (the
                       rest slows the compute: shared SMs and HBM)
+    reduce_scatter_eff, all_gather_eff, all_to_all_eff
+                      that collective's measured bandwidth over the ring model's at the
+                      all-reduce's fitted rate (fivefold.planner.comm). 1 where the
+                      backend's rings do what the model says (NCCL); `fivefold calibrate`
+                      measures them, and gloo's reduce-scatter on CPU ranks runs at about
+                      0.3: it costs more than an all-reduce of the same input
     reserved_bytes    memory not available to tensors (CUDA context, allocator slack)
     """
 
@@ -97,6 +103,9 @@ class Efficiency:
     latency_inter_s: float = 15e-6
     nic_aggregation: float = 1.0
     overlap_eff: float = 0.9
+    reduce_scatter_eff: float = 1.0
+    all_gather_eff: float = 1.0
+    all_to_all_eff: float = 1.0
     reserved_bytes: int = 2 * GB
 
 

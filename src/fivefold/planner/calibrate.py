@@ -9,7 +9,9 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   (`attn_eff`, the per-score and per-row costs, `fit_attention`);
 - memory bandwidth (a large tensor copy) for element-wise ops and the optimizer;
 - all-reduce bandwidth and latency across `--ranks` local gloo processes (the "intra-node"
-  link of this machine);
+  link of this machine), and on a CPU each other collective's rate against the ring model at
+  that bandwidth (`reduce_scatter_eff`, `all_gather_eff`, `all_to_all_eff`:
+  fivefold.planner.comm);
 - the host and disk tiers of offload (fivefold.hardware.HostTier): the host<->device copy
   rate (pinned host to GPU and back; on a CPU a copy between two host buffers), torch's CPU
   AdamW on a flat fp32 buffer as fivefold.memory.offload runs it (foreach ops piece by
@@ -280,42 +282,63 @@ def _measure_worker(rt, threads: int | None) -> dict:
     return measure_device("cpu", threads)
 
 
-def _allreduce_worker(rt, sizes: list[int], repeat: int) -> list[float]:
+def _collective_worker(rt, sizes: list[int], repeat: int) -> dict[str, list[float]]:
+    """Mean seconds of gloo's all-reduce over `sizes` (bytes) and of its reduce-scatter,
+    all-gather and all-to-all on the largest, after one warm-up call each (ledger byte
+    convention: the full input of a reduce-scatter, the full output of an all-gather)."""
     import torch
     import torch.distributed as dist
 
-    out = []
-    for n in sizes:
-        x = torch.ones(n // 4)
-        dist.all_reduce(x)
+    from fivefold.comm.collectives import _all_gather_flat, _reduce_scatter_flat
+
+    n = dist.get_world_size()
+
+    def timed(call) -> float:
+        call()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(repeat):
-            dist.all_reduce(x)
-        out.append((time.perf_counter() - start) / repeat)
+            call()
+        return (time.perf_counter() - start) / repeat
+
+    out = {"all_reduce": [timed(lambda x=torch.ones(b // 4): dist.all_reduce(x))
+                          for b in sizes]}
+    whole, part, other = (torch.ones(sizes[-1] // 4), torch.empty(sizes[-1] // 4 // n),
+                          torch.empty(sizes[-1] // 4))
+    out["reduce_scatter"] = [timed(lambda: _reduce_scatter_flat(part, whole))]
+    out["all_gather"] = [timed(lambda: _all_gather_flat(other, part))]
+    out["all_to_all"] = [timed(lambda: dist.all_to_all_single(other, whole))]
     return out
 
 
-def measure_collectives(ranks: int, repeat: int = 5) -> tuple[float, float]:
-    """(bytes/s, per-hop latency s) of gloo ring all-reduce across `ranks` local processes."""
+def measure_collectives(ranks: int, repeat: int = 5) -> tuple[float, float, dict[str, float]]:
+    """(bytes/s, per-hop latency s) of gloo ring all-reduce across `ranks` local processes,
+    and the reduce-scatter's, all-gather's and all-to-all's bandwidth over what the ring
+    model (fivefold.planner.comm) gives them at that rate, on 16 MiB."""
     from fivefold.testing import run_on_ranks
 
     sizes = [4096, 1 << 20, 16 << 20]
-    times = run_on_ranks(_allreduce_worker, ranks, sizes, repeat)[0]
+    times = run_on_ranks(_collective_worker, ranks, sizes, repeat)[0]
     hops, factor = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
     # t = factor * bytes / bw + hops * latency: two unknowns from the small and large sizes
-    inv_bw, lat = _lstsq_pos([[factor * s, hops] for s in sizes], times)
-    return 1.0 / max(inv_bw, 1e-15), lat
+    inv_bw, lat = _lstsq_pos([[factor * s, hops] for s in sizes], times["all_reduce"])
+    bw = 1.0 / max(inv_bw, 1e-15)
+    ring = (ranks - 1) / ranks * sizes[-1] / bw  # each op's bandwidth term in the model
+    effs = {op: ring / max(times[op][0] - (ranks - 1) * lat, 0.05 * ring)
+            for op in ("reduce_scatter", "all_gather", "all_to_all")}
+    return bw, lat, effs
 
 
-def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | None,
+def profile_from_measurements(name: str, m: dict, link: tuple[float, float, dict] | None,
                               memory_bytes: int, cores: int, host_memory_bytes: int,
                               storage: tuple[float, float]) -> HardwareProfile:
     peak = max(2 * M * K * N / t for M, K, N, t in m["gemms"])
     hbm = m["copy_Bps"]
     e, mem_e, overhead = fit_gemm(m["gemms"], peak, hbm, m["elem_bytes"])
     ae, score, row = fit_attention(m["attention"], peak)
-    bw, lat = link or (hbm / 4, 5e-5)
+    bw, lat, op_effs = link or (hbm / 4, 5e-5, {})
+    if m["device"] != "cpu":  # the local ranks measured gloo; a GPU's collectives are NCCL's
+        op_effs = {}
     precision = "fp32" if m["elem_bytes"] == 4 else "bf16"
     peaks = {"fp32": peak / 1e12} if precision == "fp32" else {
         "bf16": peak / 1e12, "fp16": peak / 1e12, "fp32": peak / 8e12}
@@ -325,6 +348,7 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float] | No
                      eltwise_passes=3.0, kernel_overhead_s=max(overhead, m["op_overhead_s"]),
                      comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=lat,
                      latency_inter_s=lat, overlap_eff=0.0 if m["device"] == "cpu" else 0.85,
+                     **{f"{op}_eff": eff for op, eff in op_effs.items()},
                      reserved_bytes=0)
     write_Bps, read_Bps = storage
     host = HostTier(link_GBps=m["host_link_Bps"] / 1e9, link_eff=1.0,
@@ -384,6 +408,7 @@ def summary(prof: HardwareProfile) -> str:
             f"{e.kernel_overhead_s * 1e6:.1f} us), attention {e.attn_eff:.2f} of peak + "
             f"{e.attn_score_s * 1e12:.2f} ps/score, memory {prof.hbm_GBps:.1f} GB/s, "
             f"ranks link {prof.intra_node_GBps:.2f} GB/s + {e.latency_intra_s * 1e6:.0f} us/hop"
-            f"; host: link {h.link_GBps:.2f} GB/s, memory {h.memory_GBps:.1f} GB/s, CPU AdamW "
+            f" (of the ring model's rate: reduce-scatter {e.reduce_scatter_eff:.2f}, all-gather "
+            f"{e.all_gather_eff:.2f}, all-to-all {e.all_to_all_eff:.2f}); host: link {h.link_GBps:.2f} GB/s, memory {h.memory_GBps:.1f} GB/s, CPU AdamW "
             f"{h.adam_elems_per_s / 1e6:.0f} M elements/s per host, disk write "
             f"{h.nvme_write_GBps:.2f} / read {h.nvme_read_GBps:.2f} GB/s")

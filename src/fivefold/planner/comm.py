@@ -22,6 +22,13 @@ and the fastest one is taken, as NCCL's tuner does:
   1/per_node of the buffer across nodes (each rank on its own NIC), all-gather in the node.
 - all-to-all: each rank sends (n-1)/n of its buffer; the off-node part goes over its NIC.
 - send/recv (pipeline stages): buffer / link bandwidth plus one hop.
+
+The link bandwidths are the all-reduce's. A backend whose other collectives do not reach
+the ring model's rate at that bandwidth says so in its profile (`reduce_scatter_eff`,
+`all_gather_eff`, `all_to_all_eff`, which `fivefold calibrate` measures; 1 elsewhere): their
+bandwidth terms are divided by it. Gloo on CPU ranks is the case in point: its
+reduce-scatter of a buffer takes longer than its all-reduce of the same buffer, where a ring
+would take half.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ class Links:
     latency_inter_s: float
     gpus_per_node: int
     nic_aggregation: float = 1.0
+    op_eff: tuple[tuple[str, float], ...] = ()  # (op, the profile's measured rate factor)
+
+    def eff(self, op: str) -> float:
+        """The backend's bandwidth for `op` over the ring model's (1 unless measured)."""
+        return dict(self.op_eff).get(op, 1.0)
 
     def node_inter_Bps(self, per_node: int) -> float:
         """Network bandwidth the `per_node` ranks of one node reach together in one
@@ -55,7 +67,9 @@ class Links:
         intra = (intra_GBps or prof.intra_node_GBps) * 1e9 * e.comm_intra_eff
         inter = (inter_GBps or prof.inter_node_GBps) * 1e9 * e.comm_inter_eff
         return cls(intra, inter, e.latency_intra_s, e.latency_inter_s, gpus_per_node,
-                   e.nic_aggregation)
+                   e.nic_aggregation, (("reduce_scatter", e.reduce_scatter_eff),
+                                       ("all_gather", e.all_gather_eff),
+                                       ("all_to_all", e.all_to_all_eff)))
 
 
 @dataclass(frozen=True)
@@ -112,8 +126,8 @@ def _ring(op: str, nbytes: float, factor: float, group: Group, links: Links) -> 
     n = group.size
     hops = (2 if op == "all_reduce" else 1) * (n - 1)
     if group.nodes == 1:
-        return factor * nbytes / links.intra_Bps + hops * links.latency_intra_s
-    bw = min(links.intra_Bps, links.node_inter_Bps(group.per_node))
+        return factor * nbytes / (links.intra_Bps * links.eff(op)) + hops * links.latency_intra_s
+    bw = min(links.intra_Bps, links.node_inter_Bps(group.per_node)) * links.eff(op)
     cross = (2 if op == "all_reduce" else 1) * (group.nodes - 1)
     lat = cross * links.latency_inter_s + (hops - cross) * links.latency_intra_s
     return factor * nbytes / bw + lat
@@ -142,8 +156,8 @@ def _hierarchical(op: str, nbytes: float, group: Group, links: Links) -> float:
 
 
 def _all_to_all(nbytes: float, group: Group, links: Links) -> float:
-    n, p = group.size, group.per_node
-    intra = nbytes * (p - 1) / n / links.intra_Bps
-    inter = nbytes * (n - p) / n / links.inter_Bps if group.nodes > 1 else 0.0
+    n, p, eff = group.size, group.per_node, links.eff("all_to_all")
+    intra = nbytes * (p - 1) / n / (links.intra_Bps * eff)
+    inter = nbytes * (n - p) / n / (links.inter_Bps * eff) if group.nodes > 1 else 0.0
     lat = (p - 1) * links.latency_intra_s + (n - p) * links.latency_inter_s / max(1, p)
     return max(intra, inter) + lat
