@@ -156,10 +156,10 @@ def test_fivefold_ring_is_timed_as_its_math_kernel():
     ring of the same layout; the chunk size the model assumes is the runtime's, on a GPU and
     on the CPU, and so are the scores of a diagonal block, whose chunks stop at their last
     row's keys."""
-    from fivefold.parallel.context.block_attention import (_row_chunks, query_chunk_rows,
-                                                           visible_keys)
-    from fivefold.planner.compute import (diagonal_scores, math_ring_attention_time,
-                                          ring_query_rows)
+    from fivefold.parallel.context.block_attention import (_row_chunks, _scores,
+                                                           query_chunk_rows, visible_keys)
+    from fivefold.planner.compute import (diagonal_masked, diagonal_scores,
+                                          math_ring_attention_time, ring_query_rows)
     for batch_heads, keys in [(32, 512), (32, 256), (1, 64), (64, 4096), (4096, 4096)]:
         for prof, device in [(H100, "cuda"), (PROFILES["cpu"], "cpu")]:
             assert (ring_query_rows(prof, batch_heads, keys)
@@ -169,6 +169,12 @@ def test_fivefold_ring_is_timed_as_its_math_kernel():
         assert diagonal_scores(ring_query_rows(PROFILES["cpu"], batch_heads, keys), keys) == sum(
             (c.stop - c.start) * visible_keys(c, keys, True).stop for c in chunks)
     assert diagonal_scores(128, 512) == 128 * (128 + 256 + 384 + 512)
+    q = torch.randn(1, 70, 300, 8)  # the -inf scores the CPU runtime's 99-row chunks compute
+    rows = ring_query_rows(PROFILES["cpu"], 70, 300)
+    masked = sum(int(torch.isinf(_scores(q[:, :, c], q[:, :, visible_keys(c, 300, True)], True,
+                                         1.0, torch.float32, c.start)).sum())
+                 for c in _row_chunks(q, 300, torch.float32))
+    assert rows == 99 and masked == 70 * diagonal_masked(rows, 300)
     assert FIVEFOLD.ring_kernel == "math" and STACKS["megatron"].ring_kernel == "fused"
     mf, mb = math_ring_attention_time(1, 8, 2, 4096, 32, 4, H100)
     ff, fb = attention_time(1, 8, 4096, 32, 4, H100, True, "bf16")

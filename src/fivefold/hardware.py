@@ -79,6 +79,11 @@ class Efficiency:
                       per_node ranks of a group reach per_node^a NICs' bandwidth (1 = all)
     overlap_eff       fraction of a collective that hides behind concurrent compute (the
                       rest slows the compute: shared SMs and HBM)
+    masked_exp_s      extra seconds per element of an exp whose input is -inf, over an
+                      ordinary one: torch's vectorized CPU exp leaves its fast path for
+                      them (measured by `fivefold calibrate`; 0 where not measured). The
+                      masked scores of fivefold's ring kernel pay it
+                      (fivefold.planner.compute.math_ring_attention_time)
     reduce_scatter_eff, all_gather_eff, all_to_all_eff
                       that collective's measured bandwidth over the ring model's at the
                       all-reduce's fitted rate (fivefold.planner.comm). 1 where the
@@ -103,6 +108,7 @@ class Efficiency:
     latency_inter_s: float = 15e-6
     nic_aggregation: float = 1.0
     overlap_eff: float = 0.9
+    masked_exp_s: float = 0.0
     reduce_scatter_eff: float = 1.0
     all_gather_eff: float = 1.0
     all_to_all_eff: float = 1.0

@@ -7,7 +7,9 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   kernel overhead) to them by least squares on log time (`fit_gemm`);
 - causal fused attention (SDPA) forward and forward+backward, fitted to the attention model
   (`attn_eff`, the per-score and per-row costs, `fit_attention`);
-- memory bandwidth (a large tensor copy) for element-wise ops and the optimizer;
+- memory bandwidth (a large tensor copy) for element-wise ops and the optimizer, and the
+  extra cost of exp on -inf inputs (`masked_exp_s`: fp32 rows half masked against ordinary
+  ones);
 - all-reduce bandwidth and latency across `--ranks` local gloo processes (the "intra-node"
   link of this machine), and on a CPU each other collective's rate against the ring model at
   that bandwidth (`reduce_scatter_eff`, `all_gather_eff`, `all_to_all_eff`:
@@ -189,7 +191,16 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     x = torch.empty(n, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     probes["copy"] = (lambda: y.copy_(x), None)
+    # exp over fp32 rows whose second half is -inf (a causal block's masked scores) against
+    # exp over ordinary values: the extra cost per masked element
+    scores = torch.randn(1024, 2048, device=dev)
+    masked = scores.clone()
+    masked[:, 1024:] = float("-inf")
+    out = torch.empty_like(scores)
+    probes["exp"] = (lambda: torch.exp(scores, out=out), None)
+    probes["exp_masked"] = (lambda: torch.exp(masked, out=out), None)
     t = _sweeps(probes, sync, repeat, passes)
+    masked_exp_s = max(0.0, (t["exp_masked"] - t["exp"]) / (masked.numel() / 2))
     gemms = [(M, K, N, t["gemm", M, K, N]) for M, K, N in gemm_shapes]
     attn = [(*shape, t["fwd", *shape], t["both", *shape]) for shape in attn_shapes]
     small = torch.ones(8, device=dev)
@@ -198,7 +209,7 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
-            "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s,
+            "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s, "masked_exp_s": masked_exp_s,
             "host_copy_Bps": host_copy, "host_link_Bps": host_link,
             "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}
 
@@ -348,6 +359,7 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float, dict
                      eltwise_passes=3.0, kernel_overhead_s=max(overhead, m["op_overhead_s"]),
                      comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=lat,
                      latency_inter_s=lat, overlap_eff=0.0 if m["device"] == "cpu" else 0.85,
+                     masked_exp_s=m["masked_exp_s"],
                      **{f"{op}_eff": eff for op, eff in op_effs.items()},
                      reserved_bytes=0)
     write_Bps, read_Bps = storage
@@ -406,9 +418,11 @@ def summary(prof: HardwareProfile) -> str:
     return (f"{prof.name}: GEMM peak {peak * 1e3:.1f} GFLOP/s (efficiency curve "
             f"{e.gemm_eff:.2f}, memory term {e.gemm_mem_eff:.2f}, overhead "
             f"{e.kernel_overhead_s * 1e6:.1f} us), attention {e.attn_eff:.2f} of peak + "
-            f"{e.attn_score_s * 1e12:.2f} ps/score, memory {prof.hbm_GBps:.1f} GB/s, "
+            f"{e.attn_score_s * 1e12:.2f} ps/score, exp of -inf +{e.masked_exp_s * 1e9:.1f} ns, "
+            f"memory {prof.hbm_GBps:.1f} GB/s, "
             f"ranks link {prof.intra_node_GBps:.2f} GB/s + {e.latency_intra_s * 1e6:.0f} us/hop"
             f" (of the ring model's rate: reduce-scatter {e.reduce_scatter_eff:.2f}, all-gather "
-            f"{e.all_gather_eff:.2f}, all-to-all {e.all_to_all_eff:.2f}); host: link {h.link_GBps:.2f} GB/s, memory {h.memory_GBps:.1f} GB/s, CPU AdamW "
+            f"{e.all_gather_eff:.2f}, all-to-all {e.all_to_all_eff:.2f}); host: link "
+            f"{h.link_GBps:.2f} GB/s, memory {h.memory_GBps:.1f} GB/s, CPU AdamW "
             f"{h.adam_elems_per_s / 1e6:.0f} M elements/s per host, disk write "
             f"{h.nvme_write_GBps:.2f} / read {h.nvme_read_GBps:.2f} GB/s")

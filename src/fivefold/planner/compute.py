@@ -207,6 +207,12 @@ def diagonal_scores(rows: int, t: int) -> int:
     return sum((min(c + rows, t) - c) * min(c + rows, t) for c in range(0, t, rows))
 
 
+def diagonal_masked(rows: int, t: int) -> int:
+    """Masked scores per head that a t x t diagonal block in chunks of `rows` query rows still
+    computes: each chunk's own square above its diagonal, rows (rows - 1) / 2."""
+    return sum((r := min(c + rows, t) - c) * (r - 1) // 2 for c in range(0, t, rows))
+
+
 def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int, cp: int,
                              prof: HardwareProfile) -> tuple[float, float]:
     """(forward s, backward s) of fivefold's own ring attention on one of cp ranks
@@ -223,7 +229,9 @@ def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int
     exponentiated (8) and read by p v (4): 56 bytes, 8 more on the diagonal for the mask;
     backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T, ds k, ds^T q)
     and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T written,
-    less D, times p, p and ds read three times), 72 on the diagonal. Per block: K and V
+    less D, times p, p and ds read three times), 72 on the diagonal. The diagonal's masked
+    scores (`diagonal_masked`) pass -inf through exp twice forward (logsumexp's, the shift's)
+    and once backward, each at the profile's `masked_exp_s` more. Per block: K and V
     expanded to the query heads in fp32 (and their gradients summed back); per later step
     the fp32 output/lse merge (forward) and the dq, dk, dv accumulations (backward), about
     40 bytes per element they touch. Every op is one kernel per query chunk."""
@@ -237,11 +245,12 @@ def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int
         rows = ring_query_rows(prof, b * heads, int(tk))
         chunks = math.ceil(tq / rows)
         scores = b * heads * (diagonal_scores(rows, int(tq)) if diag else tq * tk)
+        masked = b * heads * diagonal_masked(rows, int(tq)) * e.masked_exp_s if diag else 0.0
         expand = b * heads * tk * d * 4 * 2 * 2  # K and V to every head, read + write
         fwd += (scores * 4 * d / rate + (scores * (64 if diag else 56) + expand) / bw
-                + 9 * chunks * e.kernel_overhead_s)
+                + 9 * chunks * e.kernel_overhead_s + 2 * masked)
         bwd += (scores * 10 * d / rate + (scores * (72 if diag else 64) + 2 * expand) / bw
-                + 16 * chunks * e.kernel_overhead_s)
+                + 16 * chunks * e.kernel_overhead_s + masked)
     rows = b * heads * t * (d + 1)
     fwd += (cp - 1) * (40 * rows / 2 / bw + 8 * e.kernel_overhead_s)
     bwd += cp * (40 * (rows + b * kv_heads * t * d * 2) / bw + 6 * e.kernel_overhead_s)
