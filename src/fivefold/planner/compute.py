@@ -224,11 +224,11 @@ def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int
     against the keys up to the chunk's last row (`diagonal_scores`), masked; then cp - 1
     blocks of T/2 x T (or T x T/2). Per computed score, fp32, each op's reads and writes
     (they are separate eager kernels; none is fused or compiled): forward the q k^T and p v
-    matmuls (4d FLOPs), the score written (4 B), scaled (8), log-sum-exp'd (24: torch's CPU
-    and CUDA logsumexp is amax, subtract, exp and sum, 4 + 8 + 8 + 4), shifted (8),
-    exponentiated (8) and read by p v (4): 56 bytes, 8 more on the diagonal for the mask;
-    backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T, ds k, ds^T q)
-    and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T written,
+    matmuls (4d FLOPs), the score written (4 B), scaled (8), log-sum-exp'd (24: torch's
+    logsumexp runs amax, subtract, exp and sum, 4 + 8 + 8 + 4, as its CPU profile shows),
+    shifted (8), exponentiated (8) and read by p v (4): 56 bytes, 8 more on the diagonal for
+    the mask; backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T, ds k,
+    ds^T q) and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T written,
     less D, times p, p and ds read three times), 72 on the diagonal. The diagonal's masked
     scores (`diagonal_masked`) pass -inf through exp twice forward (logsumexp's, the shift's)
     and once backward, each at the profile's `masked_exp_s` more. Per block: K and V
