@@ -228,11 +228,11 @@ def math_ring_attention_time(b: int, heads: int, kv_heads: int, seq: int, d: int
     logsumexp runs amax, subtract, exp and sum, 4 + 8 + 8 + 4, as its CPU profile shows),
     shifted (8), exponentiated (8) and read by p v (4): 56 bytes, 8 more on the diagonal for
     the mask; backward the five matmuls (10d FLOPs: q k^T again, p^T dout, dout v^T, ds k,
-    ds^T q) and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T written,
-    less D, times p, p and ds read three times), 72 on the diagonal. The diagonal's masked
-    scores (`diagonal_masked`) pass -inf through exp twice forward (logsumexp's, the shift's)
-    and once backward, each at the profile's `masked_exp_s` more. Per block: K and V
-    expanded to the query heads in fp32 (and their gradients summed back); per later step
+    ds^T q) and 64 bytes (the score rewritten, scaled, shifted and exponentiated, dout v^T
+    written, less D, times p, p and ds read three times), 72 on the diagonal. The diagonal's
+    masked scores (`diagonal_masked`) pass -inf through exp twice forward (logsumexp's, the
+    shift's) and once backward, each at the profile's `masked_exp_s` more. Per block: K and
+    V expanded to the query heads in fp32 (and their gradients summed back); per later step
     the fp32 output/lse merge (forward) and the dq, dk, dv accumulations (backward), about
     40 bytes per element they touch. Every op is one kernel per query chunk."""
     e = prof.eff
