@@ -74,7 +74,7 @@ from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, block_times,
                                       embedding_times, head_times, newton_schulz_time)
-from fivefold.planner.memory import model_state_bytes, stage_units
+from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
@@ -662,25 +662,32 @@ class StepModel:
         matrices and adds their Newton-Schulz orthogonalization (compute bound). A stack
         with `eager_adamw` runs AdamW as torch's unfused passes (fivefold.planner.
         update_bytes)."""
-        lay = self.lay
+        lay, e = self.lay, self.prof.eff
         units = offload.device_units(self.rank_units(rank), lay)  # the rest steps on the CPU
-        e = self.prof.eff
         if self.stack.eager_adamw and lay.optimizer == "adamw":
-            traffic, passes = eager_adamw_traffic(units, lay, self.cfg.train.weight_decay)
-            return (traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff)
-                    + passes * e.kernel_overhead_s)
+            traffic, launches = eager_adamw_traffic(units, lay, self.cfg.train.weight_decay)
+        else:
+            traffic, launches = self.fused_update_traffic(units), 4
+        ns = (sum(self.newton_schulz_s(i) for i in self.rank_layers(rank))
+              if lay.optimizer == "muon" else 0.0)
+        return (traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + launches * e.kernel_overhead_s
+                + ns)
+
+    def fused_update_traffic(self, units: list[Unit]) -> float:
+        """Bytes of a fused optimizer kernel over `units` (one pass: master, gradient and
+        states read, master and states written, the gradient zeroed, the compute copy
+        re-published); Muon's matrices carry one momentum instead of two moments."""
+        lay = self.lay
         g = PRECISION_BYTES[lay.reduce_dtype]
         adamw, momentum = 28 + 2 * g + self.a, 16 + 2 * g + self.a
         per_param = {"adamw": adamw, "muon": adamw, "sgd": momentum, "lomo": 0,
                      "galore": momentum}[lay.optimizer]
-        traffic, ns = 0.0, 0.0
+        traffic = 0.0
         for u in units:
             local = u.shard_numel if lay.zero_stage >= 1 else u.padded
             matrices = u.matrices * local / u.numel if lay.optimizer == "muon" else 0
             traffic += local * per_param - matrices * (adamw - momentum)
-        if lay.optimizer == "muon":
-            ns = sum(self.newton_schulz_s(i) for i in self.rank_layers(rank))
-        return traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + 4 * e.kernel_overhead_s + ns
+        return traffic
 
     def newton_schulz_s(self, layer: int) -> float:
         """Muon's orthogonalization of block `layer`'s weight matrices on one rank."""
