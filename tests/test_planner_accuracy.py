@@ -322,7 +322,7 @@ def test_megatron_tp_overlap_runs_its_gemms_as_ring_exchange_chunks():
     of the rows: forward for all seven of a Llama block, input gradients for wo and w2; the
     weight gradients and the other input gradients stay whole. Before TP overlap (TE v0.9,
     2023-05) and under the fivefold stack the GEMMs are whole."""
-    from fivefold.planner.compute import (Gemm, TP_RING_FORWARD, TP_RING_INPUT_GRAD,
+    from fivefold.planner.compute import (Gemm, ROW_PARALLEL, TP_RING_FORWARD,
                                           block_gemms, block_times, gemm_time)
     new, old = _megatron_tp("2023-05"), _megatron_tp("2023-04")
     sm_new, sm_old = (StepModel(c, H100, plan_from_config(c, 8)) for c in (new, old))
@@ -333,7 +333,7 @@ def test_megatron_tp_overlap_runs_its_gemms_as_ring_exchange_chunks():
     for g in attn + mlp:
         assert g.name in TP_RING_FORWARD
         part = Gemm(g.name, g.m // 4, g.k, g.n)
-        n = 2 if g.name in TP_RING_INPUT_GRAD else 1
+        n = 2 if g.name in ROW_PARALLEL else 1
         whole += n * gemm_time(g, sm_new.prof, False, 2)
         chunks += n * 4 * gemm_time(part, sm_new.prof, False, 2)
     assert chunks > whole

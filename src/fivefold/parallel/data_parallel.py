@@ -225,7 +225,8 @@ class DataParallelEngine:
             self.views = [(name, view) for unit, master in zip(self.units, self.masters)
                           for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
-        elif self.offloaded < len(self.masters):  # offloaded units: the host's AdamW
+        elif self.offloaded < len(self.masters):  # units kept on the device (the first
+            # `offloaded` step in the host optimizer); weight decay is applied by the engine
             self.optimizer = torch.optim.AdamW(self.masters[self.offloaded:], lr=train.lr,
                                                weight_decay=0.0, eps=train.eps,
                                                betas=(train.beta1, train.beta2))

@@ -84,12 +84,13 @@ def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int) -> floa
     return g.flops / rate + nbytes / (prof.hbm_GBps * 1e9 * e.gemm_mem_eff) + e.kernel_overhead_s
 
 
+# The row-parallel linears of a block (Megatron 1D: attention's proj and the MLP's fc2).
+ROW_PARALLEL = ("wo", "w2")
 # Transformer Engine's ring-exchange TP overlap (fivefold.planner.stack: tp_overlap_chunks):
-# the GEMMs an all-gather feeds or a reduce-scatter drains in forward, and of those the two
-# whose input gradient an all-gather of the output gradient feeds (proj and fc2). MoE blocks'
-# routed and shared experts are not among them (expert tensor parallelism is its own).
+# the GEMMs an all-gather feeds or a reduce-scatter drains in forward; in backward the
+# row-parallel ones, whose input gradient an all-gather of the output gradient feeds. MoE
+# blocks' routed and shared experts are not among them (expert tensor parallelism is its own).
 TP_RING_FORWARD = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
-TP_RING_INPUT_GRAD = ("wo", "w2")
 
 
 def tp_ring_gemm_time(g: Gemm, tp: int, prof: HardwareProfile, fp8: bool,
@@ -118,10 +119,9 @@ def _compute_precision(act_bytes: int) -> str:
 
 # torchao's Float8 tensor parallelism (Stack.fp8_shard_casts): the linear that carries each
 # module's one input cast (its siblings share it), the siblings, and the row-parallel linears
-# whose output gradient is cast on its sequence shard.
+# whose output gradient is cast on its sequence shard (ROW_PARALLEL).
 SHARD_CAST_CARRIERS = ("wq", "w1")
 SHARD_CAST_SHARERS = ("wk", "wv", "w3")
-ROW_PARALLEL = ("wo", "w2")
 
 
 def fp8_cast_bytes(g: Gemm, act_bytes: int, fused: bool = False,
@@ -394,7 +394,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
                                    for kind in ("forward", "grad_input", "grad_weight"))
         if ring_chunked and g.name in TP_RING_FORWARD:
             t_fwd = tp_ring_gemm_time(g, sh.tp, prof, quantized and "forward" in in_fp8, a)
-            if g.name in TP_RING_INPUT_GRAD:
+            if g.name in ROW_PARALLEL:
                 t_dgrad = tp_ring_gemm_time(g, sh.tp, prof,
                                             quantized and "grad_input" in in_fp8, a)
         gemm_s += t_fwd
