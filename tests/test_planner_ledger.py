@@ -16,7 +16,8 @@ pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H
 TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1/2/3),
 and tensor parallelism inside pipeline stages (pp2 x tp2 on 4 ranks with and without
 sequence parallelism, tied and untied, four schedules, padded vocabulary; pp2 x dp2 x tp2 on
-8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3).
+8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3). `MOE_CASES` holds expert parallelism (and MoE
+without it) on 4 ranks, at the balanced routing the prediction assumes.
 Every rank's ledger is compared, since pipeline stages send, receive and hold different
 things. Each parallel dimension adds its rows to `CASES` as it lands: (world size,
 overrides, label). Ranks start once per world size and run all of that world's cases.
@@ -209,6 +210,58 @@ def test_cases_span_the_implemented_dimensions(overrides):
     assert "zero1 padded units" in padded and "zero3 padded units" in padded
     for stage in range(4):
         assert any(f"parallel.zero_stage={stage}" in sets for _, sets, _ in CASES)
+
+
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.aux_loss_weight=0.01"]  # dropless: every rank dispatches all its rows
+MOE_CASES = [  # (overrides, label), on 4 ranks
+    (["parallel.ep=2"], "ep 2 x edp 2"),
+    (["parallel.ep=4", "parallel.micro_batch=1"], "ep 4, 2 micro-batches"),
+    (["parallel.ep=2", "parallel.zero_stage=1", "parallel.precision='bf16'"],
+     "ep 2 zero1 bf16"),
+    (["parallel.ep=2", "parallel.zero_stage=2", "parallel.recompute='selective'"],
+     "ep 2 zero2 selective recompute (routes again)"),
+    (["parallel.ep=2", "parallel.zero_stage=3", "model.moe.dense_layers=1",
+      "model.moe.shared_experts=1"], "ep 2 zero3, a dense first block, a shared expert"),
+    (["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3", "parallel.micro_batch=1"],
+     "pp2 x ep 2 zero3"),
+    (["parallel.ep=2", "parallel.tp=2", "parallel.recompute='full'"],
+     "tp2 x ep 2 full recompute"),
+    (["parallel.ep=1"], "MoE without ep: the load statistics' all-reduce"),
+]
+ROUTED = ("moe_combine", "moe_dispatch_backward")  # the rows a rank's experts received
+
+
+def test_expert_parallel_ledger_prediction_equals_runtime(overrides):
+    """Every rank's ledger of an MoE step against `predict_ledger`, which assumes balanced
+    routing: exact for every collective but the two whose size the routing decides (the
+    rows this rank's experts received, combined back and their gradient dispatched back),
+    and those exact summed over the ranks, since the routing is dropless. The model-state
+    bytes are exact but with tp: the planner splits the experts over tp as Megatron's
+    expert tensor parallelism does, the runtime replicates MoE layers over tp."""
+    cases = [MOE + sets for sets, _ in MOE_CASES]
+    recorded = run_on_ranks(_ledgers, 4, overrides, cases, timeout_s=600)
+    for i, (sets, label) in enumerate(MOE_CASES):
+        cfg = load_config(None, overrides + cases[i])
+        routed = {}
+        for rank in range(4):
+            got = recorded[rank][i]
+            predicted = predict_ledger(cfg, training_plan(cfg, 4, "cpu"), rank=rank)
+            where = f"{label}, rank {rank}"
+            for key in ("bytes", "wire_bytes"):
+                want, have = predicted.totals(key), got[key == "wire_bytes"]
+                assert want.keys() == have.keys(), where
+                for k, nbytes in want.items():
+                    if k[2] in ROUTED:
+                        routed[key, k] = [a + b for a, b in
+                                          zip(routed.get((key, k), (0, 0)), (nbytes, have[k]))]
+                    else:
+                        assert have[k] == nbytes, (where, k)
+            if "parallel.tp=2" not in sets:
+                assert predicted.model_state_bytes == got[2], where
+        for (key, k), (want, have) in routed.items():
+            assert want == have, (label, key, k)
+        assert routed or "parallel.ep=1" in sets, label
 
 
 def _units(sets, world):

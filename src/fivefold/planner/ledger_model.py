@@ -39,6 +39,13 @@ the runtime does):
             ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size
             zero_group * cp) and the all-reduces over every data rank on
             "dp_replicate+dp_shard+cp"
+  MoE       after the step, one float64 all-reduce over every data rank of the stage's MoE
+            layers' load statistics (experts + 2 numbers each: fivefold.train.moe_stats);
+            with ep > 1 each block's routed experts are a unit of their own, synced over
+            the edp ranks (all-reduced at stage 0, sharded over edp at stages 1-3), a 4-byte
+            all-reduce of the gradient norm over ep at stage 0, and per micro-batch the
+            all-to-alls of `_Step.expert_parallel`, at balanced routing; an MoE block has no
+            tensor-parallel MLP region (its MLP runs whole on every tp rank)
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
@@ -50,9 +57,11 @@ other.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
+from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
@@ -79,7 +88,8 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
     ledger = Ledger()
     if lay.update == "plain":
         return ledger  # the plain single-process path: no engine, no collectives
-    _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last)).run()
+    moe_layers = sum(is_moe_layer(cfg.model, i) for i in layers)
+    _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last), moe_layers).run()
     ledger.model_state_bytes = model_state_bytes(units, lay)
     return ledger
 
@@ -92,10 +102,11 @@ class _Step:
     """Replays the engine's collectives for one optimizer step into a ledger."""
 
     def __init__(self, ledger: Ledger, lay: ParallelPlan, units: list[Unit], cfg: Config,
-                 pp_rank: int, stage: tuple[int, bool, bool]):
+                 pp_rank: int, stage: tuple[int, bool, bool], moe_layers: int):
         self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
         self.pp_rank = pp_rank
         self.blocks, self.first, self.last = stage  # blocks held; embedding; norm and head
+        self.moe_layers = moe_layers  # of those blocks
         self.qwz, self.hpz, self.qgz = lay.qwz, lay.hpz, lay.qgz
         self.param = DTYPE_NAMES[lay.precision]
         self.reduce = DTYPE_NAMES[lay.reduce_dtype] if lay.zero_stage >= 2 else self.param
@@ -107,10 +118,20 @@ class _Step:
         self.tokens_dim = "+".join(lay.token_axes)  # every rank of other tokens
         self.tokens_size = lay.dp * lay.cp
         self.node = lay.ranks_per_node if (self.hpz or self.qgz) else 1
+        self.edp = self.tokens_size // lay.ep  # the ranks holding copies of the same experts
 
     def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
         if size > 1:
             self.ledger.record(op, dim, size, dtype, nbytes, purpose)
+
+    def shard_axis(self, u: Unit) -> tuple[str, int]:
+        """(axis, size) a unit's ZeRO collectives run on: ZeRO's shard axes, or for a block's
+        routed experts the edp ranks that hold copies of them."""
+        return ("edp", self.edp) if u.expert else (self.shard_dim, self.shard)
+
+    def sync_axis(self, u: Unit) -> tuple[str, int]:
+        """(axis, size) of a unit's plain data-parallel all-reduce (stage 0)."""
+        return ("edp", self.edp) if u.expert else (self.tokens_dim, self.tokens_size)
 
     def gather(self, u: Unit, backward: bool) -> None:
         if backward and self.hpz:
@@ -121,13 +142,13 @@ class _Step:
             self.record("all_gather", "dp_shard", self.shard, "float32",
                         u.padded // QUANT_BLOCK * 4, "params")
         else:
-            self.record("all_gather", self.shard_dim, self.shard, self.param,
-                        u.padded * self.pb, "params")
+            self.record("all_gather", *self.shard_axis(u), self.param, u.padded * self.pb,
+                        "params")
 
     def reduce_scatter(self, u: Unit, dtype: str, nbytes_per: int) -> None:
         if not self.qgz:
-            self.record("reduce_scatter", self.shard_dim, self.shard, dtype,
-                        u.padded * nbytes_per, "grads")
+            self.record("reduce_scatter", *self.shard_axis(u), dtype, u.padded * nbytes_per,
+                        "grads")
             return
         g, nodes = self.node, self.shard // self.node
         for dim, size, numel in (("dp_shard.intra", g, u.padded),
@@ -151,7 +172,8 @@ class _Step:
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
-        regions, ends = 2 * self.blocks, int(self.first) + int(self.last)
+        # an MoE block's MLP runs whole on every tp rank: attention is its only region
+        regions, ends = 2 * self.blocks - self.moe_layers, int(self.first) + int(self.last)
         again = self.blocks if lay.recompute != "none" else 0  # per block: attention's close
         if lay.sequence_parallel:
             for op, count, purpose in (
@@ -233,6 +255,31 @@ class _Step:
                     for op in ("send", "recv"):
                         self.record(op, dim, ring, acc, kv * acc_bytes, "cp_dkv")
 
+    def expert_parallel(self) -> None:
+        """One micro-batch's all-to-alls on the ep axis, per MoE layer of the stage
+        (fivefold.parallel.expert), at balanced routing: the count exchange (one int64 per
+        expert), the dispatch of this rank's kept assignments (a row of `hidden` each) and
+        their combine back, and backward's two in reverse. Dispatch and the combine's
+        backward carry this rank's own rows, so with dropless routing their bytes are exact;
+        the combine and the dispatch's backward carry the rows this rank's experts received,
+        which the routing decides: balanced, as many (summed over the ranks, exact when
+        dropless; fivefold.planner.moe_ledger predicts them from a recorded routing).
+        Recomputation (full or selective) runs the forward's three again in backward."""
+        lay, m = self.lay, self.cfg.model
+        rows = lay.micro_batch * m.seq_len // lay.cp * m.moe.top_k
+        if m.moe.capacity_factor is not None:  # each expert takes at most its capacity
+            per_expert = math.ceil(m.moe.capacity_factor * rows / m.moe.experts)
+            rows = min(rows, m.moe.experts * per_expert)
+        row_bytes = rows * m.hidden * self.pb
+        forward = [("int64", m.moe.experts * 8, "moe_counts"),
+                   (self.param, row_bytes, "moe_dispatch"), (self.param, row_bytes, "moe_combine")]
+        backward = [(self.param, row_bytes, "moe_dispatch_backward"),
+                    (self.param, row_bytes, "moe_combine_backward")]
+        passes = 2 if lay.recompute != "none" else 1
+        for _ in range(self.moe_layers):
+            for dtype, nbytes, purpose in forward * passes + backward:
+                self.record("all_to_all", "ep", lay.ep, dtype, nbytes, purpose)
+
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
         pipeline's 4-byte fp32 all-reduce of the summed loss over the stages."""
@@ -250,14 +297,23 @@ class _Step:
         if stage == 3 and lay.pp > 1:
             if root:  # held from the step's first action to its end
                 self.gather(root, backward=False)
+            per_block: list[list[Unit]] = []  # each block's units: dense, then its experts
+            for u in blocks:
+                if u.expert:
+                    per_block[-1].append(u)
+                else:
+                    per_block.append([u])
             for j, backward in zero3_block_gathers(self.cfg, lay, self.pp_rank):
-                self.gather(blocks[j], backward)
+                for u in per_block[j]:
+                    self.gather(u, backward)
         for j in range(micro):
             last = j == micro - 1
             if lay.tp > 1:
                 self.tensor_parallel()
             if lay.cp > 1:
                 self.context_parallel()
+            if lay.ep > 1 and self.moe_layers:
+                self.expert_parallel()
             if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)
                     self.gather(u, backward=False)
@@ -266,22 +322,28 @@ class _Step:
                     self.gather(u, backward=True)
             for u in [*reversed(blocks), *([root] if root else [])]:
                 if stage == 0 and last:
-                    self.record("all_reduce", self.tokens_dim, self.tokens_size, self.param,
+                    self.record("all_reduce", *self.sync_axis(u), self.param,
                                 u.padded * self.pb, "grads")
                 elif stage == 1 and last:
                     self.reduce_scatter(u, self.param, self.pb)
                 elif stage >= 2:
                     self.reduce_scatter(u, self.reduce, self.gb)
             if last and stage >= 1:
-                for u in units:
+                for u in (u for u in units if not u.expert):  # experts: edp holds them all
                     self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
                                 u.shard_numel * self.gb, "grads")
         if stage >= 1:
             self.record("all_reduce", self.shard_dim, self.shard, "float32", 4, "grad_norm")
+        else:  # with ep > 1 each ep rank holds other experts' whole gradients
+            self.record("all_reduce", "ep", lay.ep, "float32", 4, "grad_norm")
         self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
         self.record("all_reduce", "pp", lay.pp, "float32", 4, "grad_norm")
         if stage in (1, 2):
             for u in units:
-                self.record("all_gather", self.shard_dim, self.shard, self.param,
-                            u.padded * self.pb, "params")
+                self.record("all_gather", *self.shard_axis(u), self.param, u.padded * self.pb,
+                            "params")
         self.record("all_reduce", self.tokens_dim, self.tokens_size, "float32", 4, "loss")
+        if self.moe_layers:  # the load statistics (fivefold.train.moe_stats)
+            experts = self.cfg.model.moe.experts
+            self.record("all_reduce", self.tokens_dim, self.tokens_size, "float64",
+                        self.moe_layers * (experts + 2) * 8, "moe_load")

@@ -66,6 +66,7 @@ class Unit:
     multiple: int = 1  # each shard a multiple of this many elements (ZeRO++ quantization)
     matrices: int = 0  # elements in the blocks' weight matrices (Muon's and GaLore's share)
     low_rank_bytes: int = 0  # GaLore's state for those matrices (moments and projections)
+    expert: bool = False  # a block's routed experts (ep > 1): synced over the edp ranks
 
     def state_bytes(self, optimizer: str) -> float:
         """Optimizer state bytes per element: Muon's or GaLore's on the matrices, AdamW's
@@ -151,7 +152,7 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
                           galore_state_bytes(model, i, lay.tp) if lay.optimizer == "galore"
                           else 0))
         if expert:
-            units.append(Unit(expert, expert_shard, multiple))
+            units.append(Unit(expert, expert_shard, multiple, expert=True))
     return units
 
 
