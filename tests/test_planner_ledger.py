@@ -237,8 +237,7 @@ def test_expert_parallel_ledger_prediction_equals_runtime(overrides):
     routing: exact for every collective but the two whose size the routing decides (the
     rows this rank's experts received, combined back and their gradient dispatched back),
     and those exact summed over the ranks, since the routing is dropless. The model-state
-    bytes are exact but with tp: the planner splits the experts over tp as Megatron's
-    expert tensor parallelism does, the runtime replicates MoE layers over tp."""
+    bytes are exact, with tp too (MoE layers whole on every tp rank)."""
     cases = [MOE + sets for sets, _ in MOE_CASES]
     recorded = run_on_ranks(_ledgers, 4, overrides, cases, timeout_s=600)
     for i, (sets, label) in enumerate(MOE_CASES):
@@ -257,8 +256,7 @@ def test_expert_parallel_ledger_prediction_equals_runtime(overrides):
                                           zip(routed.get((key, k), (0, 0)), (nbytes, have[k]))]
                     else:
                         assert have[k] == nbytes, (where, k)
-            if "parallel.tp=2" not in sets:
-                assert predicted.model_state_bytes == got[2], where
+            assert predicted.model_state_bytes == got[2], where
         for (key, k), (want, have) in routed.items():
             assert want == have, (label, key, k)
         assert routed or "parallel.ep=1" in sets, label

@@ -156,3 +156,27 @@ def test_cross_report_names_sources_constants_and_bounds():
     assert "held-out MAPE" in text and "+20.0%" in text
     assert f"fitted constants: {len(BOUNDS)}" in text
     assert "at their bounds (in-sample): overlap_eff" in text
+
+
+def test_fivefold_runs_moe_layers_whole_on_every_tp_rank_megatron_splits_the_experts():
+    """Under tp 2 the fivefold stack holds an MoE block's experts whole on each tp rank and
+    runs their GEMMs at full width, as its runtime does (tests/test_planner_ledger.py holds
+    those bytes against the runtime's); Megatron's expert tensor parallelism splits them."""
+    from fivefold.parallel.plan import plan_from_config
+    from fivefold.planner.compute import block_gemms
+    from fivefold.planner.simulate import StepModel
+
+    def step_model(stack):
+        spec = {"model": {"preset": "mixtral-8x7B"}, "cluster": {"gpu": "H100-SXM", "gpus": 64},
+                "parallel": {"global_batch": 64, "tp": 2, "ep": 8, "micro_batch": 1,
+                             "zero_stage": 1}, "train": {"stack": stack}}
+        cfg = spec_config(spec)
+        return StepModel(cfg, PROFILES["H100-SXM"], plan_from_config(cfg, 64))
+
+    mine, meg = step_model("fivefold"), step_model("megatron")
+    experts = [sm.block_numel(True) - sm.block_numel(True, dense_only=True) for sm in (mine, meg)]
+    assert experts[0] == 2 * experts[1]
+    assert mine.block_numel(True, dense_only=True) == meg.block_numel(True, dense_only=True)
+    widths = [{g.name: g.n for g in block_gemms(sm.model, sm.shard, True)[1]}["expert.w1"]
+              for sm in (mine, meg)]
+    assert widths == [mine.model.moe.expert_ffn_hidden, mine.model.moe.expert_ffn_hidden // 2]

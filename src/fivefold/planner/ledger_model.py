@@ -80,7 +80,8 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
     quantized = lay.qwz or lay.qgz
     pp_rank = lay.pp_rank_of(rank)
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
-    units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1)
+    units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1,
+                        moe_tp_replicated=True)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     if lay.update in ("galore-dp", "lomo"):  # outside the engine (their own module)

@@ -133,10 +133,11 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan, projected: bool
 
 
 def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first: bool, last: bool,
-                multiple: int = 1) -> list[Unit]:
+                multiple: int = 1, moe_tp_replicated: bool = False) -> list[Unit]:
     """The units of one pipeline stage on one rank: root (if any), then each block's dense
     and expert parts. The shard degree is the ZeRO group (times cp, whose ranks also replicate
-    the model) for stages >= 1, and 1 for plain data parallelism."""
+    the model) for stages >= 1, and 1 for plain data parallelism. `moe_tp_replicated`: MoE
+    layers whole on every tp rank, as fivefold's runtime holds them (planner.stack)."""
     shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
     expert_shard = max(1, shard // lay.ep) if lay.zero_stage >= 1 else 1
     units = []
@@ -144,7 +145,7 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
     if root:
         units.append(Unit(root, shard, multiple))
     for i in layers:
-        dense, expert = block_params(model, i, lay.tp, lay.ep)
+        dense, expert = block_params(model, i, lay.tp, lay.ep, moe_tp_replicated)
         matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
         if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
             dense, expert = dense + expert, 0

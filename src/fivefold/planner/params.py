@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable
 
 from fivefold.config import ModelConfig
-from fivefold.models.description import (VOCAB_PARTS, Param, block_parameters,
+from fivefold.models.description import (MOE_PARTS, VOCAB_PARTS, Param, block_parameters,
                                          root_parameters)
 
 
@@ -79,12 +79,16 @@ def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
 
 
 @per_model
-def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
+                 moe_tp_replicated: bool = False) -> tuple[int, int]:
     """(dense, expert) parameters of block `layer` on one rank: the routed experts apart,
-    since expert parallelism shards them over other ranks than the rest of the block."""
+    since expert parallelism shards them over other ranks than the rest of the block.
+    `moe_tp_replicated`: an MoE layer's parameters are whole on every tp rank, as fivefold's
+    runtime holds them (fivefold.planner.stack)."""
     dense = expert = 0
     for p in block_parameters(model, layer):
-        n = local_numel(model, p, tp, ep)
+        whole = moe_tp_replicated and p.part in MOE_PARTS
+        n = local_numel(model, p, 1 if whole else tp, ep)
         if p.part == "experts":
             expert += n
         else:

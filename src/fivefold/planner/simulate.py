@@ -283,7 +283,8 @@ class StepModel:
             regather = exposed(2 * ag, t.wgrad, hide)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
-        tp_f = tp_b = 2 * tp_one
+        # an MoE layer the stack runs whole on every tp rank has no tp region in its MLP
+        tp_f = tp_b = (1 if moe and self.stack.moe_tp_replicated else 2) * tp_one
         if self.stack.overlaps_tp and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
             hide = self.prof.eff.overlap_eff
             tp_f = exposed(tp_f, t.wgrad, hide)
@@ -315,7 +316,7 @@ class StepModel:
         """Parameters of one block of the kind on one rank (`dense_only`: without the
         routed experts)."""
         dense, expert = block_params(self.model, self.first_layer(moe), self.lay.tp,
-                                     self.lay.ep)
+                                     self.lay.ep, self.stack.moe_tp_replicated)
         return dense if dense_only else dense + expert
 
     @functools.cached_property
@@ -700,12 +701,14 @@ class StepModel:
 
     def rank_units(self, rank: int):
         return stage_units(self.model, self.lay, self.rank_layers(rank), rank == 0,
-                           rank == self.lay.pp - 1)
+                           rank == self.lay.pp - 1,
+                           moe_tp_replicated=self.stack.moe_tp_replicated)
 
     def block_state_bytes(self, i: int) -> float:
         """Parameters, gradients and optimizer states of block i on its rank."""
-        return model_state_bytes(stage_units(self.model, self.lay, [i], False, False),
-                                 self.lay)["total"]
+        units = stage_units(self.model, self.lay, [i], False, False,
+                            moe_tp_replicated=self.stack.moe_tp_replicated)
+        return model_state_bytes(units, self.lay)["total"]
 
     def block_saved_bytes(self, i: int) -> float:
         lay = self.lay
@@ -727,14 +730,15 @@ class StepModel:
     def other_bytes(self, rank: int) -> float:
         """Reserved memory, ZeRO-3's gathered buffers and the loss's logits on `rank`."""
         lay, m = self.lay, self.model
+        whole_moe = self.stack.moe_tp_replicated
         other = self.prof.eff.reserved_bytes
         if lay.zero_stage == 3 and self.pp_unsharded:  # every block of the rank, all step
-            unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep))
+            unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep, whole_moe))
                              for i in self.rank_layers(rank))
                          + root_params(m, lay.tp, rank == 0, rank == lay.pp - 1))
             other += unsharded * (self.a + PRECISION_BYTES[lay.reduce_dtype])
         elif lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
-            dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep)
+            dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep, whole_moe)
             live = 2 * (dense + expert)
             if self.stack.zero3_live_params:
                 live = min(live, self.stack.zero3_live_params)

@@ -159,6 +159,12 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
   (fivefold.planner.update_bytes: fivefold's runtime, which steps torch.optim.AdamW without
   `fused`); else one fused pass, 28 bytes per element (Megatron-Core's and DeepSpeed's
   FusedAdam; torchtitan's `optimizer.implementation = "fused"`, its default).
+- moe_tp_replicated: with tp > 1 an MoE layer (router, routed and shared experts) runs whole
+  on every tp rank, on the tokens every tp rank holds (fivefold.parallel.tensor), so its
+  parameters, GEMMs and element-wise work are not divided by tp and its MLP has no tp
+  collective; else its experts are split over tp like a dense MLP (Megatron-Core's expert
+  tensor parallelism at its default of the time, expert_tensor_parallel_size = tp; the
+  torchtitan and DeepSpeed rows are dense models).
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -203,6 +209,7 @@ class Stack:
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     eager_adamw: bool = False
+    moe_tp_replicated: bool = False
     zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
     zero3_pp_unsharded: bool = False
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
@@ -249,10 +256,11 @@ class Stack:
         return FLASH2_RATE
 
 
-FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True,
+FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, moe_tp_replicated=True,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
-                        "collectives, torch's unfused AdamW")
+                        "collectives, torch's unfused AdamW, MoE layers whole on every tp "
+                        "rank")
 STACKS: dict[str, Stack] = {s.name: s for s in [
     FIVEFOLD,
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",
