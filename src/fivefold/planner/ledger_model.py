@@ -84,14 +84,18 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
                         moe_tp_replicated=True)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
-    if lay.update in ("galore-dp", "lomo"):  # outside the engine (their own module)
-        return update_path_ledger(cfg, lay)
-    ledger = Ledger()
-    if lay.update == "plain":
-        return ledger  # the plain single-process path: no engine, no collectives
     moe_layers = sum(is_moe_layer(cfg.model, i) for i in layers)
-    _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last), moe_layers).run()
-    ledger.model_state_bytes = model_state_bytes(units, lay)
+    if lay.update in ("galore-dp", "lomo"):  # outside the engine (their own module)
+        ledger = update_path_ledger(cfg, lay)
+    else:
+        ledger = Ledger()
+        if lay.update == "plain":
+            return ledger  # the plain single-process path: no engine, no collectives
+        _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last), moe_layers).run()
+        ledger.model_state_bytes = model_state_bytes(units, lay)
+    if moe_layers and lay.dp * lay.cp > 1:  # the load statistics (fivefold.train.moe_stats)
+        ledger.record("all_reduce", "+".join(lay.token_axes), lay.dp * lay.cp, "float64",
+                      moe_layers * (cfg.model.moe.experts + 2) * 8, "moe_load")
     return ledger
 
 
@@ -344,7 +348,3 @@ class _Step:
                 self.record("all_gather", *self.shard_axis(u), self.param, u.padded * self.pb,
                             "params")
         self.record("all_reduce", self.tokens_dim, self.tokens_size, "float32", 4, "loss")
-        if self.moe_layers:  # the load statistics (fivefold.train.moe_stats)
-            experts = self.cfg.model.moe.experts
-            self.record("all_reduce", self.tokens_dim, self.tokens_size, "float64",
-                        self.moe_layers * (experts + 2) * 8, "moe_load")
