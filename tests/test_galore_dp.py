@@ -88,10 +88,7 @@ def _runs(rt, overrides, cases, tmp):
         trainer = Trainer(cfg, rt, f"{tmp}/{k}")
         losses = [trainer.train_step(s).loss for s in range(STEPS)]
         predicted = predict_ledger(cfg, plan_from_config(cfg, rt.world_size, "fp32"), rt.rank)
-        # the MoE load statistics' all-reduce (fivefold.train.moe_stats) is in no layout's
-        # predicted ledger
-        comm = {key: n for key, n in trainer.ledger.totals().items() if key[2] != "moe_load"}
-        out.append((losses, full_parameters(trainer), comm,
+        out.append((losses, full_parameters(trainer), trainer.ledger.totals(),
                      dict(trainer.ledger.model_state_bytes), predicted.totals(),
                      predicted.model_state_bytes))
     resumed = None
