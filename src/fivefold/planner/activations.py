@@ -83,8 +83,7 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
     if recompute == "full":
         per_token = a * D
     elif recompute == "selective":
-        f_saved = (_expert_width(model, 1 if stack.moe_tp_replicated else tp) if moe
-                   else model.ffn_hidden / tp)
+        f_saved = _expert_width(model, stack.moe_tp(tp)) if moe else model.ffn_hidden / tp
         w2_saved = a * D if moe or model.ffn_type == "swiglu" else 0.0  # 7th matmul, not 6th
         per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + w2_saved
     else:

@@ -325,12 +325,6 @@ class Shard:
         return 4 if self.precision == "fp32" else 2
 
 
-def moe_tp(sh: Shard) -> int:
-    """The tp degree an MoE layer's experts are split over: 1 where the stack runs MoE layers
-    whole on every tp rank (Stack.moe_tp_replicated, fivefold's runtime)."""
-    return 1 if sh.stack.moe_tp_replicated else sh.tp
-
-
 def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], list[Gemm]]:
     """(attention-side GEMMs, MLP-side GEMMs) of one block on one rank, forward."""
     n, D, d, tp = sh.tokens, model.hidden, model.d_head, sh.tp
@@ -339,7 +333,7 @@ def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], l
             Gemm("wv", n, D, kv), Gemm("wo", n, model.heads * d // tp, D)]
     if not moe:
         return attn, mlp_gemms(model.ffn_type, n, D, model.ffn_hidden // tp, "")
-    m, mt = model.moe, moe_tp(sh)
+    m, mt = model.moe, sh.stack.moe_tp(tp)
     mlp = [Gemm("router", n, D, m.experts)]
     routed = n * m.top_k * sh.expert_load  # token-expert pairs the busiest rank computes
     mlp += mlp_gemms(model.ffn_type, routed, D, m.expert_ffn_hidden // mt, "expert.")
@@ -446,7 +440,8 @@ def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:
     q, kv = model.heads * model.d_head / tp, max(1, model.n_kv_heads // tp) * model.d_head
     if moe:
         m = model.moe
-        f = (m.top_k * sh.expert_load + m.shared_experts) * m.expert_ffn_hidden / moe_tp(sh)
+        width = (m.top_k * sh.expert_load + m.shared_experts) * m.expert_ffn_hidden
+        f = width / sh.stack.moe_tp(tp)
     else:
         f = model.ffn_hidden / tp
     act = 3 * f if model.ffn_type == "swiglu" else 2 * f

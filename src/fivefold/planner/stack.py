@@ -242,6 +242,10 @@ class Stack:
         return (self.fp8_param_gather_since is not None
                 and self.released_since(self.fp8_param_gather_since))
 
+    def moe_tp(self, tp: int) -> int:
+        """The tp degree an MoE layer's experts are split over under this stack."""
+        return 1 if self.moe_tp_replicated else tp
+
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
 
