@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
+from fivefold.data_sources import validate_sources
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
@@ -343,6 +344,7 @@ def validate_data(cfg: Config) -> None:
         raise ConfigError("data.format", f"'tokens' reads one raw token-id file, and "
                                          f"{d.source!r} is not a file; give data.source a .bin "
                                          "or .tokens file, or use format 'auto'")
+    validate_sources(cfg)  # [[data.sources]]
 
 
 def validate_cluster(cfg: Config) -> None:

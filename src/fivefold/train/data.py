@@ -4,12 +4,15 @@
 with `<|endoftext|>` between documents, cached on disk as .npy files keyed by a hash of the
 corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
 10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
-so concurrent ranks or an interrupted run never see a partial file.
+so concurrent ranks or an interrupted run never see a partial file. Several
+`[[data.sources]]` give a `Mixture` of streams instead (fivefold.train.mixture_data).
 
 `BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
 alone. The data position is therefore just the step number (resuming is exact), and the
 global batch is the same whatever the layout: data-parallel rank r of dp takes rows
-[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches.
+[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches. From a mixture, each sequence
+of the global batch draws its source by weight from that same generator
+(fivefold.train.mixture), so all of this holds for mixtures too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,9 @@ import torch
 from tokenizers import Tokenizer
 
 from fivefold.config import Config, ConfigError, DataConfig
-from fivefold.train.corpus import detect_format, load_documents, split_documents
+from fivefold.data_sources import source_configs
+from fivefold.train.corpus import Document, detect_format, load_documents, split_documents
+from fivefold.train.mixture import Mixture
 from fivefold.train.tokenizer import EOS, train_tokenizer
 
 CACHE_VERSION = "1"
@@ -33,8 +38,8 @@ CACHE_VERSION = "1"
 
 @dataclass
 class TokenData:
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | Mixture
+    val: np.ndarray | Mixture
     tokenizer: Tokenizer | None
 
 
@@ -96,12 +101,18 @@ def _load_tokens_file(cfg: Config) -> TokenData:
 
 
 def prepare_data(cfg: Config, log=print) -> TokenData:
-    """Load or build the tokenizer and the train/validation token streams."""
+    """Load or build the tokenizer and the train/validation token streams: of `data.source`
+    (or one `[[data.sources]]` table), or a `Mixture` of several (fivefold.train.mixture)."""
+    if cfg.data.sources and len(cfg.data.sources) > 1:
+        from fivefold.train.mixture_data import prepare_mixture
+        return prepare_mixture(cfg, log)
+    key = "data.sources[0].path" if cfg.data.sources else "data.source"
+    cfg = replace(cfg, data=source_configs(cfg.data)[0][0])
     if detect_format(cfg.data) == "tokens":
         data = _load_tokens_file(cfg)
     else:
         data = _prepare_text(cfg, log)
-    check_data(cfg, data)
+    check_data(cfg, data, key)
     return data
 
 
@@ -117,33 +128,48 @@ def _prepare_text(cfg: Config, log) -> TokenData:
     key = hasher.hexdigest()[:16]
     root = cache_dir(d)
     tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
-    train_path, val_path = root / f"tokens-{key}-train.npy", root / f"tokens-{key}-val.npy"
     train_docs, val_docs = split_documents(docs, d.val_fraction)
+    tok = load_or_train_tokenizer(tok_path, train_docs, vocab, d.tokenizer_sample_mib, log)
+    train, val = tokenized_splits(tok, train_docs, val_docs, root / f"tokens-{key}", vocab, log)
+    return TokenData(train, val, tok)
+
+
+def load_or_train_tokenizer(tok_path: Path, train_docs: list[Document], vocab: int,
+                            sample_mib: float, log) -> Tokenizer:
+    """The tokenizer at `tok_path`, trained on `train_docs` and saved there first if absent."""
     if not tok_path.exists():
         log(f"training a {vocab}-token BPE tokenizer on {len(train_docs)} documents ...")
-        tok = train_tokenizer(train_docs, vocab, d.tokenizer_sample_mib)
+        tok = train_tokenizer(train_docs, vocab, sample_mib)
         _atomic_write(tok_path, tok.save)
     tok = Tokenizer.from_file(str(tok_path))
     if tok.get_vocab_size() > vocab:
         raise ConfigError("model.vocab", f"{vocab} is smaller than the tokenizer's "
                                          f"{tok.get_vocab_size()} tokens; raise model.vocab")
+    return tok
+
+
+def tokenized_splits(tok: Tokenizer, train_docs: list[Document], val_docs: list[Document],
+                     stem: Path, vocab: int, log) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, validation) token streams, cached as `{stem}-train.npy` / `-val.npy`."""
+    train_path, val_path = Path(f"{stem}-train.npy"), Path(f"{stem}-val.npy")
     if not (train_path.exists() and val_path.exists()):
         log(f"tokenizing {len(train_docs)} + {len(val_docs)} documents "
-            f"({sum(len(x.text) for x in docs) / 2**20:.1f} MiB) ...")
+            f"({sum(len(x.text) for x in train_docs + val_docs) / 2**20:.1f} MiB) ...")
         dtype = _token_dtype(vocab)
         for path, split in ((train_path, train_docs), (val_path, val_docs)):
             ids = _encode(tok, [x.text for x in split], dtype)
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
-    return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok)
+    return np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
 
 
-def check_data(cfg: Config, data: TokenData) -> None:
-    """Both splits must hold at least one sequence, and ids must fit the vocabulary."""
+def check_data(cfg: Config, data: TokenData, source_key: str = "data.source") -> None:
+    """Both splits (of the source `source_key` names) must hold at least one sequence, and
+    ids must fit the vocabulary."""
     need = cfg.model.seq_len + 1
     for name, tokens in (("train", data.train), ("validation", data.val)):
         if len(tokens) < need:
-            raise ConfigError("data.val_fraction" if name == "validation" else "data.source",
-                              f"the {name} split holds {len(tokens)} tokens, fewer than one "
+            raise ConfigError("data.val_fraction" if name == "validation" else source_key,
+                              f"the {name} split of {source_key} holds {len(tokens)} tokens, fewer than one "
                               f"sequence of model.seq_len + 1 = {need}; give more data or a "
                               "shorter model.seq_len")
     top = int(data.train[: 1 << 20].max())
@@ -160,27 +186,34 @@ class BatchSampler:
     unsplit sequences, so each token's label is the next token of the whole sequence, also
     at the boundaries between the ranks' chunks."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 split: int = 0, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, tokens: np.ndarray | Mixture, seq_len: int, global_batch: int,
+                 seed: int, split: int = 0, dp_rank: int = 0, dp_size: int = 1,
                  positions: torch.Tensor | None = None):
         if global_batch % dp_size:
             raise ValueError(f"global_batch {global_batch} not divisible by dp {dp_size}")
-        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.mixture = tokens if isinstance(tokens, Mixture) else Mixture((tokens,), (1.0,))
+        self.seq_len, self.global_batch = seq_len, global_batch
         self.seed, self.split = seed, split
         self.per_rank = global_batch // dp_size
         self.first_row = dp_rank * self.per_rank
         self.positions = None if positions is None else positions.cpu()
 
-    def global_offsets(self, step: int) -> np.ndarray:
+    def global_draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, offset) of every sequence of the global batch of `step`."""
         rng = np.random.default_rng([self.seed, self.split, step])
-        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
+        return self.mixture.draw(rng, self.global_batch, self.seq_len)
+
+    def global_offsets(self, step: int) -> np.ndarray:
+        return self.global_draw(step)[1]
 
     def rank_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the global batch of `step`: inputs and targets, (G/dp, T),
         or (G/dp, T/cp) at this rank's `positions`."""
-        offsets = self.global_offsets(step)[self.first_row:self.first_row + self.per_rank]
-        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                         for o in offsets])
+        mine = slice(self.first_row, self.first_row + self.per_rank)
+        sources, offsets = (drawn[mine] for drawn in self.global_draw(step))
+        streams = self.mixture.streams
+        rows = np.stack([np.asarray(streams[i][o:o + self.seq_len + 1], dtype=np.int64)
+                         for i, o in zip(sources, offsets)])
         rows_BT = torch.from_numpy(rows)
         inputs_BT, targets_BT = rows_BT[:, :-1], rows_BT[:, 1:]
         if self.positions is None:
