@@ -435,6 +435,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     Only structure and types are checked here; call `validate` for values.
     """
     raw: dict = resolve_file_paths(read_file(path), Path(path).parent) if path else {}
+    return config_from_raw(raw, overrides)
+
+
+def config_from_raw(raw: dict, overrides: list[str] = ()) -> Config:
+    """A typed `Config` from a dict of sections (a file's, or a checkpoint's saved config,
+    `Config.to_dict`) and `--set` overrides, checked as `load_config` checks."""
     _auto_shorthand(raw)
     for assignment in overrides:
         apply_override(raw, AUTO_SHORTHAND.get(assignment.replace(" ", ""), assignment))
