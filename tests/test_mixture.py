@@ -18,7 +18,7 @@ import torch
 from fivefold.config import ConfigError, load_config
 from fivefold.train.data import BatchSampler, prepare_data
 from fivefold.train.mixture import Mixture
-from fivefold.train.mixture_data import weighted_sample
+from fivefold.train.data import weighted_sample
 from fivefold.train.corpus import Document
 from fivefold.validate import validate
 
@@ -141,16 +141,24 @@ def test_toml_array_of_tables_and_set_express_the_same_mixture(two_folders, tmp_
     ('[]', [], "data.sources"),
     ('[{path="A", wieght=2}]', [], "data.sources[0].wieght"),
     ('{path="A"}', [], "data.sources"),
-    ('[{path="T"}, {path="A"}]', [], "data.tokenizer"),
 ])
 def test_mixture_config_errors_name_the_key(two_folders, tmp_path, sources, extra, key):
     a, b = two_folders
-    (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
-    text = sources.replace('"A"', f'"{a}"').replace('"T"', f'"{tmp_path / "t.bin"}"')
+    text = sources.replace('"A"', f'"{a}"')
     extra = [e.replace("=B", f"={b}") for e in extra]
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, [f"data.sources={text}", *extra]))
     assert err.value.key == key
+
+
+def test_token_files_mixed_with_text_need_the_token_files_tokenizer(two_folders, tmp_path):
+    a, _ = two_folders
+    (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    cfg = load_config(None, [f'data.sources=[{{path="{tmp_path / "t.bin"}"}}, {{path="{a}"}}]'])
+    validate(cfg)
+    with pytest.raises(ConfigError) as err:
+        prepare_data(cfg)
+    assert err.value.key == "data.tokenizer"
 
 
 # ---------------------------------------------------------------- relative paths

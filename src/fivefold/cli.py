@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             return cmd_convert(args)
         if args.command == "eval":
-            return eval_command.run(args, argv)
+            return eval_command.run(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
     except ConfigError as err:

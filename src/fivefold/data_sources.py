@@ -14,6 +14,8 @@ from pathlib import Path
 
 from fivefold.config import Config, ConfigError, DataConfig
 
+DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
 PER_SOURCE_KEYS = ("source", "format", "text_field", "token_dtype")  # [data] key = source key
 
 
@@ -25,16 +27,11 @@ def source_configs(d: DataConfig) -> list[tuple[DataConfig, float]]:
                      token_dtype=s.token_dtype, sources=None), s.weight) for s in d.sources]
 
 
-def _source_format(d: DataConfig) -> str:
-    from fivefold.train.corpus import detect_format  # reads the path's suffix and folder
-    return detect_format(d)
-
-
 def validate_sources(cfg: Config) -> None:
     """`[[data.sources]]`: at least one table, positive finite weights, known formats,
-    existing paths, and the `[data]` keys that a table replaces left at their defaults."""
-    from fivefold.validate import DATA_FORMATS, TOKEN_DTYPES
-
+    existing paths, and the `[data]` keys that a table replaces left at their defaults (as
+    validate.validate_data checks `data.source`; what needs a source's detected format is
+    checked where it is read, fivefold.train.data)."""
     d = cfg.data
     if d.sources is None:
         return
@@ -47,7 +44,6 @@ def validate_sources(cfg: Config) -> None:
             raise ConfigError(f"data.{key}", "applies to data.source only; with data.sources "
                                              f"set `{'path' if key == 'source' else key}` in "
                                              "each [[data.sources]] table instead")
-    formats = []
     for i, (one, weight) in enumerate(source_configs(d)):
         key = f"data.sources[{i}]"
         if not (math.isfinite(weight) and weight > 0):
@@ -62,16 +58,10 @@ def validate_sources(cfg: Config) -> None:
             raise ConfigError(f"{key}.path", f"path {one.source!r} does not exist; give an "
                                              "existing text/JSONL/token file or folder, or "
                                              "'stdlib'")
-        fmt = _source_format(one)
-        if fmt == "tokens" and not Path(one.source).is_file():
+        if one.format == "tokens" and not Path(one.source).is_file():
             raise ConfigError(f"{key}.format", f"'tokens' reads one raw token-id file, and "
                                                f"{one.source!r} is not a file")
-        if fmt == "tokens" and one.token_dtype == "uint16" and cfg.model.vocab > 65536:
+        if one.format == "tokens" and one.token_dtype == "uint16" and cfg.model.vocab > 65536:
             raise ConfigError(f"{key}.token_dtype", f"uint16 cannot hold ids of a "
                                                     f"{cfg.model.vocab}-token vocabulary; use "
                                                     "'uint32'")
-        formats.append(fmt)
-    if "tokens" in formats and set(formats) != {"tokens"} and d.tokenizer is None:
-        raise ConfigError("data.tokenizer", "the mixture holds token files and text: give "
-                                            "the tokenizer.json the token files were made "
-                                            "with, which then tokenizes the text too")

@@ -106,7 +106,15 @@ def held_out_data(cfg: Config, path: str | None, log):
     return data
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def rank_args(args: argparse.Namespace) -> list[str]:
+    """The command line each launched rank runs: this one without `--nproc`."""
+    return ["eval", args.run, *(["--data", args.data] if args.data else []),
+            *(["--batches", str(args.batches)] if args.batches is not None else []),
+            *(arg for assignment in args.overrides for arg in ("--set", assignment)),
+            *(["--json"] if args.json else [])]
+
+
+def run(args: argparse.Namespace) -> int:
     """Evaluate, on this process or on `--nproc` launched ranks; rank 0 prints the result."""
     from fivefold.parallel.fp8.linear import has_fp8_units
     from fivefold.parallel.plan import training_plan
@@ -129,8 +137,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     plan = training_plan(cfg, world_size, device.type, has_fp8_units(device.type))
     data = held_out_data(cfg, args.data, lambda text: print(text, file=sys.stderr))
     if world_size > 1 and not under_launcher:  # checked and tokenized once, here
-        from fivefold.cli import _launcher_only_removed
-        return launch_local(args.nproc, _launcher_only_removed(argv))
+        return launch_local(args.nproc, rank_args(args))
     rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
     try:
         trainer = Trainer(cfg, rt, step.parent.parent, data=data, init_from=step, plan=plan)

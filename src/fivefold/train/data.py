@@ -4,8 +4,15 @@
 with `<|endoftext|>` between documents, cached on disk as .npy files keyed by a hash of the
 corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
 10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
-so concurrent ranks or an interrupted run never see a partial file. Several
-`[[data.sources]]` give a `Mixture` of streams instead (fivefold.train.mixture_data).
+so concurrent ranks or an interrupted run never see a partial file.
+
+Several `[[data.sources]]` give a `Mixture` of streams instead (`prepare_mixture`). Every
+source is read as `data.source` would be: text and JSONL sources hold out `val_fraction` of
+their documents, a token file the last `val_fraction` of its ids, so validation draws from
+each source's own held-out part with the training weights. One tokenizer serves every
+source: `data.tokenizer`, or a BPE trained on a weighted sample of the text sources' training
+documents (each source gives about its weight's share of `data.tokenizer_sample_mib`), cached
+under a key of every source, weight and setting.
 
 `BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
 alone. The data position is therefore just the step number (resuming is exact), and the
@@ -18,6 +25,7 @@ of the global batch draws its source by weight from that same generator
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -31,7 +39,7 @@ from fivefold.config import Config, ConfigError, DataConfig
 from fivefold.data_sources import source_configs
 from fivefold.train.corpus import Document, detect_format, load_documents, split_documents
 from fivefold.train.mixture import Mixture
-from fivefold.train.tokenizer import EOS, train_tokenizer
+from fivefold.train.tokenizer import EOS, sample_texts, train_tokenizer
 
 CACHE_VERSION = "1"
 
@@ -104,7 +112,6 @@ def prepare_data(cfg: Config, log=print) -> TokenData:
     """Load or build the tokenizer and the train/validation token streams: of `data.source`
     (or one `[[data.sources]]` table), or a `Mixture` of several (fivefold.train.mixture)."""
     if cfg.data.sources and len(cfg.data.sources) > 1:
-        from fivefold.train.mixture_data import prepare_mixture
         return prepare_mixture(cfg, log)
     key = "data.sources[0].path" if cfg.data.sources else "data.source"
     cfg = replace(cfg, data=source_configs(cfg.data)[0][0])
@@ -160,6 +167,58 @@ def tokenized_splits(tok: Tokenizer, train_docs: list[Document], val_docs: list[
             ids = _encode(tok, [x.text for x in split], dtype)
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
     return np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
+
+
+def weighted_sample(sources: list[tuple[list[Document], float]], sample_mib: float
+                    ) -> list[Document]:
+    """About `sample_mib` MiB of documents, each source's share in proportion to its weight
+    (every k-th document of it, as fivefold.train.tokenizer samples one source)."""
+    total = sum(weight for _, weight in sources)
+    return [Document(str(i), text) for i, (docs, weight) in enumerate(sources)
+            for text in sample_texts(docs, sample_mib * weight / total)]
+
+
+def prepare_mixture(cfg: Config, log=print) -> TokenData:
+    """The tokenizer and a `Mixture` of every source's train and validation streams."""
+    d, vocab = cfg.data, cfg.model.vocab
+    sources = source_configs(d)
+    formats = [detect_format(one) for one, _ in sources]
+    if "tokens" in formats and set(formats) != {"tokens"} and d.tokenizer is None:
+        raise ConfigError("data.tokenizer", "the mixture holds token files and text: give "
+                                            "the tokenizer.json the token files were made "
+                                            "with, which then tokenizes the text too")
+    splits = {i: split_documents(load_documents(one), d.val_fraction)
+              for i, ((one, _), fmt) in enumerate(zip(sources, formats)) if fmt != "tokens"}
+    hasher = hashlib.sha256(f"{CACHE_VERSION}|mixture|{vocab}|{d.val_fraction}|"
+                            f"{d.tokenizer_sample_mib}".encode())
+    for i, (train_docs, val_docs) in splits.items():
+        hasher.update(f"|source {i} weight {sources[i][1]!r}|".encode())
+        for doc in train_docs + val_docs:
+            hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
+    if d.tokenizer:
+        hasher.update(Path(d.tokenizer).read_bytes())
+    key, root = hasher.hexdigest()[:16], cache_dir(d)
+    tok = None
+    if splits or d.tokenizer:
+        tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
+        sample = weighted_sample([(splits[i][0], sources[i][1]) for i in splits],
+                                 d.tokenizer_sample_mib)
+        tok = load_or_train_tokenizer(tok_path, sample, vocab, math.inf, log)  # all of it
+    trains, vals = [], []
+    for i, (one, _) in enumerate(sources):
+        if i in splits:
+            train, val = tokenized_splits(tok, *splits[i], root / f"tokens-{key}-{i}", vocab,
+                                          log)
+        else:
+            tokens = _load_tokens_file(replace(cfg, data=one))
+            train, val = tokens.train, tokens.val
+        check_data(cfg, TokenData(train, val, tok), f"data.sources[{i}].path")
+        trains.append(train)
+        vals.append(val)
+    weights = tuple(weight for _, weight in sources)
+    names = tuple(one.source for one, _ in sources)
+    return TokenData(Mixture(tuple(trains), weights, names), Mixture(tuple(vals), weights, names),
+                     tok)
 
 
 def check_data(cfg: Config, data: TokenData, source_key: str = "data.source") -> None:
