@@ -78,19 +78,19 @@ def held_out_data(cfg: Config, path: str | None, log):
     from dataclasses import replace
 
     from fivefold.train.corpus import detect_format, load_documents
-    from fivefold.train.data import (TokenData, _load_tokens_file, cache_dir, check_data,
+    from fivefold.train.data import (TokenData, cache_dir, check_data, load_tokens_file,
                                      prepare_data, tokenized_splits)
 
-    run_data = prepare_data(cfg, log)
     if path is None:
-        return run_data
+        return prepare_data(cfg, log)
     if not Path(path).exists():
         raise ConfigError("--data", f"path {path!r} does not exist")
     one = replace(cfg.data, source=str(path), format="auto", sources=None)
-    if detect_format(one) == "tokens":
-        tokens = _load_tokens_file(replace(cfg, data=replace(one, val_fraction=0.0))).train
+    tok = None
+    if detect_format(one) == "tokens":  # the run's data is not needed
+        tokens = load_tokens_file(replace(cfg, data=replace(one, val_fraction=0.0))).train
     else:
-        tok = run_data.tokenizer
+        tok = prepare_data(cfg, log).tokenizer  # cached since the run
         if tok is None:
             raise ConfigError("--data", "the run trained on token ids without a tokenizer; "
                                         "give a token-id file (.bin or .tokens)")
@@ -101,7 +101,7 @@ def held_out_data(cfg: Config, path: str | None, log):
         stem = cache_dir(cfg.data) / f"heldout-{hasher.hexdigest()[:16]}"
         # every document held out: one stream, cached as the "train" half of a split
         tokens, _ = tokenized_splits(tok, docs, [], stem, cfg.model.vocab, log)
-    data = TokenData(tokens, tokens, run_data.tokenizer)
+    data = TokenData(tokens, tokens, tok)
     check_data(cfg, data, "--data")
     return data
 

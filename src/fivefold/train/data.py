@@ -91,7 +91,7 @@ def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _load_tokens_file(cfg: Config) -> TokenData:
+def load_tokens_file(cfg: Config) -> TokenData:
     """Pre-tokenized ids: the last val_fraction of the stream is held out."""
     path = Path(cfg.data.source)
     dtype = np.dtype(cfg.data.token_dtype).newbyteorder("<")
@@ -116,7 +116,7 @@ def prepare_data(cfg: Config, log=print) -> TokenData:
     key = "data.sources[0].path" if cfg.data.sources else "data.source"
     cfg = replace(cfg, data=source_configs(cfg.data)[0][0])
     if detect_format(cfg.data) == "tokens":
-        data = _load_tokens_file(cfg)
+        data = load_tokens_file(cfg)
     else:
         data = _prepare_text(cfg, log)
     check_data(cfg, data, key)
@@ -210,15 +210,13 @@ def prepare_mixture(cfg: Config, log=print) -> TokenData:
             train, val = tokenized_splits(tok, *splits[i], root / f"tokens-{key}-{i}", vocab,
                                           log)
         else:
-            tokens = _load_tokens_file(replace(cfg, data=one))
+            tokens = load_tokens_file(replace(cfg, data=one))
             train, val = tokens.train, tokens.val
         check_data(cfg, TokenData(train, val, tok), f"data.sources[{i}].path")
         trains.append(train)
         vals.append(val)
     weights = tuple(weight for _, weight in sources)
-    names = tuple(one.source for one, _ in sources)
-    return TokenData(Mixture(tuple(trains), weights, names), Mixture(tuple(vals), weights, names),
-                     tok)
+    return TokenData(Mixture(tuple(trains), weights), Mixture(tuple(vals), weights), tok)
 
 
 def check_data(cfg: Config, data: TokenData, source_key: str = "data.source") -> None:

@@ -25,7 +25,6 @@ class Mixture:
 
     streams: tuple[np.ndarray, ...]
     weights: tuple[float, ...]
-    names: tuple[str, ...] = ()
 
     @property
     def probabilities(self) -> np.ndarray:
