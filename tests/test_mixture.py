@@ -22,7 +22,7 @@ from fivefold.train.data import weighted_sample
 from fivefold.train.corpus import Document
 from fivefold.validate import validate
 
-from test_train import CPU, read_metrics, straight_and_resumed
+from test_train import straight_and_resumed
 
 # two streams whose ids cannot be confused: source 0 in [0, 1000), source 1 in [5000, 5300)
 STREAMS = (np.arange(1000, dtype=np.uint16), np.arange(5000, 5300, dtype=np.uint16))
@@ -226,6 +226,14 @@ def test_prepare_mixture_splits_each_source_with_one_tokenizer(mixture_overrides
     again = prepare_data(cfg)  # cached: nothing trained or tokenized again
     assert "tokeniz" not in capsys.readouterr().out
     assert np.array_equal(again.val.streams[0], data.val.streams[0])
+
+
+def test_one_source_table_is_data_source(tiny_overrides, small_corpus):
+    """A single [[data.sources]] table prepares the very streams `data.source` does."""
+    single = prepare_data(load_config(None, tiny_overrides))
+    sets = [s for s in tiny_overrides if not s.startswith("data.source=")]
+    table = prepare_data(load_config(None, sets + [f'data.sources=[{{path="{small_corpus}"}}]']))
+    assert np.array_equal(table.train, single.train) and np.array_equal(table.val, single.val)
 
 
 def test_mixture_trains_and_resumes_bit_identical(mixture_overrides, tmp_path):

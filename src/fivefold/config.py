@@ -432,7 +432,8 @@ def _auto_shorthand(raw: dict) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a config file (optional) and `--set` overrides into a typed `Config`.
 
-    Only structure and types are checked here; call `validate` for values.
+    Only structure and types are checked here; call `validate` for values. Relative `[data]`
+    paths in the file are taken from its folder (fivefold.config_paths).
     """
     raw: dict = resolve_file_paths(read_file(path), Path(path).parent) if path else {}
     return config_from_raw(raw, overrides)
