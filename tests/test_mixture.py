@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
-from fivefold.train.data import BatchSampler, prepare_data
-from fivefold.train.mixture import Mixture
-from fivefold.train.data import weighted_sample
 from fivefold.train.corpus import Document
+from fivefold.train.data import BatchSampler, prepare_data, weighted_sample
+from fivefold.train.mixture import Mixture
 from fivefold.validate import validate
 
 from test_train import straight_and_resumed
