@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import Config, MoEConfig, load_config
+from fivefold.config import Config, MoEConfig, SourceConfig, load_config
 from fivefold.models.presets import PRESETS
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -28,7 +28,9 @@ file with the same structure also works) and any number of `--set section.key=va
 overrides, applied in order after the file, e.g.
 `--set model.preset=1B --set train.lr=1e-3 --set model.moe.experts=16`. A `--set` value is
 read as a TOML literal (`8`, `1e-3`, `true`, `"text"`, `[1, 2]`) and otherwise taken as a bare
-string. Every key left unset has the default listed below.
+string. Every key left unset has the default listed below. A relative path under `[data]`
+(`source`, `sources[].path`, `tokenizer`, `cache_dir`) written in a config file is taken from
+that file's folder; on the command line (`--set`), from the current directory.
 
 `model.preset` names a model size (see the last table); its values fill every `model.*` key
 that the config does not set, so single keys can be overridden one by one
@@ -50,6 +52,8 @@ def _type_name(f: dataclasses.Field) -> str:
     text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if "MoEConfig" in text:
         return "table"
+    if "SourceConfig" in text:
+        return "array of tables (optional)"
     return text.replace(" | None", " (optional)")
 
 
@@ -106,6 +110,9 @@ def render() -> str:
         if f.name == "model":
             moe_doc = next(m for m in dataclasses.fields(cfg.model) if m.name == "moe")
             lines += _table("model.moe", moe_doc.metadata["doc"], MoEConfig())
+        if f.name == "data":  # written [[data.sources]], one table per source
+            lines += _table("[data.sources]", "one source of a weighted mixture, each key as "
+                            "its `[data]` twin", SourceConfig())
     lines += _presets()
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -4,6 +4,7 @@
                    [--init-from MODEL_FOLDER]      (`--set parallel=auto`: the planner's layout)
                    [--max-restarts N]              (restart from the last checkpoint if a rank dies)
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
+    fivefold eval RUN_DIR [--data PATH] [--json]    (loss and perplexity of a checkpoint)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold import plan_commands
+from fivefold import eval_command, plan_commands
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
     plan_commands.add_parsers(sub)
+    eval_command.add_parser(sub)
     return parser
 
 
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "convert":
             return cmd_convert(args)
+        if args.command == "eval":
+            return eval_command.run(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
     except ConfigError as err:

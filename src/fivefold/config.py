@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fivefold.config_paths import resolve_file_paths
 from fivefold.models.presets import PRESETS
 
 
@@ -219,8 +220,20 @@ class TrainConfig:
 
 
 @dataclass
+class SourceConfig:
+    path: str = _doc('"stdlib" or a file or folder, as data.source', "stdlib")
+    weight: float = _doc("share of the sequences drawn from this source, relative to the "
+                         "other sources' weights", 1.0)
+    format: str = _doc('"auto" | "text" | "jsonl" | "tokens", as data.format', "auto")
+    text_field: str = _doc("JSONL field holding the text", "text")
+    token_dtype: str = _doc('"uint16" | "uint32" for format "tokens"', "uint16")
+
+
+@dataclass
 class DataConfig:
     source: str = _doc('"stdlib" (built-in corpus) or a path to a file or folder', "stdlib")
+    sources: list[SourceConfig] | None = _doc("a weighted mixture instead of data.source: "
+                                              "[[data.sources]] tables (docs/data.md)", None)
     format: str = _doc('"auto" | "text" | "jsonl" | "tokens" (raw little-endian token ids)',
                        "auto")
     text_field: str = _doc("JSONL field holding the text", "text")
@@ -315,9 +328,14 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         return {k: _check_type(f"{key}.{k}", v, typing.get_args(hint)[1])
                 for k, v in value.items()}
     if origin is list:
+        item = typing.get_args(hint)[0]
+        tables = dataclasses.is_dataclass(item)  # a list of tables, e.g. [[data.sources]]
         if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list, got {value!r}; write e.g. {key}=[2, 2]")
-        return [_check_type(key, v, typing.get_args(hint)[0]) for v in value]
+            raise ConfigError(key, f"expected a list, got {value!r}; write e.g. " +
+                              (f"[[{key}]] tables" if tables else f"{key}=[2, 2]"))
+        if tables:
+            return [_build(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_check_type(key, v, item) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, float) and value.is_integer():
@@ -414,9 +432,16 @@ def _auto_shorthand(raw: dict) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a config file (optional) and `--set` overrides into a typed `Config`.
 
-    Only structure and types are checked here; call `validate` for values.
+    Only structure and types are checked here; call `validate` for values. Relative `[data]`
+    paths in the file are taken from its folder (fivefold.config_paths).
     """
-    raw: dict = read_file(path) if path else {}
+    raw: dict = resolve_file_paths(read_file(path), Path(path).parent) if path else {}
+    return config_from_raw(raw, overrides)
+
+
+def config_from_raw(raw: dict, overrides: list[str] = ()) -> Config:
+    """A typed `Config` from a dict of sections (a file's, or a checkpoint's saved config,
+    `Config.to_dict`) and `--set` overrides, checked as `load_config` checks."""
     _auto_shorthand(raw)
     for assignment in overrides:
         apply_override(raw, AUTO_SHORTHAND.get(assignment.replace(" ", ""), assignment))

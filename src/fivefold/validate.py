@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
+from fivefold.data_sources import DATA_FORMATS, TOKEN_DTYPES, validate_sources
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
@@ -27,8 +28,6 @@ FP8_TENSORS = ("input", "weight", "grad_output")  # the tensor classes a recipe 
 OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
 STACKS = ("fivefold", "megatron", "torchtitan", "deepspeed")  # fivefold.planner.stack
 FFN_TYPES = ("swiglu", "gelu")
-DATA_FORMATS = ("auto", "text", "jsonl", "tokens")
-TOKEN_DTYPES = ("uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
 MOE_SCORES = ("softmax", "sigmoid")
 EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul's forms
@@ -343,6 +342,7 @@ def validate_data(cfg: Config) -> None:
         raise ConfigError("data.format", f"'tokens' reads one raw token-id file, and "
                                          f"{d.source!r} is not a file; give data.source a .bin "
                                          "or .tokens file, or use format 'auto'")
+    validate_sources(cfg)  # [[data.sources]]
 
 
 def validate_cluster(cfg: Config) -> None:

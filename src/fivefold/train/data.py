@@ -6,18 +6,29 @@ corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized 
 10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
 so concurrent ranks or an interrupted run never see a partial file.
 
+Several `[[data.sources]]` give a `Mixture` of streams instead (`prepare_mixture`). Every
+source is read as `data.source` would be: text and JSONL sources hold out `val_fraction` of
+their documents, a token file the last `val_fraction` of its ids, so validation draws from
+each source's own held-out part with the training weights. One tokenizer serves every
+source: `data.tokenizer`, or a BPE trained on a weighted sample of the text sources' training
+documents (each source gives about its weight's share of `data.tokenizer_sample_mib`), cached
+under a key of every source, weight and setting.
+
 `BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
 alone. The data position is therefore just the step number (resuming is exact), and the
 global batch is the same whatever the layout: data-parallel rank r of dp takes rows
-[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches.
+[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches. From a mixture, each sequence
+of the global batch draws its source by weight from that same generator
+(fivefold.train.mixture), so all of this holds for mixtures too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +36,18 @@ import torch
 from tokenizers import Tokenizer
 
 from fivefold.config import Config, ConfigError, DataConfig
-from fivefold.train.corpus import detect_format, load_documents, split_documents
-from fivefold.train.tokenizer import EOS, train_tokenizer
+from fivefold.data_sources import source_configs
+from fivefold.train.corpus import Document, detect_format, load_documents, split_documents
+from fivefold.train.mixture import Mixture
+from fivefold.train.tokenizer import EOS, sample_texts, train_tokenizer
 
 CACHE_VERSION = "1"
 
 
 @dataclass
 class TokenData:
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | Mixture
+    val: np.ndarray | Mixture
     tokenizer: Tokenizer | None
 
 
@@ -78,7 +91,7 @@ def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _load_tokens_file(cfg: Config) -> TokenData:
+def load_tokens_file(cfg: Config) -> TokenData:
     """Pre-tokenized ids: the last val_fraction of the stream is held out."""
     path = Path(cfg.data.source)
     dtype = np.dtype(cfg.data.token_dtype).newbyteorder("<")
@@ -96,12 +109,17 @@ def _load_tokens_file(cfg: Config) -> TokenData:
 
 
 def prepare_data(cfg: Config, log=print) -> TokenData:
-    """Load or build the tokenizer and the train/validation token streams."""
+    """Load or build the tokenizer and the train/validation token streams: of `data.source`
+    (or one `[[data.sources]]` table), or a `Mixture` of several (fivefold.train.mixture)."""
+    if cfg.data.sources and len(cfg.data.sources) > 1:
+        return prepare_mixture(cfg, log)
+    key = "data.sources[0].path" if cfg.data.sources else "data.source"
+    cfg = replace(cfg, data=source_configs(cfg.data)[0][0])
     if detect_format(cfg.data) == "tokens":
-        data = _load_tokens_file(cfg)
+        data = load_tokens_file(cfg)
     else:
         data = _prepare_text(cfg, log)
-    check_data(cfg, data)
+    check_data(cfg, data, key)
     return data
 
 
@@ -117,33 +135,98 @@ def _prepare_text(cfg: Config, log) -> TokenData:
     key = hasher.hexdigest()[:16]
     root = cache_dir(d)
     tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
-    train_path, val_path = root / f"tokens-{key}-train.npy", root / f"tokens-{key}-val.npy"
     train_docs, val_docs = split_documents(docs, d.val_fraction)
+    tok = load_or_train_tokenizer(tok_path, train_docs, vocab, d.tokenizer_sample_mib, log)
+    train, val = tokenized_splits(tok, train_docs, val_docs, root / f"tokens-{key}", vocab, log)
+    return TokenData(train, val, tok)
+
+
+def load_or_train_tokenizer(tok_path: Path, train_docs: list[Document], vocab: int,
+                            sample_mib: float, log) -> Tokenizer:
+    """The tokenizer at `tok_path`, trained on `train_docs` and saved there first if absent."""
     if not tok_path.exists():
         log(f"training a {vocab}-token BPE tokenizer on {len(train_docs)} documents ...")
-        tok = train_tokenizer(train_docs, vocab, d.tokenizer_sample_mib)
+        tok = train_tokenizer(train_docs, vocab, sample_mib)
         _atomic_write(tok_path, tok.save)
     tok = Tokenizer.from_file(str(tok_path))
     if tok.get_vocab_size() > vocab:
         raise ConfigError("model.vocab", f"{vocab} is smaller than the tokenizer's "
                                          f"{tok.get_vocab_size()} tokens; raise model.vocab")
+    return tok
+
+
+def tokenized_splits(tok: Tokenizer, train_docs: list[Document], val_docs: list[Document],
+                     stem: Path, vocab: int, log) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, validation) token streams, cached as `{stem}-train.npy` / `-val.npy`."""
+    train_path, val_path = Path(f"{stem}-train.npy"), Path(f"{stem}-val.npy")
     if not (train_path.exists() and val_path.exists()):
         log(f"tokenizing {len(train_docs)} + {len(val_docs)} documents "
-            f"({sum(len(x.text) for x in docs) / 2**20:.1f} MiB) ...")
+            f"({sum(len(x.text) for x in train_docs + val_docs) / 2**20:.1f} MiB) ...")
         dtype = _token_dtype(vocab)
         for path, split in ((train_path, train_docs), (val_path, val_docs)):
             ids = _encode(tok, [x.text for x in split], dtype)
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
-    return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok)
+    return np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
 
 
-def check_data(cfg: Config, data: TokenData) -> None:
-    """Both splits must hold at least one sequence, and ids must fit the vocabulary."""
+def weighted_sample(sources: list[tuple[list[Document], float]], sample_mib: float
+                    ) -> list[Document]:
+    """About `sample_mib` MiB of documents, each source's share in proportion to its weight
+    (every k-th document of it, as fivefold.train.tokenizer samples one source)."""
+    total = sum(weight for _, weight in sources)
+    return [Document(str(i), text) for i, (docs, weight) in enumerate(sources)
+            for text in sample_texts(docs, sample_mib * weight / total)]
+
+
+def prepare_mixture(cfg: Config, log=print) -> TokenData:
+    """The tokenizer and a `Mixture` of every source's train and validation streams."""
+    d, vocab = cfg.data, cfg.model.vocab
+    sources = source_configs(d)
+    formats = [detect_format(one) for one, _ in sources]
+    if "tokens" in formats and set(formats) != {"tokens"} and d.tokenizer is None:
+        raise ConfigError("data.tokenizer", "the mixture holds token files and text: give "
+                                            "the tokenizer.json the token files were made "
+                                            "with, which then tokenizes the text too")
+    splits = {i: split_documents(load_documents(one), d.val_fraction)
+              for i, ((one, _), fmt) in enumerate(zip(sources, formats)) if fmt != "tokens"}
+    hasher = hashlib.sha256(f"{CACHE_VERSION}|mixture|{vocab}|{d.val_fraction}|"
+                            f"{d.tokenizer_sample_mib}".encode())
+    for i, (train_docs, val_docs) in splits.items():
+        hasher.update(f"|source {i} weight {sources[i][1]!r}|".encode())
+        for doc in train_docs + val_docs:
+            hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
+    if d.tokenizer:
+        hasher.update(Path(d.tokenizer).read_bytes())
+    key, root = hasher.hexdigest()[:16], cache_dir(d)
+    tok = None
+    if splits or d.tokenizer:
+        tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
+        sample = weighted_sample([(splits[i][0], sources[i][1]) for i in splits],
+                                 d.tokenizer_sample_mib)
+        tok = load_or_train_tokenizer(tok_path, sample, vocab, math.inf, log)  # all of it
+    trains, vals = [], []
+    for i, (one, _) in enumerate(sources):
+        if i in splits:
+            train, val = tokenized_splits(tok, *splits[i], root / f"tokens-{key}-{i}", vocab,
+                                          log)
+        else:
+            tokens = load_tokens_file(replace(cfg, data=one))
+            train, val = tokens.train, tokens.val
+        check_data(cfg, TokenData(train, val, tok), f"data.sources[{i}].path")
+        trains.append(train)
+        vals.append(val)
+    weights = tuple(weight for _, weight in sources)
+    return TokenData(Mixture(tuple(trains), weights), Mixture(tuple(vals), weights), tok)
+
+
+def check_data(cfg: Config, data: TokenData, source_key: str = "data.source") -> None:
+    """Both splits (of the source `source_key` names) must hold at least one sequence, and
+    ids must fit the vocabulary."""
     need = cfg.model.seq_len + 1
     for name, tokens in (("train", data.train), ("validation", data.val)):
         if len(tokens) < need:
-            raise ConfigError("data.val_fraction" if name == "validation" else "data.source",
-                              f"the {name} split holds {len(tokens)} tokens, fewer than one "
+            raise ConfigError("data.val_fraction" if name == "validation" else source_key,
+                              f"the {name} split of {source_key} holds {len(tokens)} tokens, fewer than one "
                               f"sequence of model.seq_len + 1 = {need}; give more data or a "
                               "shorter model.seq_len")
     top = int(data.train[: 1 << 20].max())
@@ -160,27 +243,34 @@ class BatchSampler:
     unsplit sequences, so each token's label is the next token of the whole sequence, also
     at the boundaries between the ranks' chunks."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 split: int = 0, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, tokens: np.ndarray | Mixture, seq_len: int, global_batch: int,
+                 seed: int, split: int = 0, dp_rank: int = 0, dp_size: int = 1,
                  positions: torch.Tensor | None = None):
         if global_batch % dp_size:
             raise ValueError(f"global_batch {global_batch} not divisible by dp {dp_size}")
-        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.mixture = tokens if isinstance(tokens, Mixture) else Mixture((tokens,), (1.0,))
+        self.seq_len, self.global_batch = seq_len, global_batch
         self.seed, self.split = seed, split
         self.per_rank = global_batch // dp_size
         self.first_row = dp_rank * self.per_rank
         self.positions = None if positions is None else positions.cpu()
 
-    def global_offsets(self, step: int) -> np.ndarray:
+    def global_draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, offset) of every sequence of the global batch of `step`."""
         rng = np.random.default_rng([self.seed, self.split, step])
-        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
+        return self.mixture.draw(rng, self.global_batch, self.seq_len)
+
+    def global_offsets(self, step: int) -> np.ndarray:
+        return self.global_draw(step)[1]
 
     def rank_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the global batch of `step`: inputs and targets, (G/dp, T),
         or (G/dp, T/cp) at this rank's `positions`."""
-        offsets = self.global_offsets(step)[self.first_row:self.first_row + self.per_rank]
-        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                         for o in offsets])
+        mine = slice(self.first_row, self.first_row + self.per_rank)
+        sources, offsets = (drawn[mine] for drawn in self.global_draw(step))
+        streams = self.mixture.streams
+        rows = np.stack([np.asarray(streams[i][o:o + self.seq_len + 1], dtype=np.int64)
+                         for i, o in zip(sources, offsets)])
         rows_BT = torch.from_numpy(rows)
         inputs_BT, targets_BT = rows_BT[:, :-1], rows_BT[:, 1:]
         if self.positions is None:
