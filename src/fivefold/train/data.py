@@ -1,7 +1,8 @@
 """Token streams and the deterministic, resumable, rank-aware batch sampler.
 
 `prepare_data` turns the configured source into two flat token arrays (train, validation),
-with `<|endoftext|>` between documents, cached on disk as .npy files keyed by a hash of the
+each document ended by the tokenizer's end-of-document token (and begun by its bos where
+the model family does that: fivefold.train.special_tokens), cached on disk as .npy files keyed by a hash of the
 corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
 10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
 so concurrent ranks or an interrupted run never see a partial file.
@@ -26,7 +27,8 @@ from tokenizers import Tokenizer
 
 from fivefold.config import Config, ConfigError, DataConfig
 from fivefold.train.corpus import detect_format, load_documents, split_documents
-from fivefold.train.tokenizer import EOS, train_tokenizer
+from fivefold.train.special_tokens import SpecialTokens, special_tokens
+from fivefold.train.tokenizer import train_tokenizer
 
 CACHE_VERSION = "1"
 
@@ -36,6 +38,7 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     tokenizer: Tokenizer | None
+    special: SpecialTokens | None = None  # its bos/eos, when there is a tokenizer
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -66,16 +69,18 @@ def _token_dtype(vocab: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
 
 
-def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
-    eos = tok.token_to_id(EOS)
-    if eos is None:
-        raise ConfigError("data.tokenizer", f"the tokenizer has no {EOS!r} token to separate "
-                                            "documents; add it as a special token")
-    parts = []
-    for enc in tok.encode_batch(texts):
-        parts.append(np.asarray(enc.ids, dtype=dtype))
-        parts.append(np.asarray([eos], dtype=dtype))
+def _encode(tok: Tokenizer, special: SpecialTokens, texts: list[str],
+            dtype: np.dtype) -> np.ndarray:
+    parts = [np.asarray(special.document(enc.ids), dtype=dtype)
+             for enc in tok.encode_batch(texts, add_special_tokens=False)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def run_special_tokens(cfg: DataConfig, tok: Tokenizer) -> SpecialTokens:
+    """bos/eos of the run's tokenizer: a given one's from its folder's files, the built-in
+    BPE's `<|endoftext|>` (fivefold.train.special_tokens)."""
+    folder = Path(cfg.tokenizer).parent if cfg.tokenizer else None
+    return special_tokens(tok, folder, cfg.eos_token)
 
 
 def _load_tokens_file(cfg: Config) -> TokenData:
@@ -92,7 +97,8 @@ def _load_tokens_file(cfg: Config) -> TokenData:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     split = int(len(tokens) * (1 - cfg.data.val_fraction))
     tok = Tokenizer.from_file(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    return TokenData(tokens[:split], tokens[split:], tok)
+    special = run_special_tokens(cfg.data, tok) if tok else None
+    return TokenData(tokens[:split], tokens[split:], tok, special)
 
 
 def prepare_data(cfg: Config, log=print) -> TokenData:
@@ -114,6 +120,9 @@ def _prepare_text(cfg: Config, log) -> TokenData:
         hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
     if d.tokenizer:
         hasher.update(Path(d.tokenizer).read_bytes())
+        tok = Tokenizer.from_file(d.tokenizer)
+        special = run_special_tokens(d, tok)
+        hasher.update(repr(special).encode())  # the files beside it and data.eos_token
     key = hasher.hexdigest()[:16]
     root = cache_dir(d)
     tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
@@ -124,6 +133,7 @@ def _prepare_text(cfg: Config, log) -> TokenData:
         tok = train_tokenizer(train_docs, vocab, d.tokenizer_sample_mib)
         _atomic_write(tok_path, tok.save)
     tok = Tokenizer.from_file(str(tok_path))
+    special = run_special_tokens(d, tok)
     if tok.get_vocab_size() > vocab:
         raise ConfigError("model.vocab", f"{vocab} is smaller than the tokenizer's "
                                          f"{tok.get_vocab_size()} tokens; raise model.vocab")
@@ -132,9 +142,10 @@ def _prepare_text(cfg: Config, log) -> TokenData:
             f"({sum(len(x.text) for x in docs) / 2**20:.1f} MiB) ...")
         dtype = _token_dtype(vocab)
         for path, split in ((train_path, train_docs), (val_path, val_docs)):
-            ids = _encode(tok, [x.text for x in split], dtype)
+            ids = _encode(tok, special, [x.text for x in split], dtype)
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
-    return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok)
+    return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok,
+                     special)
 
 
 def check_data(cfg: Config, data: TokenData) -> None:
