@@ -4,6 +4,7 @@
                    [--init-from MODEL_FOLDER]      (`--set parallel=auto`: the planner's layout)
                    [--max-restarts N]              (restart from the last checkpoint if a rank dies)
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
+    fivefold generate SRC --prompt TEXT             (greedy or sampled text from a model)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold import plan_commands
+from fivefold import generate_command, plan_commands
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
     plan_commands.add_parsers(sub)
+    generate_command.add_parser(sub)
     return parser
 
 
@@ -65,12 +67,13 @@ def train_config(args: argparse.Namespace) -> Config:
         overrides.append(f"train.steps={args.steps}")
     if args.init_from:
         from fivefold.config import apply_override, read_file
-        from fivefold.train.model_source import init_from_overrides
+        from fivefold.train.model_source import check_init_tokenizer, init_from_overrides
 
         raw = read_file(args.config) if args.config else {}
         for assignment in overrides:
             apply_override(raw, assignment)
         overrides += init_from_overrides(args.init_from, raw)
+        return check_init_tokenizer(load_config(args.config, overrides), args.init_from)
     return load_config(args.config, overrides)
 
 
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "convert":
             return cmd_convert(args)
+        if args.command == "generate":
+            return generate_command.run(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
     except ConfigError as err:

@@ -2,10 +2,11 @@
 
 `prepare_data` turns the configured source into two flat token arrays (train, validation),
 each document ended by the tokenizer's end-of-document token (and begun by its bos where
-the model family does that: fivefold.train.special_tokens), cached on disk as .npy files keyed by a hash of the
-corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
-10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
-so concurrent ranks or an interrupted run never see a partial file.
+the model family does that: fivefold.train.special_tokens), cached on disk as .npy files
+keyed by a hash of the corpus, the tokenizer (with its bos/eos) and the vocabulary size: the
+built-in corpus is tokenized once (about 10 s) and memory-mapped after that. Cache files are
+written to a temporary name and renamed, so concurrent ranks or an interrupted run never see a
+partial file. A run keeps its tokenizer in RUN_DIR/tokenizer (`write_run_tokenizer`).
 
 `BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
 alone. The data position is therefore just the step number (resuming is exact), and the
@@ -27,10 +28,11 @@ from tokenizers import Tokenizer
 
 from fivefold.config import Config, ConfigError, DataConfig
 from fivefold.train.corpus import detect_format, load_documents, split_documents
-from fivefold.train.special_tokens import SpecialTokens, special_tokens
+from fivefold.train.special_tokens import SpecialTokens, special_tokens, write_tokenizer_folder
 from fivefold.train.tokenizer import train_tokenizer
 
 CACHE_VERSION = "1"
+RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer: the run's tokenizer files
 
 
 @dataclass
@@ -146,6 +148,15 @@ def _prepare_text(cfg: Config, log) -> TokenData:
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
     return TokenData(np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"), tok,
                      special)
+
+
+def write_run_tokenizer(run_dir: Path, cfg: Config, data: TokenData) -> None:
+    """RUN_DIR/tokenizer: the run's tokenizer with its bos/eos, as transformers reads it, for
+    `fivefold convert` and `fivefold generate` of the run's checkpoints."""
+    if data.tokenizer is not None and data.special is not None:
+        source = Path(cfg.data.tokenizer).parent if cfg.data.tokenizer else None
+        write_tokenizer_folder(Path(run_dir) / RUN_TOKENIZER, data.tokenizer, data.special,
+                               cfg.model.seq_len, source)
 
 
 def check_data(cfg: Config, data: TokenData) -> None:
