@@ -12,7 +12,8 @@ tiny random Llama that transformers makes from a LlamaConfig:
 
 The round trip: `fivefold train --init-from` the folder for two steps, `fivefold convert` the
 run to a Hugging Face folder, load model and tokenizer with transformers' Auto classes, and
-compare transformers' greedy `generate` with `fivefold generate`: the same token ids,
+compare transformers' greedy `generate` with `fivefold generate` of the run and of the
+converted folder (and of a fivefold weights folder converted from it): the same token ids,
 exactly (greedy decoding of the same fp32 function; the logits agree to about 1e-5,
 tests/test_hf.py, and the weights are drawn large so that no two top logits are that close).
 """
@@ -33,10 +34,11 @@ from tokenizers import trainers  # noqa: E402
 from fivefold import cli  # noqa: E402
 from fivefold.config import ConfigError, load_config  # noqa: E402
 from fivefold.generate_command import generate  # noqa: E402
+from fivefold.train.corpus import Document  # noqa: E402
 from fivefold.train.data import prepare_data  # noqa: E402
+from fivefold.train.model_source import convert, init_from_overrides  # noqa: E402
 from fivefold.train.special_tokens import SpecialTokens, special_tokens  # noqa: E402
 from fivefold.train.tokenizer import EOS, train_tokenizer  # noqa: E402
-from fivefold.train.corpus import Document  # noqa: E402
 
 VOCAB = 320
 PROMPT = "def main():\n    return"
@@ -127,6 +129,17 @@ def test_hf_round_trip_generates_what_transformers_generates(style, small_corpus
     assert cli.main(["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", "12",
                      "--device", "cpu"]) == 0
     assert capsys.readouterr().out == tok.decode(hf_ids, skip_special_tokens=True) + "\n"
+
+    # a fivefold weights folder carries the tokenizer too, and so does its export
+    convert(out, tmp_path / "ff")
+    assert generate(tmp_path / "ff", PROMPT, max_new_tokens=12, device="cpu")[1] == hf_ids
+    convert(tmp_path / "ff", tmp_path / "hf2")
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf2")
+    assert (again.bos_token, again.eos_token, again(PROMPT)["input_ids"]) == (
+        s["bos"], s["eos"], hf_prompt)
+    # --init-from the run takes the run's tokenizer
+    assert f"data.tokenizer=\"{run / 'tokenizer' / 'tokenizer.json'}\"" in init_from_overrides(
+        run, {})
 
 
 def test_documents_are_laid_out_as_the_family_does(small_corpus, tmp_path):
