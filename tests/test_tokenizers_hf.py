@@ -37,7 +37,8 @@ from fivefold.generate_command import generate  # noqa: E402
 from fivefold.train.corpus import Document  # noqa: E402
 from fivefold.train.data import prepare_data  # noqa: E402
 from fivefold.train.model_source import convert, init_from_overrides  # noqa: E402
-from fivefold.train.special_tokens import SpecialTokens, special_tokens  # noqa: E402
+from fivefold.train.special_tokens import (SpecialTokens, special_tokens,  # noqa: E402
+                                           write_tokenizer_folder)
 from fivefold.train.tokenizer import EOS, train_tokenizer  # noqa: E402
 
 VOCAB = 320
@@ -157,6 +158,13 @@ def test_documents_are_laid_out_as_the_family_does(small_corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.eos_token"):  # a name it does not have
         special_tokens(tok, folder, "</s>")
     assert special_tokens(tok, folder, "<|begin_of_text|>").eos == "<|begin_of_text|>"
+    # tokenizer_config.json's add_bos_token overrules the post-processor, as in transformers
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    special = special_tokens(tok, folder)
+    assert special.add_bos is False and special.document(plain) == [*plain, eos]
+    write_tokenizer_folder(tmp_path / "out", tok, special, 48, folder)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("x = 1")[
+        "input_ids"] == plain
 
 
 def test_builtin_bpe_streams_are_unchanged():

@@ -161,7 +161,8 @@ def write_tokenizer_folder(folder: Path, tok: Tokenizer, special: SpecialTokens,
                            max_length: int, source: Path | None = None) -> None:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json in `folder`, as
     transformers reads them; `source` is the folder the tokenizer came from, whose
-    tokenizer_config.json keys (its class, chat template) are kept."""
+    tokenizer_config.json keys (its class, chat template) and other special tokens (pad,
+    unk) are kept."""
     folder.mkdir(parents=True, exist_ok=True)
     out = Tokenizer.from_str(tok.to_str())
     first = prepended_token(out)
@@ -178,5 +179,6 @@ def write_tokenizer_folder(folder: Path, tok: Tokenizer, special: SpecialTokens,
     config.update(names, add_bos_token=special.add_bos, add_eos_token=False,
                   model_max_length=max_length)
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / SPECIAL_TOKENS_MAP).write_text(json.dumps(
-        {k: v for k, v in names.items() if v is not None}, indent=2) + "\n")
+    tokens_map = read_json(source / SPECIAL_TOKENS_MAP) if source else {}
+    tokens_map.update({k: v for k, v in names.items() if v is not None})
+    (folder / SPECIAL_TOKENS_MAP).write_text(json.dumps(tokens_map, indent=2) + "\n")
