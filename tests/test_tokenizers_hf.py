@@ -206,3 +206,5 @@ def test_init_from_a_folder_without_a_tokenizer_is_refused(small_corpus, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "data.tokenizer" in err and "--init-from" in err
     assert not (tmp_path / "run").exists()  # refused before anything ran
+    assert cli.main(["generate", str(folder), "--prompt", "x"]) == 2  # nothing to encode with
+    assert "no tokenizer.json" in capsys.readouterr().err
