@@ -50,7 +50,7 @@ def test_eval_equals_the_runs_last_validation_loss(trained_run, capsys):
                             "--batches", "2")
     assert step_folder["tokens"] == 2 * 8 * 32 and step_folder["loss"] != result["loss"]
     main(["eval", str(run_dir)])
-    line = capsys.readouterr().out.strip()
+    line = capsys.readouterr().out.strip().splitlines()[-1]  # after the "loaded" line
     assert line.startswith("eval ") and f"loss {result['loss']:.4f}" in line
     assert "\n" not in line
 

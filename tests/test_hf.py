@@ -198,8 +198,12 @@ def test_init_from_hf_folder_trains_from_those_weights(tiny_overrides, tmp_path)
     trainer.model = Logits()
     assert val == pytest.approx(trainer.evaluate(), rel=1e-5)
 
-    # the same through the command line: the run starts from those weights
-    sets = [arg for o in tiny_overrides for arg in ("--set", o)]
+    # the same through the command line: the run starts from those weights; the folder has
+    # no tokenizer, so the run names the one the Trainer above trained (a new one is refused)
+    tokenizer = tmp_path / "tokenizer" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    trainer.data.tokenizer.save(str(tokenizer))
+    sets = [arg for o in tiny_overrides + [f"data.tokenizer='{tokenizer}'"] for arg in ("--set", o)]
     assert cli.main(["train", "--init-from", str(folder), "--steps", "2", "--run-dir",
                      str(tmp_path / "cli"), *sets]) == 0
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())

@@ -5,6 +5,7 @@
                    [--max-restarts N]              (restart from the last checkpoint if a rank dies)
     fivefold convert SRC DST [--to hf|fivefold]     (Hugging Face <-> fivefold weights)
     fivefold eval RUN_DIR [--data PATH] [--json]    (loss and perplexity of a checkpoint)
+    fivefold generate SRC --prompt TEXT             (greedy or sampled text from a model)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 from fivefold import eval_command, plan_commands
+from fivefold import generate_command, plan_commands
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
     plan_commands.add_parsers(sub)
     eval_command.add_parser(sub)
+    generate_command.add_parser(sub)
     return parser
 
 
@@ -67,12 +70,13 @@ def train_config(args: argparse.Namespace) -> Config:
         overrides.append(f"train.steps={args.steps}")
     if args.init_from:
         from fivefold.config import apply_override, read_file
-        from fivefold.train.model_source import init_from_overrides
+        from fivefold.train.model_source import check_init_tokenizer, init_from_overrides
 
         raw = read_file(args.config) if args.config else {}
         for assignment in overrides:
             apply_override(raw, assignment)
         overrides += init_from_overrides(args.init_from, raw)
+        return check_init_tokenizer(load_config(args.config, overrides), args.init_from)
     return load_config(args.config, overrides)
 
 
@@ -205,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_convert(args)
         if args.command == "eval":
             return eval_command.run(args)
+        if args.command == "generate":
+            return generate_command.run(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
     except ConfigError as err:

@@ -238,7 +238,11 @@ class DataConfig:
                        "auto")
     text_field: str = _doc("JSONL field holding the text", "text")
     token_dtype: str = _doc('"uint16" | "uint32" for format "tokens"', "uint16")
-    tokenizer: str | None = _doc("tokenizer.json to use instead of training one", None)
+    tokenizer: str | None = _doc("tokenizer.json (HF `tokenizers`) to use instead of training one",
+                                 None)
+    eos_token: str | None = _doc("the token that ends each document; default: from "
+                                 "tokenizer_config.json / config.json beside the tokenizer, "
+                                 "else <|endoftext|>, </s>, <|end_of_text|> or <eos>", None)
     val_fraction: float = _doc("share of documents held out for validation", 0.02)
     tokenizer_sample_mib: float = _doc("MiB of training text the BPE tokenizer learns from", 5.0)
     cache_dir: str | None = _doc("tokenizer and token cache; default ~/.cache/fivefold", None)

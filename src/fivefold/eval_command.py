@@ -90,17 +90,18 @@ def held_out_data(cfg: Config, path: str | None, log):
     if detect_format(one) == "tokens":  # the run's data is not needed
         tokens = load_tokens_file(replace(cfg, data=replace(one, val_fraction=0.0))).train
     else:
-        tok = prepare_data(cfg, log).tokenizer  # cached since the run
+        run_data = prepare_data(cfg, log)  # cached since the run
+        tok, special = run_data.tokenizer, run_data.special
         if tok is None:
             raise ConfigError("--data", "the run trained on token ids without a tokenizer; "
                                         "give a token-id file (.bin or .tokens)")
         docs = load_documents(one)
-        hasher = hashlib.sha256(tok.to_str().encode())
+        hasher = hashlib.sha256(tok.to_str().encode() + repr(special).encode())
         for doc in docs:
             hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
         stem = cache_dir(cfg.data) / f"heldout-{hasher.hexdigest()[:16]}"
         # every document held out: one stream, cached as the "train" half of a split
-        tokens, _ = tokenized_splits(tok, docs, [], stem, cfg.model.vocab, log)
+        tokens, _ = tokenized_splits(tok, special, docs, [], stem, cfg.model.vocab, log)
     data = TokenData(tokens, tokens, tok)
     check_data(cfg, data, "--data")
     return data

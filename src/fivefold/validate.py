@@ -16,6 +16,9 @@ from pathlib import Path
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
 from fivefold.data_sources import DATA_FORMATS, TOKEN_DTYPES, validate_sources
+from fivefold.models.validate_model import FFN_TYPES  # noqa: F401 (the config fuzz reads it here)
+from fivefold.models.validate_model import (check_model, choice as _choice,
+                                            divisors as _divisors, positive as _positive)
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
@@ -27,79 +30,12 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # fivefold.parallel.fp8.recipe
 FP8_TENSORS = ("input", "weight", "grad_output")  # the tensor classes a recipe rounds to fp8
 OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
 STACKS = ("fivefold", "megatron", "torchtitan", "deepspeed")  # fivefold.planner.stack
-FFN_TYPES = ("swiglu", "gelu")
 DEVICES = ("auto", "cpu", "cuda")
-MOE_SCORES = ("softmax", "sigmoid")
-EXPERT_MATMULS = ("grouped", "loop")  # fivefold.models.expert_matmul's forms
 MAX_TIMEOUT_S = 1e9  # about 30 years: a collective timeout beyond it overflows timedelta
 
 
-def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
-    """A number > 0 (or >= 0): finite, since every such key sizes or scales something that
-    an infinity would overflow or turn to NaN (found by tests/test_config_fuzz.py)."""
-    if value is None:
-        return
-    if not (value > 0 or (allow_zero and value == 0)):  # also rejects NaN
-        bound = "zero or more" if allow_zero else "greater than zero"
-        raise ConfigError(key, f"must be {bound}, got {value}")
-    if math.isinf(value):
-        raise ConfigError(key, f"must be finite, got {value}")
-
-
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def _divisors(n: int) -> str:
-    """The divisors of n, for an error message: found up to sqrt(n) (a drawn 2**40 heads
-    must not stall the check that names it) and listed up to 16, then "...", then n."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    found = sorted(set(small + [n // d for d in small]))
-    shown = found if len(found) <= 16 else found[:15] + ["...", n]
-    return ", ".join(map(str, shown))
-
-
 def validate_model(cfg: Config) -> None:
-    m = cfg.model
-    for key in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
-        _positive(f"model.{key}", getattr(m, key))
-    _positive("model.kv_heads", m.kv_heads)
-    _positive("model.head_dim", m.head_dim)
-    _positive("model.rope_theta", m.rope_theta)
-    _positive("model.norm_eps", m.norm_eps)
-    _choice("model.ffn_type", m.ffn_type, FFN_TYPES)
-    if m.heads % m.n_kv_heads:
-        raise ConfigError("model.kv_heads", f"{m.n_kv_heads} does not divide model.heads = "
-                                            f"{m.heads}; choose one of {_divisors(m.heads)}")
-    if m.head_dim is None and m.hidden % m.heads:
-        raise ConfigError("model.heads", f"{m.heads} does not divide model.hidden = {m.hidden}; "
-                                         "change one of them or set model.head_dim")
-    if m.d_head % 2:
-        raise ConfigError("model.head_dim", f"head dimension {m.d_head} must be even for rotary "
-                                            "embeddings")
-    if m.moe is not None:
-        moe = m.moe
-        for key in ("experts", "top_k", "expert_ffn_hidden", "layer_freq"):
-            _positive(f"model.moe.{key}", getattr(moe, key))
-        _positive("model.moe.shared_experts", moe.shared_experts, allow_zero=True)
-        _positive("model.moe.dense_layers", moe.dense_layers, allow_zero=True)
-        _positive("model.moe.capacity_factor", moe.capacity_factor)
-        if moe.top_k > moe.experts:
-            raise ConfigError("model.moe.top_k", f"{moe.top_k} exceeds model.moe.experts = "
-                                                 f"{moe.experts}")
-        _positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
-        _positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
-        _positive("model.moe.bias_update_rate", moe.bias_update_rate, allow_zero=True)
-        _positive("model.moe.rank_imbalance", moe.rank_imbalance)
-        if moe.rank_imbalance < 1:
-            raise ConfigError("model.moe.rank_imbalance", f"must be 1 (balanced) or more, got "
-                                                          f"{moe.rank_imbalance}")
-        _choice("model.moe.score", moe.score, MOE_SCORES)
-        _choice("model.moe.expert_matmul", moe.expert_matmul, EXPERT_MATMULS)
-        if moe.dense_layers >= m.layers:
-            raise ConfigError("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer "
-                                                        f"among {m.layers}")
+    check_model(cfg.model)  # fivefold.models.validate_model: what Hugging Face import checks too
 
 
 def validate_parallel(cfg: Config, world_size: int | None) -> None:

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fivefold.config import Config, ConfigError, ModelConfig, MoEConfig
+from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.models.description import name_in_part, parameters
-from fivefold.validate import validate_model
+from fivefold.models.validate_model import check_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -153,7 +153,7 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                       qkv_bias=family == "qwen2", moe=moe)
     try:
-        validate_model(Config(model=cfg))
+        check_model(cfg)
     except ConfigError as err:
         raise CheckpointError(where, f"describes a model fivefold cannot build: {err}") from None
     return cfg

@@ -126,9 +126,13 @@ def write_weights_folder(folder: Path, pre: Pretrained) -> None:
         (folder / HF_CONFIG_FILE).write_text(json.dumps(pre.hf_config, indent=2) + "\n")
 
 
-def write_hf_folder(folder: Path, pre: Pretrained, shard_bytes: int = SHARD_BYTES) -> None:
-    """config.json + safetensors in Hugging Face's names and layout."""
+def write_hf_folder(folder: Path, pre: Pretrained, shard_bytes: int = SHARD_BYTES,
+                    token_ids: dict | None = None) -> None:
+    """config.json + safetensors in Hugging Face's names and layout; `token_ids`
+    (bos_token_id, eos_token_id) are those of the tokenizer written beside them, set where
+    the source's config.json has none (its own, e.g. a list of stop ids, are kept)."""
     dtype = pre.state["tok_embeddings.weight"].dtype
     config = hf_config_from_model(pre.cfg, dtype, pre.hf_config)
+    config.update({k: v for k, v in (token_ids or {}).items() if config.get(k) is None})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_hf_tensors(folder, state_to_hf(pre.state, pre.cfg), shard_bytes)

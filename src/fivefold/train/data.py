@@ -1,10 +1,12 @@
 """Token streams and the deterministic, resumable, rank-aware batch sampler.
 
 `prepare_data` turns the configured source into two flat token arrays (train, validation),
-with `<|endoftext|>` between documents, cached on disk as .npy files keyed by a hash of the
-corpus, the tokenizer and the vocabulary size: the built-in corpus is tokenized once (about
-10 s) and memory-mapped after that. Cache files are written to a temporary name and renamed,
-so concurrent ranks or an interrupted run never see a partial file.
+each document ended by the tokenizer's end-of-document token (and begun by its bos where
+the model family does that: fivefold.train.special_tokens), cached on disk as .npy files
+keyed by a hash of the corpus, the tokenizer (with its bos/eos) and the vocabulary size: the
+built-in corpus is tokenized once (about 10 s) and memory-mapped after that. Cache files are
+written to a temporary name and renamed, so concurrent ranks or an interrupted run never see a
+partial file. A run keeps its tokenizer in RUN_DIR/tokenizer (`write_run_tokenizer`).
 
 Several `[[data.sources]]` give a `Mixture` of streams instead (`prepare_mixture`). Every
 source is read as `data.source` would be: text and JSONL sources hold out `val_fraction` of
@@ -39,9 +41,11 @@ from fivefold.config import Config, ConfigError, DataConfig
 from fivefold.data_sources import source_configs
 from fivefold.train.corpus import Document, detect_format, load_documents, split_documents
 from fivefold.train.mixture import Mixture
-from fivefold.train.tokenizer import EOS, sample_texts, train_tokenizer
+from fivefold.train.special_tokens import SpecialTokens, special_tokens, write_tokenizer_folder
+from fivefold.train.tokenizer import sample_texts, train_tokenizer
 
 CACHE_VERSION = "1"
+RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer: the run's tokenizer files
 
 
 @dataclass
@@ -49,6 +53,7 @@ class TokenData:
     train: np.ndarray | Mixture
     val: np.ndarray | Mixture
     tokenizer: Tokenizer | None
+    special: SpecialTokens | None = None  # its bos/eos, when there is a tokenizer
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -79,16 +84,18 @@ def _token_dtype(vocab: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
 
 
-def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
-    eos = tok.token_to_id(EOS)
-    if eos is None:
-        raise ConfigError("data.tokenizer", f"the tokenizer has no {EOS!r} token to separate "
-                                            "documents; add it as a special token")
-    parts = []
-    for enc in tok.encode_batch(texts):
-        parts.append(np.asarray(enc.ids, dtype=dtype))
-        parts.append(np.asarray([eos], dtype=dtype))
+def _encode(tok: Tokenizer, special: SpecialTokens, texts: list[str],
+            dtype: np.dtype) -> np.ndarray:
+    parts = [np.asarray(special.document(enc.ids), dtype=dtype)
+             for enc in tok.encode_batch(texts, add_special_tokens=False)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def run_special_tokens(cfg: DataConfig, tok: Tokenizer) -> SpecialTokens:
+    """bos/eos of the run's tokenizer: a given one's from its folder's files, the built-in
+    BPE's `<|endoftext|>` (fivefold.train.special_tokens)."""
+    folder = Path(cfg.tokenizer).parent if cfg.tokenizer else None
+    return special_tokens(tok, folder, cfg.eos_token)
 
 
 def load_tokens_file(cfg: Config) -> TokenData:
@@ -105,7 +112,8 @@ def load_tokens_file(cfg: Config) -> TokenData:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     split = int(len(tokens) * (1 - cfg.data.val_fraction))
     tok = Tokenizer.from_file(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    return TokenData(tokens[:split], tokens[split:], tok)
+    special = run_special_tokens(cfg.data, tok) if tok else None
+    return TokenData(tokens[:split], tokens[split:], tok, special)
 
 
 def prepare_data(cfg: Config, log=print) -> TokenData:
@@ -132,13 +140,18 @@ def _prepare_text(cfg: Config, log) -> TokenData:
         hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
     if d.tokenizer:
         hasher.update(Path(d.tokenizer).read_bytes())
+        tok = Tokenizer.from_file(d.tokenizer)
+        special = run_special_tokens(d, tok)
+        hasher.update(repr(special).encode())  # the files beside it and data.eos_token
     key = hasher.hexdigest()[:16]
     root = cache_dir(d)
     tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
     train_docs, val_docs = split_documents(docs, d.val_fraction)
     tok = load_or_train_tokenizer(tok_path, train_docs, vocab, d.tokenizer_sample_mib, log)
-    train, val = tokenized_splits(tok, train_docs, val_docs, root / f"tokens-{key}", vocab, log)
-    return TokenData(train, val, tok)
+    special = run_special_tokens(d, tok)
+    train, val = tokenized_splits(tok, special, train_docs, val_docs, root / f"tokens-{key}",
+                                  vocab, log)
+    return TokenData(train, val, tok, special)
 
 
 def load_or_train_tokenizer(tok_path: Path, train_docs: list[Document], vocab: int,
@@ -155,18 +168,29 @@ def load_or_train_tokenizer(tok_path: Path, train_docs: list[Document], vocab: i
     return tok
 
 
-def tokenized_splits(tok: Tokenizer, train_docs: list[Document], val_docs: list[Document],
-                     stem: Path, vocab: int, log) -> tuple[np.ndarray, np.ndarray]:
-    """The (train, validation) token streams, cached as `{stem}-train.npy` / `-val.npy`."""
+def tokenized_splits(tok: Tokenizer, special: SpecialTokens, train_docs: list[Document],
+                     val_docs: list[Document], stem: Path, vocab: int, log
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, validation) token streams, each document framed by `special`'s bos/eos,
+    cached as `{stem}-train.npy` / `-val.npy`."""
     train_path, val_path = Path(f"{stem}-train.npy"), Path(f"{stem}-val.npy")
     if not (train_path.exists() and val_path.exists()):
         log(f"tokenizing {len(train_docs)} + {len(val_docs)} documents "
             f"({sum(len(x.text) for x in train_docs + val_docs) / 2**20:.1f} MiB) ...")
         dtype = _token_dtype(vocab)
         for path, split in ((train_path, train_docs), (val_path, val_docs)):
-            ids = _encode(tok, [x.text for x in split], dtype)
+            ids = _encode(tok, special, [x.text for x in split], dtype)
             _atomic_write(path, lambda tmp, ids=ids: _save_npy(tmp, ids))
     return np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r")
+
+
+def write_run_tokenizer(run_dir: Path, cfg: Config, data: TokenData) -> None:
+    """RUN_DIR/tokenizer: the run's tokenizer with its bos/eos, as transformers reads it, for
+    `fivefold convert` and `fivefold generate` of the run's checkpoints."""
+    if data.tokenizer is not None and data.special is not None:
+        source = Path(cfg.data.tokenizer).parent if cfg.data.tokenizer else None
+        write_tokenizer_folder(Path(run_dir) / RUN_TOKENIZER, data.tokenizer, data.special,
+                               cfg.model.seq_len, source)
 
 
 def weighted_sample(sources: list[tuple[list[Document], float]], sample_mib: float
@@ -197,18 +221,20 @@ def prepare_mixture(cfg: Config, log=print) -> TokenData:
             hasher.update(doc.name.encode() + b"\0" + doc.text.encode() + b"\0")
     if d.tokenizer:
         hasher.update(Path(d.tokenizer).read_bytes())
+        hasher.update(repr(run_special_tokens(d, Tokenizer.from_file(d.tokenizer))).encode())
     key, root = hasher.hexdigest()[:16], cache_dir(d)
-    tok = None
+    tok = special = None
     if splits or d.tokenizer:
         tok_path = Path(d.tokenizer) if d.tokenizer else root / f"tokenizer-{key}.json"
         sample = weighted_sample([(splits[i][0], sources[i][1]) for i in splits],
                                  d.tokenizer_sample_mib)
         tok = load_or_train_tokenizer(tok_path, sample, vocab, math.inf, log)  # all of it
+        special = run_special_tokens(d, tok)
     trains, vals = [], []
     for i, (one, _) in enumerate(sources):
         if i in splits:
-            train, val = tokenized_splits(tok, *splits[i], root / f"tokens-{key}-{i}", vocab,
-                                          log)
+            train, val = tokenized_splits(tok, special, *splits[i], root / f"tokens-{key}-{i}",
+                                          vocab, log)
         else:
             tokens = load_tokens_file(replace(cfg, data=one))
             train, val = tokens.train, tokens.val
@@ -216,7 +242,8 @@ def prepare_mixture(cfg: Config, log=print) -> TokenData:
         trains.append(train)
         vals.append(val)
     weights = tuple(weight for _, weight in sources)
-    return TokenData(Mixture(tuple(trains), weights), Mixture(tuple(vals), weights), tok)
+    return TokenData(Mixture(tuple(trains), weights), Mixture(tuple(vals), weights), tok,
+                     special)
 
 
 def check_data(cfg: Config, data: TokenData, source_key: str = "data.source") -> None:

@@ -90,12 +90,12 @@ from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
                                        remove_partials, save_checkpoint, shard_tag)
-from fivefold.train.data import BatchSampler, TokenData, prepare_data
+from fivefold.train.data import BatchSampler, TokenData, prepare_data, write_run_tokenizer
 from fivefold.train.dist import Runtime, detect_profile
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
-from fivefold.train.model_source import load_weights_into
+from fivefold.train.model_source import describe_source, load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
@@ -160,6 +160,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = parallelize(self._build_model(init_from), plan, self.mesh,
                                  cfg.train.compile)
+        self.model_name = m.preset if init_from is None else f"from {describe_source(init_from)}"
+        if init_from is not None:  # the weights are in: say from where
+            self.say(f"loaded {param_count(m) / 1e6:.2f}M parameters {self.model_name}")
         for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
             moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
@@ -464,12 +467,15 @@ class Trainer:
         """Train to `train.steps`, resuming from RUN_DIR's latest checkpoint; return a summary."""
         t, m = self.cfg.train, self.cfg.model
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rt.is_main:  # for `fivefold convert` and `generate` of the checkpoints
+            write_run_tokenizer(self.run_dir, self.cfg, self.data)
         start_step = self._resume()
         if start_step >= t.steps:
             self.say(f"{self.run_dir} is already complete at step {start_step}; "
                      "raise --steps or use a new --run-dir")
             return {"steps": start_step, "complete": True}
-        self.say(f"model {m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
+        self.say(f"model {self.model_name}: {param_count(m) / 1e6:.2f}M parameters, "
+                 f"{m.layers} layers; "
                  f"{self.rt.world_size} rank(s) (pp {self.pp_axis.size}, tp {self.tp_axis.size}, "
                  f"dp {self.dp}) on "
                  f"{self.rt.device.type}, {self.precision}; "
