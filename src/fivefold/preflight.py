@@ -69,6 +69,11 @@ class Need:
     def total(self) -> float:
         return sum(self.device_terms.values())
 
+    def compared(self, machine: Machine) -> float:
+        """The bytes set against the machine's main memory: the host's on the CPU, else the
+        fullest device's."""
+        return self.host_bytes if machine.device_type == "cpu" else self.total
+
 
 def predicted_need(cfg: Config, plan: ParallelPlan, local_ranks: int, device_type: str,
                    first_rank: int = 0) -> Need:
@@ -98,7 +103,7 @@ def check(cfg: Config, plan: ParallelPlan, world_size: int, local_ranks: int,
     key, label = max(TERMS, key=lambda t: need.device_terms[t[0]])
     where, have, total = _where(need, machine, local_ranks)
     terms = ", ".join(f"{name} {need.device_terms[k] / GiB:.1f}" for k, name in TERMS)
-    fixes = [f"--set {s}.{k}={v} ({n.total / GiB:.1f} GiB)"
+    fixes = [f"--set {s}.{k}={v} ({n.compared(machine) / GiB:.1f} GiB)"
              for s, k, v, n in _fitting_switches(cfg, world_size, local_ranks, machine,
                                                  fp8_units, first_rank)]
     advice = ("it fits with one of: " + "; ".join(fixes) if fixes else
