@@ -61,7 +61,7 @@ class Need:
 
     def fits(self, machine: Machine) -> bool:
         device_ok = (machine.device_type == "cpu" or machine.device_bytes is None
-                     or sum(self.device_terms.values()) <= machine.device_bytes)
+                     or self.total <= machine.device_bytes)
         host_ok = machine.host_bytes is None or self.host_bytes <= machine.host_bytes
         return device_ok and host_ok
 
