@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fivefold import validate as V
-from fivefold.cli import _auto_plan, _device
+from fivefold.cli import _auto_plan, _device, _preflight
 from fivefold.config import Config, ConfigError, MoEConfig, load_config
 from fivefold.models.presets import PRESETS
 from fivefold.parallel.plan import training_plan
@@ -153,9 +153,11 @@ def refuse_or_plan(sets: list[str], world: int) -> None:
     cfg = load_config(None, sets)
     device = _device(cfg)
     if cfg.parallel.auto:
-        _auto_plan(cfg, world, device, None)
+        cfg, plan = _auto_plan(cfg, world, device, None)
     else:
-        training_plan(cfg, world, device.type)
+        plan = training_plan(cfg, world, device.type)
+    if cfg.train.preflight:
+        _preflight(cfg, plan, world, world, device, under_launcher=False)
 
 
 def check_validation(base: list[str], sets: list[str], world: int) -> None:

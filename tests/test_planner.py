@@ -36,6 +36,7 @@ from fivefold.validate import validate
 OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
                  "hardware_tflops_per_gpu", "mfu", "hfu", "memory_per_gpu_bytes", "fits",
                  "breakdown_s", "parallel"}
+CONTEXT_FIELDS = {"stack", "profile"}  # what simulate/plan --json add to each estimate
 MEMORY_FIELDS = {"params", "grads", "optimizer", "activations", "other", "total"}
 BREAKDOWN_FIELDS = {"compute", "exposed_comm", "bubble", "optimizer"}
 
@@ -450,7 +451,7 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert main(["simulate", path, "--json", "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == OUTPUT_FIELDS
+    assert set(out) == OUTPUT_FIELDS | CONTEXT_FIELDS
     events = json.loads(trace.read_text())["traceEvents"]
     computes = [e for e in events if e.get("ph") == "X" and e["tid"] == 0
                 and e["name"][0] in "FB"]
@@ -465,7 +466,7 @@ def test_cli_plan_json_lists_best_first(tmp_path, capsys):
     captured = capsys.readouterr()
     best = json.loads(captured.out)
     assert len(best) == 2 and best[0]["step_time_s"] <= best[1]["step_time_s"]
-    assert all(set(b) == OUTPUT_FIELDS for b in best)
+    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS for b in best)
     assert "scored" in captured.err
     assert main(["plan", path, "--top", "1"]) == 0
     assert "fivefold train" in capsys.readouterr().out

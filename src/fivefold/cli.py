@@ -17,6 +17,7 @@ and the fix, before any rank starts; no Python traceback is shown for it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -98,6 +99,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             argv = [*argv, "--plan", str(_write_plan(plan, args.run_dir))]
     else:
         plan = training_plan(cfg, world_size, device.type, _fp8_units(device))
+    if cfg.train.preflight:  # before the tokenizer, the data and the ranks
+        _preflight(cfg, plan, world_size, args.nproc, device, under_launcher)
     if launching:
         from fivefold.train.checkpoint import check_resume
         from fivefold.train.data import prepare_data
@@ -106,6 +109,21 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         prepare_data(cfg)  # once, here, so that the ranks find it cached
         return launch_local(args.nproc, _launcher_only_removed(argv), args.max_restarts)
     return _train_this_rank(cfg, plan, args.run_dir, args.init_from)
+
+
+def _preflight(cfg: Config, plan: ParallelPlan, world_size: int, nproc: int, device,
+               under_launcher: bool) -> None:
+    """fivefold.preflight's check: in the launching process for all its local ranks; under
+    a launcher (torchrun) each rank checks its own GPU only, since its siblings already
+    hold host memory."""
+    from fivefold import preflight
+
+    machine = preflight.this_machine(device)
+    if not under_launcher:
+        preflight.check(cfg, plan, world_size, nproc, machine, _fp8_units(device))
+    elif device.type == "cuda":
+        preflight.check(cfg, plan, world_size, 1, dataclasses.replace(machine, host_bytes=None),
+                        _fp8_units(device), int(os.environ.get("RANK", "0")))
 
 
 def _fp8_units(device) -> bool:

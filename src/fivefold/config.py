@@ -208,6 +208,8 @@ class TrainConfig:
                              'skipped_steps in the metrics); not with PipeDream-2BW, nor LOMO '
                              'without grad_clip', "stop")
     tensorboard: bool = _doc("write TensorBoard event files to RUN_DIR/tb", True)
+    preflight: bool = _doc("before any rank starts, refuse a run whose predicted memory "
+                           "exceeds this machine's (fivefold.preflight)", True)
     stack: str = _doc('the software stack the step runs on: "fivefold" (this runtime; the only '
                       'one `fivefold train` runs) | "megatron" (Megatron-Core / NeMo / '
                       'Megatron-Bridge) | "torchtitan" | "deepspeed"; plan and simulate '

@@ -87,42 +87,45 @@ def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int
                                   "takes one spec")
     if args.command == "plan" and args.train:
         return cmd_plan_train(args, train_main)
+    from fivefold.config import load_config
     from fivefold.planner.simulate import profile_of
-    from fivefold.planner.spec import load_spec
+    from fivefold.planner.spec import prepare
 
-    cfg = load_spec(args.spec, args.overrides)
-    prof = profile_of(cfg)
-    if args.command == "simulate" and cfg.parallel.auto:
+    cfg = load_config(args.spec, args.overrides)
+    if args.command == "plan":  # checked per candidate layout (planner.auto.plan_spec)
+        return cmd_plan(cfg, profile_of(cfg), args)
+    cfg = prepare(cfg)
+    if cfg.parallel.auto:
         raise ConfigError("parallel.auto", "simulate scores the layout the spec writes out; "
                                            "search with `fivefold plan SPEC` or drop auto")
-    if args.command == "simulate":
-        return cmd_simulate(cfg, prof, args)
-    return cmd_plan(cfg, prof, args)
+    return cmd_simulate(cfg, profile_of(cfg), args)
 
 
 def cmd_simulate(cfg, prof, args) -> int:
-    from fivefold.planner.report import estimate_text
+    from fivefold.planner.report import context_json, estimate_text
     from fivefold.planner.simulate import simulate
     from fivefold.planner.trace import write_trace
 
     est = simulate(cfg, prof, keep_events=bool(args.trace))
     if args.trace:
         write_trace(est, args.trace)
-    print(json.dumps(est.to_json(), indent=1) if args.json else estimate_text(est, prof))
+    print(json.dumps({**est.to_json(), **context_json(cfg, prof)}, indent=1) if args.json
+          else estimate_text(est, prof, cfg))
     return 0
 
 
 def cmd_plan(cfg, prof, args) -> int:
-    from fivefold.planner.report import plan_text
-    from fivefold.planner.search import search
+    from fivefold.planner.auto import plan_search
+    from fivefold.planner.report import context_json, plan_text
 
     if args.top < 1:
         raise ConfigError("--top", f"must be at least 1, got {args.top}")
-    result = search(cfg, prof, args.top)
+    result = plan_search(cfg, prof, args.top)
     if args.json:
         print(f"fivefold plan: scored {result.scored} layouts ({result.fitting} fit) in "
               f"{result.seconds:.1f} s", file=sys.stderr)
-        print(json.dumps([e.to_json() for e in result.best], indent=1))
+        context = context_json(cfg, prof)
+        print(json.dumps([{**e.to_json(), **context} for e in result.best], indent=1))
     else:
         print(plan_text(result, cfg, prof, args.spec))
     return 0 if result.best else 1

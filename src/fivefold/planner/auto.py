@@ -27,6 +27,7 @@ GPU's; on the CPU a calibrated CPU profile file named by `cluster.gpu`, else the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import dataclasses
@@ -163,6 +164,52 @@ def resolve_auto(cfg: Config, world_size: int, device_type: str,
     run_cfg = layout_config(cfg, best.layout)
     return AutoPlan(best.layout, run_cfg, layout_overrides(run_cfg), best, result, prof,
                     world_size)
+
+
+def plan_spec(cfg: Config) -> tuple[Config, dict]:
+    """`fivefold plan`'s spec, checked, and the layout keys it holds fixed (`fixed_keys`, the
+    block split aside: the search cuts the blocks itself). The spec is checked as
+    `fivefold.planner.spec.prepare` checks it, but on the smallest layout that keeps the
+    fixed keys (the others at their defaults, dp the least the fixed keys need), so the
+    batch is checked per candidate by the search, not against a layout the spec never
+    asked for; a layout key the cluster cannot take is refused naming it."""
+    from fivefold.planner.spec import cluster_gpus, prepare
+
+    p = cfg.parallel
+    fixed = {k: v for k, v in fixed_keys(p).items() if k != "stage_layers"}
+    held = dataclasses.replace(p, **{**{k: getattr(DEFAULTS, k) for k in SEARCHED}, **fixed})
+    dp = held.dp or math.lcm(held.zero_group or 1, held.ep // math.gcd(held.ep, held.cp))
+    model_ranks = held.tp * held.pp * held.cp
+    gpus = cluster_gpus(cfg)
+    if gpus % (model_ranks * (held.dp or 1)):
+        key = next(k for k in ("dp", "tp", "pp", "cp") if k in fixed)
+        raise ConfigError(f"parallel.{key}", f"tp*pp*cp{'*dp' * bool(held.dp)} = "
+                                             f"{model_ranks * (held.dp or 1)} does not divide "
+                                             f"cluster.gpus = {gpus}; plan holds the layout "
+                                             "keys the spec sets: change or drop it")
+    prepare(dataclasses.replace(cfg, parallel=dataclasses.replace(held, dp=None),
+                                cluster=dataclasses.replace(cfg.cluster,
+                                                            gpus=model_ranks * dp)))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        p, **{k: getattr(DEFAULTS, k) for k in SEARCHED})), fixed
+
+
+def plan_search(cfg: Config, prof: HardwareProfile, top_k: int) -> SearchResult:
+    """`fivefold plan`: the search of `cfg`'s layouts that keep the keys its spec sets
+    (`plan_spec`); ConfigError naming them when no layout of the cluster keeps them."""
+    cfg, fixed = plan_spec(cfg)
+    result = search(cfg, prof, top_k, accept=lambda lay: _held(lay, fixed))
+    if fixed and not result.scored:
+        held = ", ".join(f"parallel.{k} = {v!r}" for k, v in fixed.items())
+        raise ConfigError(f"parallel.{next(iter(fixed))}",
+                          f"no layout of {cfg.cluster.gpus} devices keeps {held} and splits "
+                          f"global_batch = {cfg.parallel.global_batch} and this model; plan "
+                          "holds the layout keys the spec sets: drop some to widen the search")
+    return result
+
+
+def _held(lay: ParallelPlan, fixed: dict) -> bool:
+    return all(getattr(lay, k) == v for k, v in fixed.items())
 
 
 def _matches(p: ParallelConfig, lay: ParallelPlan, fixed: dict) -> bool:

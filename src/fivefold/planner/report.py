@@ -1,4 +1,9 @@
-"""Plain-text output of `fivefold simulate` and `fivefold plan` (the JSON is Estimate.to_json).
+"""Plain-text output of `fivefold simulate` and `fivefold plan` (the JSON is Estimate.to_json
+with `context_json`'s stack and profile).
+
+Both texts open with the software stack the prediction assumes (the default, this runtime,
+explained with how to plan for another) and name the hardware profile with where it comes
+from (built-in or a calibrated file); simulate's peak is the one of the run's precision.
 
 `plan_text` ends with the `fivefold train` command that runs the winning layout: every
 searched field as a `--set`, including the planner's block split (`parallel.stage_layers`)
@@ -11,8 +16,9 @@ the CPU step (fivefold.planner.offload).
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.hardware import HardwareProfile
+from fivefold.hardware import PROFILES, HardwareProfile
 from fivefold.planner.simulate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
+from fivefold.planner.stack import STACKS
 
 GiB = 2**30
 SEARCHED = ("tp", "pp", "cp", "ep", "dp", "vpp", "schedule", "zero_stage", "micro_batch",
@@ -48,10 +54,38 @@ def offload_line(est: Estimate) -> str | None:
             f"{o['upload_s']:.3g} s: {o['exposed_s']:.3g} s exposed")
 
 
-def estimate_text(est: Estimate, prof: HardwareProfile) -> str:
+def stack_line(cfg: Config) -> str:
+    """The software stack the prediction assumes (fivefold.planner.stack), as the first line
+    of `simulate` and `plan`: the default one is explained with how to plan for another."""
+    t = cfg.train
+    if t.stack == "fivefold":
+        return ('stack: fivefold (this runtime; default: set train.stack = "megatron" with '
+                'train.stack_release to plan for Megatron-Core, or "torchtitan", "deepspeed")')
+    release = t.stack_release or "newest"
+    return f"stack: {t.stack} {release} ({STACKS[t.stack].source})"
+
+
+def profile_origin(cfg: Config) -> str:
+    """Where the hardware profile comes from: "built-in" or the calibrated file's path."""
+    return "built-in" if cfg.cluster.gpu in PROFILES else f"file {cfg.cluster.gpu}"
+
+
+def context_json(cfg: Config, prof: HardwareProfile) -> dict:
+    """The `stack` and `profile` fields `--json` adds to each estimate (run_spec.md)."""
+    t = cfg.train
+    return {"stack": {"name": t.stack, "release": t.stack_release,
+                      "source": STACKS[t.stack].source},
+            "profile": {"name": prof.name, "from": profile_origin(cfg),
+                        "source": prof.source}}
+
+
+def estimate_text(est: Estimate, prof: HardwareProfile, cfg: Config) -> str:
     mem, bd = est.memory_per_gpu_bytes, est.breakdown_s
-    lines = [f"layout     {layout_line(est.parallel)}",
-             f"profile    {prof.name}  (peak {prof.peak_tflops.get('bf16', 0):g} TFLOP/s bf16, "
+    precision = est.parallel["precision"]
+    lines = [stack_line(cfg),
+             f"layout     {layout_line(est.parallel)}",
+             f"profile    {prof.name} ({profile_origin(cfg)}; peak "
+             f"{prof.peak_flops(precision) / 1e12:g} TFLOP/s {precision}, "
              f"{prof.memory_bytes / GiB:.0f} GiB)",
              f"step       {est.step_time_s:.4g} s   {est.tokens_per_s:,.0f} tokens/s   "
              f"MFU {100 * est.mfu:.1f}%   HFU {100 * est.hfu:.1f}%",
@@ -67,7 +101,8 @@ def estimate_text(est: Estimate, prof: HardwareProfile) -> str:
 
 
 def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str:
-    lines = [f"{'#':>2} {'step s':>9} {'tok/s':>11} {'MFU':>6}  {'mem GiB':>8}  "
+    lines = [stack_line(cfg), f"profile: {prof.name} ({profile_origin(cfg)})",
+             f"{'#':>2} {'step s':>9} {'tok/s':>11} {'MFU':>6}  {'mem GiB':>8}  "
              f"{'compute':>8} {'comm':>7} {'bubble':>7} {'optim':>6}  layout"]
     for i, est in enumerate(result.best, 1):
         bd = est.breakdown_s
