@@ -7,6 +7,7 @@
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
+    fivefold report RUN_DIR [--out FILE]            (an HTML page about a run)
 
 A configuration error exits with status 2 and a one-paragraph message on stderr naming the key
 and the fix, before any rank starts; no Python traceback is shown for it.
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold import plan_commands
+from fivefold import plan_commands, report_command
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--shard-mib", type=int, default=5120,
                          help="largest Hugging Face safetensors shard in MiB (default 5120)")
     plan_commands.add_parsers(sub)
+    report_command.add_parser(sub)
     return parser
 
 
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_convert(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
+        if args.command == "report":
+            return report_command.run(args)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2
