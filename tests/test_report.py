@@ -62,7 +62,9 @@ def test_page_has_every_section_and_the_run_data(trained_run):
     assert re.findall(r'(?:src|href)\s*=\s*"(?!#)', page) == []
 
 
+@pytest.fixture(scope="module")
 def chromium() -> str:
+    """The browser's path; before the run is trained, so that a skip costs nothing."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):
             return shutil.which(name)
@@ -82,11 +84,11 @@ def colour_pixels(png: Path, hex_colour: str, tolerance: int = 40):
     return np.nonzero(near)[0]
 
 
-def test_chromium_renders_the_curves(trained_run, tmp_path):
+def test_chromium_renders_the_curves(chromium, trained_run, tmp_path):
     import numpy as np
 
     shot = tmp_path / "page.png"
-    proc = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
                            "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
                            f"--screenshot={shot}", "--window-size=1000,2400",
                            (trained_run / "report.html").as_uri()],
