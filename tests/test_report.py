@@ -123,3 +123,11 @@ def test_not_a_run_directory_is_one_line(tmp_path):
     proc = run_cli("report", str(tmp_path / "nothing"))
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "RUN_DIR" in proc.stderr
+
+
+def test_unknown_profile_is_one_line(trained_run, tmp_path):
+    proc = run_cli("report", str(trained_run), "--profile", "no-such-gpu",
+                   "--out", str(tmp_path / "page.html"))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--profile" in proc.stderr
+    assert not (tmp_path / "page.html").exists()

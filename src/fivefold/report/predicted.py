@@ -27,18 +27,22 @@ class Prediction:
 
 
 def predict(run: RunData, profile: str | None = None) -> Prediction | str:
-    """The simulated step of `run`, or a sentence saying why there is none."""
+    """The simulated step of `run`, or a sentence saying why there is none; a `profile` that
+    does not load is the user's error (ConfigError naming --profile)."""
+    try:
+        chosen = load_profile(profile) if profile else None
+    except ConfigError as err:
+        raise ConfigError("--profile", str(err).split(": ", 1)[1]) from None
     if run.config is None or run.plan is None:
         return "no predicted timeline: the run has no finished checkpoint holding its config"
     from fivefold.parallel.plan import ParallelPlan
 
-    plan = ParallelPlan.from_dict(run.plan)
-    ranks = plan.dp * plan.tp * plan.pp * plan.cp
     spec = _without_none(run.config)
     spec["model"].pop("preset", None)  # every model key is written out; no preset to overlay
-    spec["cluster"]["gpus"] = ranks
     try:
-        prof = _profile(run.config, profile)
+        plan = ParallelPlan.from_dict(run.plan)  # ValueError: a plan of another version
+        spec.setdefault("cluster", {})["gpus"] = plan.dp * plan.tp * plan.pp * plan.cp
+        prof = chosen or _profile(run.config)
         if prof is None:
             return ("no predicted timeline: no hardware profile matches this machine; pass "
                     "--profile NAME (e.g. H100-SXM, cpu, or a `fivefold calibrate` file)")
@@ -50,8 +54,9 @@ def predict(run: RunData, profile: str | None = None) -> Prediction | str:
     return Prediction(est, prof, events)
 
 
-def _profile(config: dict, name: str | None) -> HardwareProfile | None:
-    name = name or config.get("cluster", {}).get("gpu")
+def _profile(config: dict) -> HardwareProfile | None:
+    """The run's cluster.gpu, else the profile of this machine's device (None: unknown)."""
+    name = config.get("cluster", {}).get("gpu")
     if name is not None:
         return load_profile(name)
     from fivefold.train.dist import detect_profile, pick_device
