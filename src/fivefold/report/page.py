@@ -56,10 +56,10 @@ def _note(text: str) -> str:
     return f"<p class=\"note\">{_e(text)}</p>"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+def _table(header: list[str] | None, rows: list[list[str]]) -> str:
+    head = "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>" if header else ""
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f"<table>{head}{body}</table>"
 
 
 def _overview(run: RunData) -> str:
@@ -80,7 +80,7 @@ def _overview(run: RunData) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     notes = "".join(_note(m) for m in run.missing)
     return (f"<h1>fivefold run report</h1><p>Generated {stamp}.</p>{notes}"
-            + _table(["", ""], rows))
+            + _table(None, rows))
 
 
 def _tokens_per_s(run: RunData) -> list[float]:
