@@ -21,7 +21,7 @@ the loss and the gradient norm back to the host once per step, after the step. A
 runs `--warmup` untimed steps (compilation happens there), then `--steps` timed steps between
 two `torch.cuda.synchronize()`. tokens/s = timed steps x 8 x 2048 / seconds. MFU = model FLOPs
 per token (fivefold.models.flops: 6 x matrix parameters + 12 x layers x seq x heads x
-head_dim, the convention of ../shared/reference/h200_measured.json) x tokens/s / the GPU's
+head_dim, the convention of docs/reference/h200_measured.json) x tokens/s / the GPU's
 dense bf16 peak (fivefold.hardware; H200 989 TFLOP/s; `--peak-tflops` for others).
 Reported: both sides, the ratio fivefold / transformers of tokens/s and of peak memory, the
 GPU, the torch and transformers versions. If the fivefold side fails while compiled, it is

@@ -30,7 +30,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 COMMAND_LINE = ("fivefold.cli", "fivefold.plan_commands", "fivefold.generate_command",
-                "fivefold.__main__")
+                "fivefold.eval_command", "fivefold.report_command", "fivefold.__main__")
 FOUNDATIONS = ("fivefold.config", "fivefold.validate", "fivefold.compositions",
                "fivefold.hardware", "fivefold.optim")
 # models/ by what it may import; the other layers by what they may not:

@@ -9,6 +9,7 @@
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
+    fivefold report RUN_DIR [--out FILE]            (an HTML page about a run)
 
 A configuration error exits with status 2 and a one-paragraph message on stderr naming the key
 and the fix, before any rank starts; no Python traceback is shown for it.
@@ -23,8 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold import eval_command, plan_commands
-from fivefold import generate_command, plan_commands
+from fivefold import eval_command, generate_command, plan_commands, report_command
 from fivefold.config import Config, ConfigError, load_config
 from fivefold.parallel.plan import ParallelPlan, training_plan
 
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_commands.add_parsers(sub)
     eval_command.add_parser(sub)
     generate_command.add_parser(sub)
+    report_command.add_parser(sub)
     return parser
 
 
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return generate_command.run(args)
         if args.command in plan_commands.COMMANDS:
             return plan_commands.run(args, main)
+        if args.command == "report":
+            return report_command.run(args)
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Typed run configuration: model, parallel, train, data, cluster.
 
 A config is a TOML file (or nothing: every field has a default) plus `--set section.key=value`
-overrides. Keys follow ../shared/reference/run_spec.md, with `train.*` and `data.*` added for
+overrides. Keys follow docs/run_spec.md, with `train.*` and `data.*` added for
 the trainer. Loading checks every key and type; `validate` checks every value and every
 combination. Both raise `ConfigError`, whose message names the key and the fix, before any
 process is spawned or any tensor is made.

@@ -11,7 +11,7 @@ fivefold.planner.stack); what a long training step sustains of them is the handf
 constants of fivefold.planner.fitted, shared by every GPU profile:
 
 - H200 (and H800, H100-SXM, H100-96GB-500W: the same die): GEMM, attention, fp8 and copy
-  terms fitted to one H200's measurements (shared/reference/h200_measured.json) by
+  terms fitted to one H200's measurements (docs/reference/h200_measured.json) by
   fivefold.planner.calibrate.fit_h200_reference; checked against that file's measured HF
   Llama-1B training step. The power-capped 96 GB HBM2e part (torchtitan's runs) differs
   only in its datasheet figures.
@@ -313,7 +313,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                     host=GB200_TRAY),
     HardwareProfile("cpu", {"fp32": 0.1055, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 38.1,
                     1.54, 1.54, "`fivefold calibrate` on the idle 2-core development machine "
-                    "(one thread, 2026-11-30; bf16 matmul 0.9 GFLOP/s from DESIGN.md); rerun "
+                    "(one thread, 2026-11-30; no bf16 units: a bf16 matmul ran at 0.9 GFLOP/s); rerun "
                     "it on your machine",
                     Efficiency(gemm_eff=0.975, gemm_fp8_eff=0.975, gemm_mem_eff=1.0,
                                attn_eff=1.0, attn_score_s=1.58e-9, mem_eff=1.0,

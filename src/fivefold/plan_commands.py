@@ -7,7 +7,7 @@
     fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
                        [--offload-path DIR]
 
-SPEC is a run spec (shared/reference/run_spec.md; TOML or JSON). `--json` prints exactly
+SPEC is a run spec (docs/run_spec.md; TOML or JSON). `--json` prints exactly
 the fields run_spec.md lists (one object for simulate, a list best first for plan); the
 number of layouts plan scored goes to stderr then. A bad spec, an unknown key, an impossible
 layout or a profile file that does not parse raises ConfigError (exit status 2).

@@ -1,14 +1,15 @@
 """Count the activation bytes autograd keeps for backward, per module, exactly.
 
 `torch.autograd.graph.saved_tensors_hooks` sees every tensor an operation saves for its
-backward (DESIGN.md, "one ledger"). `SavedActivations` installs a pack hook that records each
-saved tensor's storage once, so a tensor saved by several operations (the input of wq, wk and
-wv) counts once, and skips the storages of parameters and buffers (model state, not
-activations; a weight's transposed view shares its storage). Each storage is charged to the
-module named by `label_modules` that was running when it was first saved; anything saved
-outside them (embedding, final norm, output head, loss) is charged to "root". Under
-selective recomputation the tensors torch's checkpoint cache keeps are counted too, as the
-policy keeps them (fivefold.memory.recompute.observe_selective_saves).
+backward, so the count is exact, as the communication ledger's is (fivefold.comm.ledger).
+`SavedActivations` installs a pack hook that records each saved tensor's storage once, so a
+tensor saved by several operations (the input of wq, wk and wv) counts once, and skips the
+storages of parameters and buffers (model state, not activations; a weight's transposed view
+shares its storage). Each storage is charged to the module named by `label_modules` that was
+running when it was first saved; anything saved outside them (embedding, final norm, output
+head, loss) is charged to "root". Under selective recomputation the tensors torch's
+checkpoint cache keeps are counted too, as the policy keeps them
+(fivefold.memory.recompute.observe_selective_saves).
 
     with SavedActivations(model, {f"layers.{i}": b for i, b in enumerate(model.layers)}) as acts:
         loss = compute_loss(model, batch)

@@ -1,6 +1,6 @@
 """Named model sizes shared by `fivefold train`, `plan` and `simulate`.
 
-Each preset is a plain dict of `model.*` keys (see ../shared/reference/run_spec.md); a config
+Each preset is a plain dict of `model.*` keys (see docs/run_spec.md); a config
 may override any key one by one. Dense shapes follow the published models they are named
 after (Llama 3 / 3.1 / 3.2 for 1B, 8B, 70B, 405B; GPT-3 "small" and "medium" widths with a
 Llama block for 125M and 350M). `tiny` is the default: small enough that the built-in corpus

@@ -1,6 +1,6 @@
 """The planner's side of the pipeline schedules: a layout's action lists, timed and replayed.
 
-Schedules are data (DESIGN.md): fivefold.parallel.pipeline.schedules builds, for every
+Schedules are data (a list of actions per rank, not code): fivefold.parallel.pipeline.schedules builds, for every
 pipeline rank, the ordered list of actions the executor runs (gpipe, 1f1b, interleaved,
 zb = ZB-H1, terapipe, pipedream-2bw; torch-free), and fivefold.parallel.pipeline.replay is
 the one event loop that replays them. What is the planner's own is here: which lists a
