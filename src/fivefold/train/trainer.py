@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,11 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fivefold.comm import collectives as C
+from fivefold.comm.collectives import Axis
 from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
-from fivefold.models.flops import flops_per_token, param_count
+from fivefold.models.flops import flops_per_token
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import OptimizerPair, build_optimizer, lr_at
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
@@ -80,8 +80,8 @@ from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import (MESH_AXES, ParallelPlan, compute_precision,
-                                    device_precision, plan_from_config)
+from fivefold.parallel.plan import (ParallelPlan, compute_precision, device_precision,
+                                    plan_from_config)
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import GatheredLogits, counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -89,17 +89,21 @@ from fivefold.memory.galore_dp import GaLoreDataParallel
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
-                                       remove_partials, save_checkpoint, shard_tag)
+                                       remove_partials, save_checkpoint, shard_tag,
+                                       step_dir)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
-from fivefold.train.dist import Runtime, detect_profile
+from fivefold.train.dist import Runtime
+from fivefold.train.interrupt import StopSignals
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
+from fivefold.train.mfu import mfu_note, mfu_peak
 from fivefold.train.model_source import load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
+from fivefold.train.run_header import start_line
 from fivefold.train.sample import sample_text
 from fivefold.train.save_schedule import SaveSchedule
 
@@ -122,8 +126,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
                  init_from: Path | str | None = None, plan: ParallelPlan | None = None,
-                 predicted_memory: dict | None = None):
+                 predicted_memory: dict | None = None, stop: StopSignals | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
+        self.stop = stop or StopSignals()  # `fivefold train` installs its handlers
         self.memory, self.predicted_memory = MemoryProbe(), predicted_memory
         self.plan = plan = plan or plan_from_config(cfg, rt.world_size,
                                                     device_precision(rt.device.type))
@@ -145,9 +150,8 @@ class Trainer:
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
         if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
             self.norm_axes.append(self.expert_axes[0])
-        # every rank: train.checkpoint_minutes' broadcast (no extra group when it is unset)
-        self.world_axis = (self.mesh.joint_axis(*MESH_AXES) if cfg.train.checkpoint_minutes
-                           else None)
+        # every rank, the default group: checkpoint_minutes' broadcast, the stop flags
+        self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
@@ -192,11 +196,7 @@ class Trainer:
                                          self.optimizer, self.train_sampler,
                                          self.global_tokens, cfg.train.grad_clip or math.inf,
                                          self.autocast)
-        profile = detect_profile(rt.device, cfg.cluster.gpu)
-        # MFU denominator, all ranks together: one device per rank on GPUs; on the CPU the
-        # profile's rate is per core (one thread per rank), and the ranks share the cores
-        devices = rt.world_size if rt.device.type == "cuda" else (os.cpu_count() or 1)
-        self.peak_flops = profile.peak_flops(self.precision) * devices if profile else None
+        self.peak = mfu_peak(rt.device, cfg.cluster.gpu, self.precision, rt.world_size)
         self.flops_per_token = flops_per_token(m)
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
@@ -460,6 +460,15 @@ class Trainer:
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
 
+    def _interrupted(self, done: int, signum: int) -> dict:
+        """The summary of a run stopped by a signal (fivefold.train.interrupt), saved at step
+        `done`, and its one line."""
+        path = step_dir(self.run_dir, done)
+        self.say(f"fivefold: interrupted at step {done}; checkpoint saved to {path}; run the "
+                 "same command to resume")
+        return {"steps": done, "complete": False, "interrupted": signum,
+                "checkpoint": str(path)}
+
     def run(self) -> dict:
         """Train to `train.steps`, resuming from RUN_DIR's latest checkpoint; return a summary."""
         t, m = self.cfg.train, self.cfg.model
@@ -469,12 +478,9 @@ class Trainer:
             self.say(f"{self.run_dir} is already complete at step {start_step}; "
                      "raise --steps or use a new --run-dir")
             return {"steps": start_step, "complete": True}
-        self.say(f"model {m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
-                 f"{self.rt.world_size} rank(s) (pp {self.pp_axis.size}, tp {self.tp_axis.size}, "
-                 f"dp {self.dp}) on "
-                 f"{self.rt.device.type}, {self.precision}; "
-                 f"global batch {self.plan.global_batch} x {m.seq_len} tokens, "
-                 f"micro-batch {self.micro_batch}")
+        self.say(start_line(self.cfg, self.plan, self.rt.device.type))
+        if note := mfu_note(self.peak, self.rt.device):
+            self.say(note)
         if self.plan.asynchronous and t.optimizer == "adamw":
             self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
                      "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
@@ -493,9 +499,9 @@ class Trainer:
                 tokens_per_s = self.global_tokens / result.step_time_s
                 record = {"step": done, "loss": result.loss, "lr": lr_at(step, t),
                           "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
-                          "mfu": (self.flops_per_token * tokens_per_s /
-                                  self.peak_flops
-                                  if self.peak_flops else None),
+                          "mfu": (self.flops_per_token * tokens_per_s / self.peak.flops
+                                  if self.peak else None),
+                          "mfu_profile": self.peak.profile if self.peak else None,
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
                           "skipped_steps": self.skipped_steps,
                           "ledger": self.ledger.summary()}
@@ -504,8 +510,12 @@ class Trainer:
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
-                if saves.due(done):
+                due = saves.due(done)
+                signum = self.stop.agreed(self.world_axis, self.rt.device)  # every rank
+                if due or signum:
                     self._save(done)
+                if signum and done < t.steps:
+                    return self._interrupted(done, signum)
         finally:
             log.close()
         summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
