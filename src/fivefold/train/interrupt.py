@@ -74,3 +74,11 @@ class StopSignals:
         group closes): the launcher's agent stops the ranks that are left with SIGTERM."""
         for sig in SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+
+
+def interrupted(say, path, done: int, signum: int) -> dict:
+    """The summary of a run stopped by `signum` after step `done`, saved to checkpoint
+    `path`, and its one line (`say`: rank 0's print)."""
+    say(f"fivefold: interrupted at step {done}; checkpoint saved to {path}; run the same "
+        "command to resume")
+    return {"steps": done, "complete": False, "interrupted": signum, "checkpoint": str(path)}

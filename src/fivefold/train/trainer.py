@@ -48,16 +48,17 @@ collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
-`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule). A run
-whose rank dies restarts from the latest complete one, by hand or under `fivefold train
+`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
+when SIGINT or SIGTERM reached any rank (fivefold.train.interrupt: every rank stops there). A
+run whose rank dies restarts from the latest complete one, by hand or under `fivefold train
 --max-restarts N` by the elastic agent; the data position is the step, so the restarted run
-draws exactly the batches the lost steps drew.
+draws exactly the batches the lost steps drew (a resume with other data keys is refused,
+fivefold.train.resume_data).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.plan import (ParallelPlan, compute_precision, device_precision,
                                     plan_from_config)
 from fivefold.parallel.parallelize import parallelize
-from fivefold.parallel.tensor import GatheredLogits, counted_masks
+from fivefold.parallel.tensor import counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.galore_dp import GaLoreDataParallel
 from fivefold.memory.lomo import FusedSGD
@@ -93,7 +94,7 @@ from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpo
                                        step_dir)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data
 from fivefold.train.dist import Runtime
-from fivefold.train.interrupt import StopSignals
+from fivefold.train.interrupt import StopSignals, interrupted
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
@@ -103,8 +104,9 @@ from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
+from fivefold.train.run_end import finish_run
+from fivefold.train.resume_data import DataOrder, data_record, data_start
 from fivefold.train.run_header import start_line
-from fivefold.train.sample import sample_text
 from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -167,9 +169,9 @@ class Trainer:
         for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
             moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
-        self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
-                                          cfg.train.seed, 0, self.dp_axis.rank, self.dp,
-                                          positions)
+        self.train_sampler = DataOrder(BatchSampler(self.data.train, m.seq_len,
+                                                    plan.global_batch, cfg.train.seed, 0,
+                                                    self.dp_axis.rank, self.dp, positions))
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp,
                                         positions)
@@ -413,6 +415,11 @@ class Trainer:
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = meta.get("skipped_steps", 0)
+        self.train_sampler.start, reset = data_start(meta, self.cfg)
+        if reset:
+            self.say(f"train.reset_data: {', '.join(reset)} changed since {path}; the weights "
+                     "and optimizer state resume, the data order starts afresh at step "
+                     f"{self.train_sampler.start}")
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
 
@@ -453,25 +460,17 @@ class Trainer:
         return state
 
     def _save(self, step: int) -> None:
-        meta = {"data_position": step, "config": self.cfg.to_dict(),
+        meta = {"data_position": step - self.train_sampler.start, "config": self.cfg.to_dict(),
+                "data": data_record(self.cfg), "data_start": self.train_sampler.start,
                 "skipped_steps": self.skipped_steps,
                 **layout_record(self.plan)}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
 
-    def _interrupted(self, done: int, signum: int) -> dict:
-        """The summary of a run stopped by a signal (fivefold.train.interrupt), saved at step
-        `done`, and its one line."""
-        path = step_dir(self.run_dir, done)
-        self.say(f"fivefold: interrupted at step {done}; checkpoint saved to {path}; run the "
-                 "same command to resume")
-        return {"steps": done, "complete": False, "interrupted": signum,
-                "checkpoint": str(path)}
-
     def run(self) -> dict:
         """Train to `train.steps`, resuming from RUN_DIR's latest checkpoint; return a summary."""
-        t, m = self.cfg.train, self.cfg.model
+        t = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start_step = self._resume()
         if start_step >= t.steps:
@@ -515,29 +514,8 @@ class Trainer:
                 if due or signum:
                     self._save(done)
                 if signum and done < t.steps:
-                    return self._interrupted(done, signum)
+                    return interrupted(self.say, step_dir(self.run_dir, done), done,
+                                       signum)
         finally:
             log.close()
-        summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
-                   "train_time_s": time.perf_counter() - run_start}
-        summary["memory"], memory_lines = self.memory.report(
-            self.model, self.ledger.model_state_bytes, self._torch_optimizers(),
-            self.predicted_memory, self.rt.rank, self.rt.device)
-        if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
-            self.say("no text sample: sampling runs the whole model on whole sequences, which "
-                     "pp > 1 and cp > 1 split")
-        elif t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
-            model = (GatheredLogits(self.model, self.tp_axis, self.plan.sequence_parallel)
-                     if self.tp_axis.size > 1 else self.model)
-            text = sample_text(model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
-                               self.rt.device)
-            if self.rt.is_main:
-                (self.run_dir / "sample.txt").write_text(text)
-                self.say(f"sample:\n{text}")
-        if self.rt.is_main:
-            if initial_val is not None:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            self.say("\n".join(memory_lines))
-            self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "
-                     f"{val_loss:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
-        return summary
+        return finish_run(self, initial_val, val_loss, time.perf_counter() - run_start)
