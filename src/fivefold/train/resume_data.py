@@ -70,9 +70,11 @@ def check_data_keys(path: Path, meta: dict, cfg: Config) -> None:
         return
     key, saved, now = changed[0]
     config_key = "data.tokenizer" if key == TOKENIZER_FILE else key
+    fix = ("the tokenizer file as it was" if key == TOKENIZER_FILE else
+           f"{config_key} = {saved!r}")
     raise ConfigError(config_key, f"{path} was written with {key} = {saved!r}, this run has "
                       f"{now!r}; the resumed steps would train on other batches than the "
-                      f"interrupted run's: resume with {config_key} as it was, or add --set "
+                      f"interrupted run's: resume with {fix}, or add --set "
                       "train.reset_data=true to keep the weights and optimizer state and "
                       "start the data order afresh, or use another --run-dir")
 
