@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from fivefold.train.checkpoint import complete_checkpoints
@@ -83,3 +84,26 @@ def test_sigint_and_sigterm_stop_save_and_resume_bit_exact(parity_overrides, tmp
     out, status, run_dir, resumed = _interrupted_then_resumed(sets, tmp_path, 2,
                                                              signal.SIGTERM, 1)
     _check(out, status, run_dir, resumed, straight[2], signal.SIGTERM)
+
+
+SECOND_SIGNAL = """
+import os, signal, torch
+from fivefold.comm.collectives import Axis
+from fivefold.comm.ledger import Ledger
+from fivefold.train.interrupt import StopSignals
+stop = StopSignals()
+with stop.installed():
+    os.kill(os.getpid(), signal.SIGTERM)
+    print(stop.agreed(Axis("world", None, 1, 0, Ledger()), torch.device("cpu")), flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    print("still running")
+"""
+
+
+def test_first_signal_is_noted_and_the_second_ends_the_process():
+    """One rank: the first signal is only noted (and agreed on), the second ends the process
+    by its default action, with no traceback."""
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGINT, proc.stdout + proc.stderr
+    assert proc.stdout == f"{signal.SIGTERM!s}\n" and proc.stderr == "", proc.stdout + proc.stderr
