@@ -69,8 +69,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fivefold.comm import collectives as C
-from fivefold.comm.collectives import Axis
 from fivefold.comm.choice import CommAlgorithms
+from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token
@@ -104,8 +104,8 @@ from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
-from fivefold.train.run_end import finish_run
 from fivefold.train.resume_data import DataOrder, data_record, data_start
+from fivefold.train.run_end import finish_run
 from fivefold.train.run_header import start_line
 from fivefold.train.save_schedule import SaveSchedule
 
