@@ -178,18 +178,28 @@ def _write_plan(plan: ParallelPlan, run_dir: str) -> Path:
 
 def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
                      init_from: str | None = None) -> int:
+    from fivefold.train.data import prepare_data
     from fivefold.train.dist import init_runtime, shutdown
+    from fivefold.train.interrupt import StopSignals, exit_status
     from fivefold.train.trainer import Trainer
 
     from fivefold.planner.rank_memory import predicted_rank_memory
 
-    rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
-    try:
-        Trainer(cfg, rt, run_dir, init_from=init_from, plan=plan,
-                predicted_memory=predicted_rank_memory(cfg, plan, rt.rank)).run()
-    finally:
-        shutdown()
-    return 0
+    # before the handlers: a Ctrl-C while tokenizing stops at once (ranks find it cached)
+    data = prepare_data(cfg, log=print if os.environ.get("RANK", "0") == "0" else
+                        (lambda text: None))
+    stop = StopSignals()  # SIGINT / SIGTERM: a checkpoint at the next step boundary
+    with stop.installed():
+        rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
+        try:
+            summary = Trainer(cfg, rt, run_dir, data, init_from=init_from, plan=plan,
+                              predicted_memory=predicted_rank_memory(cfg, plan, rt.rank),
+                              stop=stop).run()
+            if summary.get("interrupted"):
+                stop.quiet()
+        finally:
+            shutdown()
+    return exit_status(summary["interrupted"]) if summary.get("interrupted") else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -237,4 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fivefold: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a run's handlers (fivefold.train.interrupt) are set
+        if os.environ.get("RANK", "0") == "0":
+            print("fivefold: interrupted", file=sys.stderr)
+        return 130
     return 1

@@ -196,6 +196,9 @@ class TrainConfig:
                                             " broadcast: every rank saves at the same step); "
                                             "absent = by steps only", None)
     keep_checkpoints: int = _doc("most recent checkpoints kept on disk", 2)
+    reset_data: bool = _doc("resuming from a checkpoint written with other data keys (data.*, "
+                            "train.seed): keep its weights and optimizer state and start the "
+                            "data order afresh, instead of refusing", False)
     log_every: int = _doc("print a progress line every this many steps", 10)
     sample_tokens: int = _doc("tokens of text sampled at the end; 0 disables", 64)
     device: str = _doc('"auto" (cuda if available) | "cpu" | "cuda"', "auto")

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fivefold.config import Config, ConfigError
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.dist import Runtime
+from fivefold.train.resume_data import check_data_keys
 
 PARTIAL = ".partial"
 RESHARDED_OPTIMIZERS = ("adamw", "muon")  # whose state a resume under another layout carries
@@ -127,7 +128,8 @@ def check_resume(run_dir: Path, cfg: Config, plan: ParallelPlan
                  ) -> tuple[Path, dict, list[str]] | None:
     """The latest checkpoint of `run_dir`, its meta.json and the layout keys a resume under
     `plan` reshards (`check_layout`); None when there is none. ConfigError where this run
-    cannot resume from it: another model, or what `check_layout` refuses. `fivefold train`
+    cannot resume from it: another model, other data (fivefold.train.resume_data), or what
+    `check_layout` refuses. `fivefold train`
     asks before it starts ranks, each rank again before it loads."""
     path = latest_checkpoint(run_dir)
     if path is None:
@@ -136,6 +138,7 @@ def check_resume(run_dir: Path, cfg: Config, plan: ParallelPlan
     if meta.get("config", {}).get("model") != cfg.to_dict()["model"]:
         raise ConfigError("model", f"{run_dir} holds a checkpoint of a different model; use "
                                    "another --run-dir or the same model keys")
+    check_data_keys(path, meta, cfg)  # fivefold.train.resume_data
     return path, meta, check_layout(path, meta, plan)
 
 

@@ -1,12 +1,13 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard, and the terminal progress bar.
 
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per optimizer step (step, loss, lr,
-grad_norm, tokens_per_s, mfu, peak_mem_bytes, skipped_steps (updates the non-finite guard has
-dropped so far), val_loss on validation steps and, for an MoE model, `moe`: per MoE layer
-tokens_per_expert, dropped_fraction, imbalance (max / mean) and aux_loss, which TensorBoard
-gets as moe/LAYER/KEY). On resume,
-lines for steps after the checkpoint are dropped first, so the file always describes one
-consistent run. The progress bar (rich) shows loss and throughput; every `log_every` steps a
+grad_norm, tokens_per_s, mfu (null where not measured) and mfu_profile (the hardware profile it
+is measured against, fivefold.train.mfu), peak_mem_bytes, skipped_steps (updates the
+non-finite guard has dropped so far), val_loss on validation steps and, for an MoE model,
+`moe`: per MoE layer tokens_per_expert, dropped_fraction, imbalance (max / mean) and aux_loss,
+which TensorBoard gets as moe/LAYER/KEY). On resume, lines for steps after the checkpoint are
+dropped first, so the file always describes one consistent run. The progress bar (rich) shows
+loss and throughput (and the MFU with its profile); every `log_every` steps a
 plain line is printed too, which is what a log file or CI output keeps.
 """
 
@@ -77,7 +78,8 @@ class MetricsLog:
         self.progress.update(self.task, completed=step, status=status)
         if step % self.log_every == 0 or "val_loss" in record:
             val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-            mfu = f"  mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+            mfu = (f"  mfu {record['mfu']:.1%} ({record['mfu_profile']})"
+                   if record.get("mfu") is not None else "")
             skipped = (f"  skipped {record['skipped_steps']} non-finite"
                        if record.get("skipped_steps") else "")
             self.print(f"step {step:>6}  loss {record['loss']:.4f}{val}  lr {record['lr']:.2e}"

@@ -48,18 +48,18 @@ collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
-`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule). A run
-whose rank dies restarts from the latest complete one, by hand or under `fivefold train
+`train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
+when SIGINT or SIGTERM reached any rank (fivefold.train.interrupt: every rank stops there). A
+run whose rank dies restarts from the latest complete one, by hand or under `fivefold train
 --max-restarts N` by the elastic agent; the data position is the step, so the restarted run
-draws exactly the batches the lost steps drew.
+draws exactly the batches the lost steps drew (a resume with other data keys is refused,
+fivefold.train.resume_data).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from fivefold.comm import collectives as C
 from fivefold.comm.choice import CommAlgorithms
+from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
 from fivefold.models.flops import flops_per_token, param_count
@@ -80,27 +81,32 @@ from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
-from fivefold.parallel.plan import (MESH_AXES, ParallelPlan, compute_precision,
-                                    device_precision, plan_from_config)
+from fivefold.parallel.plan import (ParallelPlan, compute_precision, device_precision,
+                                    plan_from_config)
 from fivefold.parallel.parallelize import parallelize
-from fivefold.parallel.tensor import GatheredLogits, counted_masks
+from fivefold.parallel.tensor import counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.galore_dp import GaLoreDataParallel
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
-                                       remove_partials, save_checkpoint, shard_tag)
+                                       remove_partials, save_checkpoint, shard_tag,
+                                       step_dir)
 from fivefold.train.data import BatchSampler, TokenData, prepare_data, write_run_tokenizer
-from fivefold.train.dist import Runtime, detect_profile
+from fivefold.train.dist import Runtime
+from fivefold.train.interrupt import StopSignals, interrupted
 from fivefold.train.loss import chunk_tokens, linear_cross_entropy_sum
 from fivefold.train.memory_report import MemoryProbe
 from fivefold.train.metrics import MetricsLog, peak_memory_bytes
+from fivefold.train.mfu import mfu_note, mfu_peak
 from fivefold.train.model_source import describe_source, load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
-from fivefold.train.sample import sample_text
+from fivefold.train.resume_data import DataOrder, data_record, data_start
+from fivefold.train.run_end import finish_run
+from fivefold.train.run_header import start_line
 from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,8 +128,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, rt: Runtime, run_dir: Path, data: TokenData | None = None,
                  init_from: Path | str | None = None, plan: ParallelPlan | None = None,
-                 predicted_memory: dict | None = None):
+                 predicted_memory: dict | None = None, stop: StopSignals | None = None):
         self.cfg, self.rt, self.run_dir = cfg, rt, Path(run_dir)
+        self.stop = stop or StopSignals()  # `fivefold train` installs its handlers
         self.memory, self.predicted_memory = MemoryProbe(), predicted_memory
         self.plan = plan = plan or plan_from_config(cfg, rt.world_size,
                                                     device_precision(rt.device.type))
@@ -145,9 +152,8 @@ class Trainer:
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
         if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
             self.norm_axes.append(self.expert_axes[0])
-        # every rank: train.checkpoint_minutes' broadcast (no extra group when it is unset)
-        self.world_axis = (self.mesh.joint_axis(*MESH_AXES) if cfg.train.checkpoint_minutes
-                           else None)
+        # every rank, the default group: checkpoint_minutes' broadcast, the stop flags
+        self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
         self.dp = plan.dp  # the ranks of one tp group share a batch
         self.per_rank = plan.per_rank_batch
@@ -166,9 +172,9 @@ class Trainer:
         for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
             moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
-        self.train_sampler = BatchSampler(self.data.train, m.seq_len, plan.global_batch,
-                                          cfg.train.seed, 0, self.dp_axis.rank, self.dp,
-                                          positions)
+        self.train_sampler = DataOrder(BatchSampler(self.data.train, m.seq_len,
+                                                    plan.global_batch, cfg.train.seed, 0,
+                                                    self.dp_axis.rank, self.dp, positions))
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp,
                                         positions)
@@ -195,11 +201,7 @@ class Trainer:
                                          self.optimizer, self.train_sampler,
                                          self.global_tokens, cfg.train.grad_clip or math.inf,
                                          self.autocast)
-        profile = detect_profile(rt.device, cfg.cluster.gpu)
-        # MFU denominator, all ranks together: one device per rank on GPUs; on the CPU the
-        # profile's rate is per core (one thread per rank), and the ranks share the cores
-        devices = rt.world_size if rt.device.type == "cuda" else (os.cpu_count() or 1)
-        self.peak_flops = profile.peak_flops(self.precision) * devices if profile else None
+        self.peak = mfu_peak(rt.device, cfg.cluster.gpu, self.precision, rt.world_size)
         self.flops_per_token = flops_per_token(m)
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
         self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
@@ -416,6 +418,11 @@ class Trainer:
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = meta.get("skipped_steps", 0)
+        self.train_sampler.start, reset = data_start(meta, self.cfg)
+        if reset:
+            self.say(f"train.reset_data: {', '.join(reset)} changed since {path}; the weights "
+                     "and optimizer state resume, the data order starts afresh at step "
+                     f"{self.train_sampler.start}")
         self.say(f"resumed from {path} (step {meta['step']})")
         return meta["step"]
 
@@ -456,7 +463,8 @@ class Trainer:
         return state
 
     def _save(self, step: int) -> None:
-        meta = {"data_position": step, "config": self.cfg.to_dict(),
+        meta = {"data_position": step - self.train_sampler.start, "config": self.cfg.to_dict(),
+                "data": data_record(self.cfg), "data_start": self.train_sampler.start,
                 "skipped_steps": self.skipped_steps,
                 **layout_record(self.plan)}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
@@ -465,7 +473,7 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to `train.steps`, resuming from RUN_DIR's latest checkpoint; return a summary."""
-        t, m = self.cfg.train, self.cfg.model
+        t = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rt.is_main:  # for `fivefold convert` and `generate` of the checkpoints
             write_run_tokenizer(self.run_dir, self.cfg, self.data)
@@ -474,13 +482,9 @@ class Trainer:
             self.say(f"{self.run_dir} is already complete at step {start_step}; "
                      "raise --steps or use a new --run-dir")
             return {"steps": start_step, "complete": True}
-        self.say(f"model {self.model_name}: {param_count(m) / 1e6:.2f}M parameters, "
-                 f"{m.layers} layers; "
-                 f"{self.rt.world_size} rank(s) (pp {self.pp_axis.size}, tp {self.tp_axis.size}, "
-                 f"dp {self.dp}) on "
-                 f"{self.rt.device.type}, {self.precision}; "
-                 f"global batch {self.plan.global_batch} x {m.seq_len} tokens, "
-                 f"micro-batch {self.micro_batch}")
+        self.say(start_line(self.cfg, self.plan, self.rt.device.type, self.model_name))
+        if note := mfu_note(self.peak, self.rt.device):
+            self.say(note)
         if self.plan.asynchronous and t.optimizer == "adamw":
             self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
                      "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
@@ -499,9 +503,9 @@ class Trainer:
                 tokens_per_s = self.global_tokens / result.step_time_s
                 record = {"step": done, "loss": result.loss, "lr": lr_at(step, t),
                           "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
-                          "mfu": (self.flops_per_token * tokens_per_s /
-                                  self.peak_flops
-                                  if self.peak_flops else None),
+                          "mfu": (self.flops_per_token * tokens_per_s / self.peak.flops
+                                  if self.peak else None),
+                          "mfu_profile": self.peak.profile if self.peak else None,
                           "peak_mem_bytes": peak_memory_bytes(self.rt.device),
                           "skipped_steps": self.skipped_steps,
                           "ledger": self.ledger.summary()}
@@ -510,30 +514,13 @@ class Trainer:
                 if done % t.eval_every == 0 or done == t.steps:
                     val_loss = record["val_loss"] = self.evaluate()
                 log.log(record)
-                if saves.due(done):
+                due = saves.due(done)
+                signum = self.stop.agreed(self.world_axis, self.rt.device)  # every rank
+                if due or signum:
                     self._save(done)
+                if signum and done < t.steps:
+                    return interrupted(self.say, step_dir(self.run_dir, done), done,
+                                       signum)
         finally:
             log.close()
-        summary = {"steps": t.steps, "initial_val_loss": initial_val, "final_val_loss": val_loss,
-                   "train_time_s": time.perf_counter() - run_start}
-        summary["memory"], memory_lines = self.memory.report(
-            self.model, self.ledger.model_state_bytes, self._torch_optimizers(),
-            self.predicted_memory, self.rt.rank, self.rt.device)
-        if t.sample_tokens and (self.pipeline or self.plan.cp > 1):
-            self.say("no text sample: sampling runs the whole model on whole sequences, which "
-                     "pp > 1 and cp > 1 split")
-        elif t.sample_tokens and self.data.tokenizer is not None:  # every rank: ZeRO-3 gathers
-            model = (GatheredLogits(self.model, self.tp_axis, self.plan.sequence_parallel)
-                     if self.tp_axis.size > 1 else self.model)
-            text = sample_text(model, self.data.tokenizer, "def ", t.sample_tokens, t.seed,
-                               self.rt.device)
-            if self.rt.is_main:
-                (self.run_dir / "sample.txt").write_text(text)
-                self.say(f"sample:\n{text}")
-        if self.rt.is_main:
-            if initial_val is not None:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            self.say("\n".join(memory_lines))
-            self.say(f"done: {t.steps} steps in {summary['train_time_s']:.0f} s, final val_loss "
-                     f"{val_loss:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}")
-        return summary
+        return finish_run(self, initial_val, val_loss, time.perf_counter() - run_start)
