@@ -92,7 +92,8 @@ def fit_line(checks: list[RunCheck]) -> str:
 
 # ------------------------------------------------------------------ fit and cross-validation
 
-SOURCES = ("megatron21", "torchtitan", "bridge", "nemo", "mcore")
+SOURCES = ("megatron21", "korthikanti", "mtnlg", "bloom", "megascale", "llama3", "deepseekv3",
+           "torchtitan", "bridge", "nemo", "mcore")
 
 
 def source_of(run: dict) -> str:
