@@ -178,7 +178,7 @@ def test_calibrate_reads_each_collectives_rate_against_the_all_reduces(monkeypat
                             for b in (4096, 1 << 20, 16 << 20)],
              "reduce_scatter": [3 * (ring - lat) + lat], "all_gather": [ring],
              "all_to_all": [2 * (ring - lat) + lat]}
-    monkeypatch.setattr("fivefold.testing.run_on_ranks", lambda *args, **kw: [times] * n)
+    monkeypatch.setattr("fivefold.local_ranks.run_local", lambda *args, **kw: [times] * n)
     got_bw, got_lat, effs = cal.measure_collectives(n)
     assert (got_bw, got_lat) == (pytest.approx(bw), pytest.approx(lat))
     assert effs == pytest.approx({"reduce_scatter": 1 / 3, "all_gather": 1.0,
