@@ -4,9 +4,11 @@ A hardware profile (fivefold.hardware) holds datasheet figures and microbenchmar
 software stack (fivefold.planner.stack) the switches of the software. What neither states
 is what a real training step sustains of those rates on a real cluster. That is `Fitted`:
 four numbers, one set for every GPU profile and every stack (never per run, model, source
-or profile), fitted to all rows of calibration_runs.json by `fivefold plan validate --fit`
-and cross-validated leave-one-source-out by `fivefold plan validate --cross`
-(fivefold.planner.validation). CPU profiles (`cores` > 0) are measured where they train and
+or profile), fitted to all rows of calibration_runs.json by `fivefold plan validate --cross`
+(in-sample) and refitted in each of its leave-one-source-out folds
+(fivefold.planner.validation). They are not the only choices the rows shaped: the stacks'
+switches and release boundaries were chosen while reading the rows
+(fivefold.planner.stack.FITTED_TO), and the folds cannot see those choices. CPU profiles (`cores` > 0) are measured where they train and
 take none of them: their semantics are `fivefold calibrate`'s.
 
 - sustained: the share of a microbenchmark's GEMM and attention rate that kernels keep in

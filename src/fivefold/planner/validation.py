@@ -4,8 +4,10 @@ A runs file (shared/reference/calibration_runs.json; a copy ships with this pack
 published training runs, each with a run spec (run_spec.md keys) and its measured step time.
 `validate_runs` simulates every spec as it stands and reports, per run, the prediction, the
 publication and the absolute percentage error, and the mean (MAPE) overall and per hardware
-profile. Nothing here is tuned per run: the only knobs are the few constants of
-fivefold.planner.fitted, shared by every GPU profile and stack.
+profile. Nothing here is tuned per run, and the only constants fitted by a program are the
+few of fivefold.planner.fitted, shared by every GPU profile and stack; but the stacks'
+switches and release boundaries were chosen while reading these rows, and both reports list
+them (fivefold.planner.stack.FITTED_TO) next to the figures.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fivefold.config import ConfigError
 from fivefold.planner.fitted import BOUNDS, Fitted
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
+from fivefold.planner.stack import fitted_to_lines
 
 DEFAULT_RUNS = Path(__file__).with_name("calibration_runs.json")
 
@@ -81,6 +84,7 @@ def report(checks: list[RunCheck]) -> str:
         lines.append(f"MAPE {gpu:10} {100 * mape(rows):5.1f}%  ({len(rows)} runs)")
     lines.append(f"MAPE {'all':10} {100 * mape(checks):5.1f}%  ({len(checks)} runs)")
     lines.append(fit_line(checks))
+    lines += fitted_to_lines()
     return "\n".join(lines)
 
 
@@ -224,10 +228,8 @@ def cross_report(cv: CrossValidation) -> str:
     lines.append("")
     n_const = len(BOUNDS)
     lines.append(f"fitted constants: {n_const} (fivefold.planner.fitted) against "
-                 f"{len(cv.in_sample)} rows; none keyed by run, model, source or profile")
-    lines.append("  besides them, Ampere's gemm_eff and attn_score_s (fivefold.hardware) were "
-                 "fitted to megatron21's 16 rows, the only A100 rows, and stay fixed in every "
-                 "fold")
+                 f"{len(cv.in_sample)} rows, refitted in every fold")
+    lines += fitted_to_lines()
     lines.append("in-sample fit: " + ", ".join(f"{k} = {v:.4g}" for k, v in
                                                cv.in_sample_fit.fit.as_dict().items()))
     lines.append("at their bounds (in-sample): " + (", ".join(cv.in_sample_fit.at_bounds)
