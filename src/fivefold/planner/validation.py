@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.config import ConfigError
+from fivefold.planner import bands
 from fivefold.planner.fitted import BOUNDS, Fitted
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
@@ -176,6 +177,8 @@ class CrossValidation:
     held_out: list[RunCheck]  # each row predicted by the fit of the other sources
     fold_fits: dict[str, FitResult]
     sources: dict[str, str]  # run id -> source family
+    band_table: dict | None = None  # fivefold.planner.bands.band_table of the held-out rows
+    band_coverage: tuple[float, float] | None = None  # (share inside, median width / p)
 
 
 def cross_validate(runs: list[dict], iterations: int = 5) -> CrossValidation:
@@ -206,8 +209,18 @@ def cross_validate(runs: list[dict], iterations: int = 5) -> CrossValidation:
         folds[fam] = fit_constants([configs[i] for i in train], [published[i] for i in train],
                                    iterations=iterations)
         held_out.update(zip(test, checks(test, folds[fam].fit)))
-    return CrossValidation(in_sample, everything, [held_out[i] for i in range(len(runs))],
-                           folds, {r["id"]: f for r, f in zip(runs, fams)})
+    held = [held_out[i] for i in range(len(runs))]
+    held_s = [c.predicted_s for c in held]
+    table = bands.band_table(runs, held_s, "fivefold plan validate --cross")
+    share, width, _ = bands.coverage(runs, held_s, fams)
+    return CrossValidation(in_sample, everything, held, folds,
+                           {r["id"]: f for r, f in zip(runs, fams)}, table, (share, width))
+
+
+def record_bands(cv: CrossValidation) -> None:
+    """Store the band table in the package (fivefold.planner.bands.TABLE), where `simulate`
+    and `plan` read it."""
+    bands.write_table(cv.band_table)
 
 
 def cross_report(cv: CrossValidation) -> str:
@@ -225,6 +238,11 @@ def cross_report(cv: CrossValidation) -> str:
     lines.append(f"{'all':12} {len(cv.in_sample):4d} {100 * mape(cv.in_sample):14.1f}% "
                  f"{100 * mape(cv.held_out):13.1f}%")
     lines.append(fit_line(cv.in_sample))
+    if cv.band_coverage:
+        share, width = cv.band_coverage
+        lines.append(f"80% bands, each held-out row's from the other sources' residuals: "
+                     f"{100 * share:.0f}% of rows inside, median width {100 * width:.0f}% of "
+                     "the point estimate")
     lines.append("")
     n_const = len(BOUNDS)
     lines.append(f"fitted constants: {n_const} (fivefold.planner.fitted) against "
