@@ -49,11 +49,25 @@ BOUNDS = {"sustained": (0.6, 1.0), "overlap_eff": (0.5, 1.0), "comm_eff": (0.4, 
 FITTED = Fitted(sustained=0.8889, overlap_eff=0.9302, comm_eff=0.7084, nic_aggregation=0.4164)
 
 
+_SUSTAINED: dict[tuple[int, Fitted], tuple[HardwareProfile, HardwareProfile]] = {}
+
+
 def in_training(prof: HardwareProfile, fit: Fitted = FITTED) -> HardwareProfile:
     """`prof` as a training step sustains it: the fitted constants over its rates (GPU
-    profiles only; a CPU profile is returned as measured)."""
+    profiles only; a CPU profile is returned as measured). Built once per (profile, fit):
+    the planner's search asks for it for every layout it scores."""
     if prof.cores:
         return prof
+    hit = _SUSTAINED.get((id(prof), fit))
+    if hit is not None and hit[0] is prof:
+        return hit[1]
+    if len(_SUSTAINED) >= 256:
+        _SUSTAINED.clear()
+    _SUSTAINED[(id(prof), fit)] = (prof, _sustained(prof, fit))
+    return _SUSTAINED[(id(prof), fit)][1]
+
+
+def _sustained(prof: HardwareProfile, fit: Fitted) -> HardwareProfile:
     e = prof.eff
     s = fit.sustained
     eff = dataclasses.replace(e, gemm_eff=e.gemm_eff * s, gemm_fp8_eff=e.gemm_fp8_eff * s,

@@ -183,6 +183,7 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 HOPPER = ("H100", "H800", "H200")
@@ -299,6 +300,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
 ]}
 
 
+@functools.lru_cache(maxsize=64)
 def stack_of(name: str, release: str | None = None) -> Stack:
     """The switches of stack `name` as of `release` ("YYYY-MM"; None: the newest)."""
     return dataclasses.replace(STACKS[name], release=release)
