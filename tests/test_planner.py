@@ -364,13 +364,16 @@ def test_search_pipelines_a_model_that_does_not_fit_unsplit():
 
 def test_validate_against_published_runs():
     checks = validate_runs(read_runs())
-    assert len(checks) == 68
+    assert len(checks) == 140
     assert mape(checks) == pytest.approx(sum(abs(c.predicted_s / c.published_s - 1)
-                                             for c in checks) / 68)
-    # in-sample, with the constants `plan validate --cross` fitted (docs/planner.md lists
-    # the per-run and per-source errors and the leave-one-source-out figure)
-    assert mape(checks) < 0.14
-    assert sum(c.fits for c in checks) >= 0.95 * len(checks)
+                                             for c in checks) / 140)
+    # in-sample, with the constants `plan validate --cross` fitted to the 140 rows: 11.2%
+    # on 2026-12-03 (docs/planner.md lists the per-source and per-family errors and the
+    # leave-one-source-out figure); the bound leaves 0.8 points for later model changes
+    assert mape(checks) < 0.12
+    # 119 of 140 fit: 19 of the 21 others assume zero_stage = 0 where the row does not say
+    # whether the distributed optimizer ran (docs/planner.md lists each)
+    assert sum(c.fits for c in checks) >= 119
 
 
 def test_h200_profile_is_the_fit_of_its_measurements():
