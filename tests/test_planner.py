@@ -33,6 +33,8 @@ from fivefold.planner.validation import mape, read_runs, validate_runs
 from fivefold.validate import validate
 
 # run_spec.md, "Output of --json": exactly these fields, and these sub-tables
+# the CLI's --json adds the cross-validated band (fivefold.planner.bands) to run_spec.md's fields
+BAND_FIELDS = {"step_time_band_s", "step_time_band_rows"}
 OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
                  "hardware_tflops_per_gpu", "mfu", "hfu", "memory_per_gpu_bytes", "fits",
                  "breakdown_s", "parallel"}
@@ -453,7 +455,7 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert main(["simulate", path, "--json", "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == OUTPUT_FIELDS
+    assert set(out) == OUTPUT_FIELDS | BAND_FIELDS
     events = json.loads(trace.read_text())["traceEvents"]
     computes = [e for e in events if e.get("ph") == "X" and e["tid"] == 0
                 and e["name"][0] in "FB"]
@@ -468,7 +470,7 @@ def test_cli_plan_json_lists_best_first(tmp_path, capsys):
     captured = capsys.readouterr()
     best = json.loads(captured.out)
     assert len(best) == 2 and best[0]["step_time_s"] <= best[1]["step_time_s"]
-    assert all(set(b) == OUTPUT_FIELDS for b in best)
+    assert all(set(b) == OUTPUT_FIELDS | BAND_FIELDS for b in best)
     assert "scored" in captured.err
     assert main(["plan", path, "--top", "1"]) == 0
     assert "fivefold train" in capsys.readouterr().out
