@@ -1,4 +1,4 @@
-"""A CPU rank keeps freed memory in its heap (fivefold.train.host_heap): counted in page
+"""A CPU rank keeps freed memory in its heap (fivefold.host_heap): counted in page
 faults, not timed."""
 
 import platform
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold.testing import run_on_ranks
-from fivefold.train.host_heap import keep_host_heap, user_malloc_settings
+from fivefold.host_heap import keep_host_heap, user_malloc_settings
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 

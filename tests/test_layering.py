@@ -16,9 +16,13 @@ imported too. The rules:
                                        planner/
   train/                               the runtime: not planner/
   planner/                             predicts without torch, through no chain of imports
-                                       (calibrate, which measures the machine, may use it)
-  cli, plan_commands,                  the command line, which ties train/ and planner/
-  generate_command, __main__
+                                       (calibrate, which measures the machine, may use it),
+                                       and reaches the runtime through no chain of imports,
+                                       calibrate included: no train/ module and no parallel/
+                                       module that imports torch (an executor; the schedules
+                                       and partitions it replays are torch-free data)
+  cli, plan_commands, the commands     the command line, which ties train/ and planner/
+  (eval, generate, report), __main__
                                        together; nothing else imports it
 
 and no fivefold modules import each other in a cycle.
@@ -170,6 +174,36 @@ def torch_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
     return out
 
 
+RUNTIME = "fivefold.train"
+
+
+def reachable(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph.get(todo.pop(), {}):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def runtime_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One message per planner module that reaches the runtime through any chain of imports:
+    a train/ module, or a parallel/ module that imports torch itself (an executor)."""
+    executors = {m for m in graph if within(m, "fivefold.parallel") and "torch" in graph[m]}
+    out = []
+    for module in sorted(graph):
+        if not within(module, TORCH_FREE):
+            continue
+        hits = sorted(t for t in reachable(graph, module)
+                      if within(t, RUNTIME) or t in executors)
+        if hits:
+            chain = chain_to(graph, module, hits[0])
+            out.append(f"{module} reaches the runtime through {' -> '.join(chain)}: no planner "
+                       "module imports train/ or a parallel/ executor, directly or not")
+    return out
+
+
 def cycles(graph: dict[str, dict[str, int]]) -> list[str]:
     """One message per strongly connected group of fivefold modules (Tarjan), naming one
     cycle through the group's first module."""
@@ -210,7 +244,7 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[str]:
 
 
 def all_breaches(graph: dict[str, dict[str, int]]) -> list[str]:
-    return layer_breaches(graph) + torch_breaches(graph) + cycles(graph)
+    return layer_breaches(graph) + torch_breaches(graph) + runtime_breaches(graph) + cycles(graph)
 
 
 def test_source_tree_is_read():
@@ -242,7 +276,9 @@ def test_checker_reports_a_synthetic_breach_of_each_rule():
         "fivefold.planner": ("", True),
         "fivefold.planner.p": ("from . import q\n", False),
         "fivefold.planner.q": ("def g():\n    import fivefold.train.t\n", False),
-        "fivefold.planner.calibrate": ("import torch\nfrom fivefold.cli import main\n", False),
+        "fivefold.planner.calibrate": ("import torch\nfrom fivefold.cli import main\n"
+                                       "def h():\n    from fivefold import harness\n", False),
+        "fivefold.harness": ("from fivefold.train import t\n", False),
     }
     graph = import_graph(sources)
     assert graph["fivefold.train.t"] == {"torch": 1, "fivefold": 2, "fivefold.planner": 2,
@@ -256,11 +292,30 @@ def test_checker_reports_a_synthetic_breach_of_each_rule():
         "fivefold.planner.p reaches torch through fivefold.planner.p -> fivefold.planner.q -> "
         "fivefold.train.t -> torch (line 1 of fivefold.train.t)",
         "fivefold.planner.q reaches torch through fivefold.planner.q -> fivefold.train.t -> torch",
+        "fivefold.planner.calibrate reaches the runtime through fivefold.planner.calibrate -> "
+        "fivefold.harness -> fivefold.train",
+        "fivefold.planner.p reaches the runtime through fivefold.planner.p -> "
+        "fivefold.planner.q -> fivefold.train",
+        "fivefold.planner.q reaches the runtime through fivefold.planner.q -> fivefold.train",
         "import cycle fivefold.planner.p -> fivefold.planner.q -> fivefold.train.t -> "
         "fivefold.planner.p: fivefold modules form no cycles",
     ]
     assert [b[:len(e)] for b, e in zip(breaches, expected)] == expected
     assert len(breaches) == len(expected)  # the command line and calibrate's torch are fine
+
+
+def test_the_old_calibrate_path_to_the_runtime_is_caught():
+    """planner.calibrate once imported fivefold.testing (inside a function), which imports
+    train/: two hops, each allowed alone, that the runtime rule catches."""
+    sources = read_sources()
+    text, is_package = sources["fivefold.planner.calibrate"]
+    sources["fivefold.planner.calibrate"] = (
+        text + "\ndef _old():\n    from fivefold.testing import run_on_ranks\n", is_package)
+    breaches = runtime_breaches(import_graph(sources))
+    assert len(breaches) == 1
+    assert breaches[0].startswith("fivefold.planner.calibrate reaches the runtime through "
+                                  "fivefold.planner.calibrate -> fivefold.testing -> "
+                                  "fivefold.train")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from fivefold.planner.validation import mape, read_runs, validate_runs
 from fivefold.validate import validate
 
 # run_spec.md, "Output of --json": exactly these fields, and these sub-tables
+# the CLI's --json adds the cross-validated band (fivefold.planner.bands) to run_spec.md's fields
+BAND_FIELDS = {"step_time_band_s", "step_time_band_rows"}
 OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
                  "hardware_tflops_per_gpu", "mfu", "hfu", "memory_per_gpu_bytes", "fits",
                  "breakdown_s", "parallel"}
@@ -179,7 +181,7 @@ def test_calibrate_reads_each_collectives_rate_against_the_all_reduces(monkeypat
                             for b in (4096, 1 << 20, 16 << 20)],
              "reduce_scatter": [3 * (ring - lat) + lat], "all_gather": [ring],
              "all_to_all": [2 * (ring - lat) + lat]}
-    monkeypatch.setattr("fivefold.testing.run_on_ranks", lambda *args, **kw: [times] * n)
+    monkeypatch.setattr("fivefold.local_ranks.run_local", lambda *args, **kw: [times] * n)
     got_bw, got_lat, effs = cal.measure_collectives(n)
     assert (got_bw, got_lat) == (pytest.approx(bw), pytest.approx(lat))
     assert effs == pytest.approx({"reduce_scatter": 1 / 3, "all_gather": 1.0,
@@ -365,13 +367,16 @@ def test_search_pipelines_a_model_that_does_not_fit_unsplit():
 
 def test_validate_against_published_runs():
     checks = validate_runs(read_runs())
-    assert len(checks) == 68
+    assert len(checks) == 140
     assert mape(checks) == pytest.approx(sum(abs(c.predicted_s / c.published_s - 1)
-                                             for c in checks) / 68)
-    # in-sample, with the constants `plan validate --cross` fitted (docs/planner.md lists
-    # the per-run and per-source errors and the leave-one-source-out figure)
-    assert mape(checks) < 0.14
-    assert sum(c.fits for c in checks) >= 0.95 * len(checks)
+                                             for c in checks) / 140)
+    # in-sample, with the constants `plan validate --cross` fitted to the 140 rows: 11.2%
+    # on 2026-12-03 (docs/planner.md lists the per-source and per-family errors and the
+    # leave-one-source-out figure); the bound leaves 0.8 points for later model changes
+    assert mape(checks) < 0.12
+    # 119 of 140 fit: 19 of the 21 others assume zero_stage = 0 where the row does not say
+    # whether the distributed optimizer ran (docs/planner.md lists each)
+    assert sum(c.fits for c in checks) >= 119
 
 
 def test_h200_profile_is_the_fit_of_its_measurements():
@@ -449,7 +454,7 @@ def test_cli_simulate_json_and_trace(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert main(["simulate", path, "--json", "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == OUTPUT_FIELDS | CONTEXT_FIELDS
+    assert set(out) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS
     events = json.loads(trace.read_text())["traceEvents"]
     computes = [e for e in events if e.get("ph") == "X" and e["tid"] == 0
                 and e["name"][0] in "FB"]
@@ -464,7 +469,7 @@ def test_cli_plan_json_lists_best_first(tmp_path, capsys):
     captured = capsys.readouterr()
     best = json.loads(captured.out)
     assert len(best) == 2 and best[0]["step_time_s"] <= best[1]["step_time_s"]
-    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS for b in best)
+    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS for b in best)
     assert "scored" in captured.err
     assert main(["plan", path, "--top", "1"]) == 0
     assert "fivefold train" in capsys.readouterr().out

@@ -109,7 +109,7 @@ def test_fitted_constants_leave_cpu_profiles_as_measured():
 
 def test_every_calibration_row_has_a_source_family_and_a_stack():
     runs = read_runs()
-    assert len(runs) == 68
+    assert len(runs) == 140
     assert {source_of(r) for r in runs} == set(SOURCES)
     assert all(r["spec"]["train"]["stack"] in STACKS for r in runs)
 

@@ -109,8 +109,12 @@ def cmd_simulate(cfg, prof, args) -> int:
     est = simulate(cfg, prof, keep_events=bool(args.trace))
     if args.trace:
         write_trace(est, args.trace)
-    print(json.dumps({**est.to_json(), **context_json(cfg, prof)}, indent=1) if args.json
-          else estimate_text(est, prof, cfg))
+    if args.json:  # the band from the cross-validated residuals (fivefold.planner.bands)
+        from fivefold.planner.bands import band_fields
+        print(json.dumps({**est.to_json(), **context_json(cfg, prof),
+                          **band_fields(cfg, est.step_time_s)}, indent=1))
+    else:
+        print(estimate_text(est, prof, cfg))
     return 0
 
 
@@ -124,8 +128,10 @@ def cmd_plan(cfg, prof, args) -> int:
     if args.json:
         print(f"fivefold plan: scored {result.scored} layouts ({result.fitting} fit) in "
               f"{result.seconds:.1f} s", file=sys.stderr)
+        from fivefold.planner.bands import band_fields  # the cross-validated band
         context = context_json(cfg, prof)
-        print(json.dumps([{**e.to_json(), **context} for e in result.best], indent=1))
+        print(json.dumps([{**e.to_json(), **context, **band_fields(cfg, e.step_time_s)}
+                          for e in result.best], indent=1))
     else:
         print(plan_text(result, cfg, prof, args.spec))
     return 0 if result.best else 1
@@ -149,6 +155,9 @@ def cmd_validate(runs_path: str | None, as_json: bool, cross: bool = False) -> i
 
     if cross:
         cv = cross_validate(read_runs(runs_path))
+        if runs_path is None:  # the packaged rows: store their band table for simulate/plan
+            from fivefold.planner.validation import record_bands
+            record_bands(cv)
         if not as_json:
             print(cross_report(cv))
             return 0
@@ -157,6 +166,7 @@ def cmd_validate(runs_path: str | None, as_json: bool, cross: bool = False) -> i
                       "in_sample_s": a.predicted_s, "held_out_s": b.predicted_s}
                      for a, b in zip(cv.in_sample, cv.held_out)],
             "mape_in_sample": mape(cv.in_sample), "mape_held_out": mape(cv.held_out),
+            "band_coverage": cv.band_coverage,
             "fitted": cv.in_sample_fit.fit.as_dict(),
             "at_bounds": list(cv.in_sample_fit.at_bounds),
             "folds": {k: {"fitted": f.fit.as_dict(), "at_bounds": list(f.at_bounds)}

@@ -28,7 +28,7 @@ and caches); the profile's `cores` says for how many ranks they hold (more ranks
 evenly).
 The profile file (JSON of fivefold.hardware.HardwareProfile) is accepted by
 `--set cluster.gpu=PATH`. `fit_gemm` and `fit_attention` are also how the H200 profile's
-curves were fitted to shared/reference/h200_measured.json.
+curves were fitted to docs/reference/h200_measured.json.
 """
 
 from __future__ import annotations
@@ -326,10 +326,12 @@ def measure_collectives(ranks: int, repeat: int = 5) -> tuple[float, float, dict
     """(bytes/s, per-hop latency s) of gloo ring all-reduce across `ranks` local processes,
     and the reduce-scatter's, all-gather's and all-to-all's bandwidth over what the ring
     model (fivefold.planner.comm) gives them at that rate, on 16 MiB."""
-    from fivefold.testing import run_on_ranks
+    from fivefold import local_ranks
+    from fivefold.host_heap import keep_host_heap
 
     sizes = [4096, 1 << 20, 16 << 20]
-    times = run_on_ranks(_collective_worker, ranks, sizes, repeat)[0]
+    times = local_ranks.run_local(_collective_worker, ranks, sizes, repeat,
+                                  prepare=keep_host_heap)[0]
     hops, factor = 2 * (ranks - 1), 2 * (ranks - 1) / ranks
     # t = factor * bytes / bw + hops * latency: two unknowns from the small and large sizes
     inv_bw, lat = _lstsq_pos([[factor * s, hops] for s in sizes], times["all_reduce"])
@@ -393,9 +395,10 @@ def calibrate(out: str | Path, device_type: str = "cpu", ranks: int = 2,
     import torch
 
     if device_type == "cpu" and ranks > 1:  # every rank measures at once: shared caches,
-        from fivefold.testing import run_on_ranks  # memory bus and cores, as in training
+        from fivefold import local_ranks  # memory bus and cores, as in training
+        from fivefold.host_heap import keep_host_heap
 
-        m = run_on_ranks(_measure_worker, ranks, threads)[0]
+        m = local_ranks.run_local(_measure_worker, ranks, threads, prepare=keep_host_heap)[0]
     else:
         m = measure_device(device_type, threads)
     link = measure_collectives(ranks) if ranks > 1 else None

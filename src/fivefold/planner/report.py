@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.hardware import PROFILES, HardwareProfile
+from fivefold.planner.bands import step_time_band
 from fivefold.planner.simulate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
 from fivefold.planner.stack import STACKS
 
@@ -79,6 +80,15 @@ def context_json(cfg: Config, prof: HardwareProfile) -> dict:
                         "source": prof.source}}
 
 
+def band_text(cfg: Config | None, step_time_s: float) -> str:
+    """"80% band lo-hi s (rows)" from the cross-validated residuals (fivefold.planner.bands)."""
+    got = step_time_band(cfg, step_time_s) if cfg is not None else None
+    if got is None:
+        return ""
+    (lo, hi), rows = got
+    return f"   80% band {lo:.4g}-{hi:.4g} s ({rows})"
+
+
 def estimate_text(est: Estimate, prof: HardwareProfile, cfg: Config) -> str:
     mem, bd = est.memory_per_gpu_bytes, est.breakdown_s
     precision = est.parallel["precision"]
@@ -88,7 +98,8 @@ def estimate_text(est: Estimate, prof: HardwareProfile, cfg: Config) -> str:
              f"{prof.peak_flops(precision) / 1e12:g} TFLOP/s {precision}, "
              f"{prof.memory_bytes / GiB:.0f} GiB)",
              f"step       {est.step_time_s:.4g} s   {est.tokens_per_s:,.0f} tokens/s   "
-             f"MFU {100 * est.mfu:.1f}%   HFU {100 * est.hfu:.1f}%",
+             f"MFU {100 * est.mfu:.1f}%   HFU {100 * est.hfu:.1f}%"
+             + band_text(cfg, est.step_time_s),
              "time       " + "   ".join(f"{k} {bd[k]:.4g} s" for k in BREAKDOWN_FIELDS),
              "memory     " + "   ".join(f"{k} {mem[k] / GiB:.2f}" for k in MEMORY_FIELDS)
              + f" GiB   ({'fits' if est.fits else 'does NOT fit'} in "
@@ -116,6 +127,14 @@ def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str
         lines.append("no layout fits: add devices, shorten the sequence or lower the batch")
         return "\n".join(lines)
     best = result.best[0]
+    got = step_time_band(cfg, best.step_time_s)
+    if got is not None:
+        (lo, hi), rows = got
+        same = sum(1 for e in result.best[1:] if step_time_band(cfg, e.step_time_s)[0][0] <= hi)
+        lines.append(f"best step {best.step_time_s:.4g} s, 80% band {lo:.4g}-{hi:.4g} s (the "
+                     f"cross-validated residuals of {rows} rows); {same} of the other "
+                     f"{len(result.best) - 1} shown overlap it: not distinguishable by the "
+                     "simulator")
     mem = best.memory_per_gpu_bytes
     lines.append("best layout memory per device: " + ", ".join(
         f"{k} {mem[k] / GiB:.2f} GiB" for k in MEMORY_FIELDS))

@@ -12,16 +12,19 @@ with (`bubble_fraction`, `peak_in_flight`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fivefold.parallel.pipeline import replay as runtime_replay
 from fivefold.parallel.pipeline import schedules as runtime
 from fivefold.parallel.pipeline.replay import Event
-from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, GRADIENT_KINDS, I, W, Action,
-                                                 Schedule)
+from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, GRADIENT_KINDS, I, RECVS,
+                                                 SENDS, W, Action, Schedule, message,
+                                                 peer_stage)
 
 
+@functools.lru_cache(maxsize=256)
 def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
                      steps: int = 1) -> Schedule:
     """The runtime's action lists for a layout's `schedule` (vpp > 1 is interleaved 1F1B;
@@ -80,17 +83,63 @@ def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: 
     (activations forward, gradients backward; only the receiver waits). Busy time is the sum
     of the rank's durations, in list order, not the replay's end - start differences, so it
     carries no rounding of the clock."""
-    events = runtime_replay.replay(schedule, duration, p2p_s)
-    finish = [0.0] * schedule.pp
-    last_grads: list[dict[int, tuple[float, float]]] = [{} for _ in range(schedule.pp)]
-    for e in events:  # a rank's events come in its list order
-        finish[e.rank] = e.end
-        if e.action.kind in GRADIENT_KINDS:
-            last_grads[e.rank][e.action.stage] = (e.start, e.end)
-    busy = [sum(duration(a) for a in actions if a.kind in COMPUTE)
-            for actions in schedule.ranks]
-    return Replay(finish, busy, runtime_replay.peak_in_flight(schedule, weight),
-                  events if keep_events else [], last_grads)
+    order = replay_order(schedule)
+    n = schedule.pp
+    clock, busy = [0.0] * n, [0.0] * n
+    at = [0.0] * len(order)  # each send's time, by its place in the order
+    last_grads: list[dict[int, tuple[float, float]]] = [{} for _ in range(n)]
+    events: list[Event] = []
+    for k, (r, a, wait) in enumerate(order):
+        start = clock[r]
+        if wait == _SEND:
+            at[k] = start
+        elif wait is not None:  # a receive: (the send's place, crosses ranks)
+            sent, cross = wait
+            clock[r] = start = max(start, at[sent] + p2p_s if cross else at[sent])
+        else:
+            d = duration(a)
+            clock[r] += d
+            if a.kind in COMPUTE:
+                busy[r] += d
+            if a.kind in GRADIENT_KINDS:
+                last_grads[r][a.stage] = (start, clock[r])
+        if keep_events:
+            events.append(Event(r, a, start, clock[r]))
+    return Replay(list(clock), busy, runtime_replay.peak_in_flight(schedule, weight),
+                  events, last_grads)
+
+
+_SEND = "send"
+_ORDERS: dict[int, tuple[Schedule, tuple]] = {}
+
+
+def replay_order(schedule: Schedule) -> tuple:
+    """The order in which fivefold.parallel.pipeline.replay.replay runs the schedule's
+    actions, as (rank, action, wait): wait is "send", (the send's place in the order, whether
+    it crosses ranks) for a receive, None for the rest. The loop's order depends on the lists
+    only, never on the costs, so it is found once per schedule (replayed at unit cost, which
+    also checks the lists) and `replay_step` walks it with each layout's durations: the same
+    arithmetic as the loop, without its message bookkeeping."""
+    hit = _ORDERS.get(id(schedule))
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    stages = schedule.stages
+    sent: dict[tuple, int] = {}
+    order = []
+    for k, e in enumerate(runtime_replay.replay(schedule)):
+        a = e.action
+        if a.kind in SENDS:
+            sent[message(a, stages)] = k
+            order.append((e.rank, a, _SEND))
+        elif a.kind in RECVS:
+            cross = schedule.rank_of(peer_stage(a, stages)) != e.rank
+            order.append((e.rank, a, (sent[message(a, stages)], cross)))
+        else:
+            order.append((e.rank, a, None))
+    if len(_ORDERS) >= 256:
+        _ORDERS.clear()
+    _ORDERS[id(schedule)] = (schedule, tuple(order))
+    return _ORDERS[id(schedule)][1]
 
 
 def peak_in_flight(schedule: str, pp: int, m: int, rank: int, vpp: int = 1,

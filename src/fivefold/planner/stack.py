@@ -4,9 +4,18 @@ A hardware profile (fivefold.hardware) holds datasheet figures and the rates tha
 reach in a microbenchmark. Which kernels a step runs, what it keeps for backward and what it
 hides behind what is the software's: the same H100 runs Megatron-Core 35-57% faster than
 eager PyTorch. A spec names its software with `train.stack`; each stack is a fixed set of
-switches, every one with a physical effect and a source, and none keyed by run, model or
-published source. The simulator reads the switches; "fivefold" describes this runtime, and
-under it every prediction (memory, ledger, activations) equals fivefold's own to the byte.
+switches, every one with a physical effect and a source. The simulator reads the switches;
+"fivefold" describes this runtime, and under it every prediction (memory, ledger,
+activations) equals fivefold's own to the byte.
+
+What was chosen by reading published rows: every switch of the megatron, torchtitan and
+deepspeed stacks was introduced while the rows of calibration_runs.json that it changes were
+being read and their misses studied, and three placements were made by where rows fall (the
+Hopper and Blackwell FlashAttention-3 release dates, the per-chunk launch charge of
+tp_overlap_chunks). A switch is not keyed by run, model or source, but cross-validation
+cannot see a choice made while reading the held-out rows. `FITTED_TO` (below) lists each
+such switch with the rows it was chosen on; `fivefold plan validate` prints it next to its
+figures. The fivefold stack's switches describe this runtime and are checked against it.
 
 - fused_eltwise: element-wise chains (norms, rotary, activation, residual) run as fused
   kernels, one HBM pass per tensor (Megatron-Core with Transformer Engine: fused RMSNorm,
@@ -174,6 +183,7 @@ under it every prediction (memory, ledger, activations) equals fivefold's own to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 HOPPER = ("H100", "H800", "H200")
@@ -290,6 +300,51 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
 ]}
 
 
+@functools.lru_cache(maxsize=64)
 def stack_of(name: str, release: str | None = None) -> Stack:
     """The switches of stack `name` as of `release` ("YYYY-MM"; None: the newest)."""
     return dataclasses.replace(STACKS[name], release=release)
+
+
+_MEGATRON_ROWS = "the megatron rows (megatron21, nemo, bridge, mcore sources)"
+_TORCHTITAN_ROWS = "the torchtitan rows (Dec 2024 tables, H200 community runs)"
+_DEEPSPEED_ROWS = "arXiv 2104.04473 Table 2's six ZeRO-3 rows (megatron21)"
+# Each stack switch, release boundary or profile constant that was introduced or placed after
+# reading published rows: (stack or "hardware", name) -> the rows it was chosen on. Its
+# citation is in the docstring above (hardware: fivefold.hardware).
+FITTED_TO: dict[tuple[str, str], str] = {
+    **{("megatron", k): _MEGATRON_ROWS for k in (
+        "fused_eltwise", "flash2_attention", "loss_logit_bytes", "loss_saves_fp32",
+        "tp_overlap", "tp_overlap_since", "dp_overlap", "fp8_fused_casts", "fp8_saved_inputs",
+        "expert_group_stride_1", "selective_modules", "fp8_param_gather_since",
+        "fp8_sp_gather")},
+    ("megatron", "fa3_since hopper 2024-07"): "placed so that the nemo 24.03 long-context "
+                                              "rows run at the FlashAttention-2-class rate",
+    ("megatron", "fa3_since blackwell 2025-09"): "placed between the nemo 25.02-25.07 "
+                                                 "Blackwell rows and the bridge 25.11 and "
+                                                 "mcore ModelZoo rows",
+    ("megatron", "tp_overlap_chunks"): "one launch per chunk, chosen over one per GEMM "
+                                       "because it fitted " + _MEGATRON_ROWS + " better",
+    **{("torchtitan", k): _TORCHTITAN_ROWS for k in (
+        "flash2_attention", "loss_logit_bytes", "cp_kv_exchange", "sdpa_repeats_kv",
+        "zero3_pp_unsharded", "fp8_sp_gather", "fp8_shard_casts")},
+    **{("deepspeed", k): _DEEPSPEED_ROWS for k in (
+        "zero3_recompute_gathers", "zero3_live_params", "zero3_overlap",
+        "zero3_persist_numel", "zero3_list_gather")},
+    ("hardware", "A100-80GB gemm_eff, attn_score_s"): "fitted to the 16 Table 1 rows of "
+                                                      "arXiv 2104.04473 (megatron21); fixed "
+                                                      "in every fold",
+}
+
+
+def fitted_to_lines() -> list[str]:
+    """What `fivefold plan validate` prints about the choices made by reading rows."""
+    by_rows: dict[str, list[str]] = {}
+    for (owner, name), rows in FITTED_TO.items():
+        by_rows.setdefault(rows, []).append(f"{owner}.{name}")
+    lines = [f"chosen by reading published rows (fitted_to, fivefold.planner.stack."
+             f"FITTED_TO): {len(FITTED_TO)} switches, placements and profile constants, "
+             "outside the fitted constants and unseen by cross-validation:"]
+    for rows, names in by_rows.items():
+        lines.append(f"  {rows}: {', '.join(names)}")
+    return lines

@@ -1,11 +1,13 @@
 """Predicted against published step times: `fivefold plan validate [--cross]`.
 
-A runs file (shared/reference/calibration_runs.json; a copy ships with this package) lists
+A runs file (calibration_runs.json, shipped with this package) lists
 published training runs, each with a run spec (run_spec.md keys) and its measured step time.
 `validate_runs` simulates every spec as it stands and reports, per run, the prediction, the
 publication and the absolute percentage error, and the mean (MAPE) overall and per hardware
-profile. Nothing here is tuned per run: the only knobs are the few constants of
-fivefold.planner.fitted, shared by every GPU profile and stack.
+profile. Nothing here is tuned per run, and the only constants fitted by a program are the
+few of fivefold.planner.fitted, shared by every GPU profile and stack; but the stacks'
+switches and release boundaries were chosen while reading these rows, and both reports list
+them (fivefold.planner.stack.FITTED_TO) next to the figures.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.config import ConfigError
+from fivefold.planner import bands
 from fivefold.planner.fitted import BOUNDS, Fitted
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
+from fivefold.planner.stack import fitted_to_lines
 
 DEFAULT_RUNS = Path(__file__).with_name("calibration_runs.json")
 
@@ -81,6 +85,7 @@ def report(checks: list[RunCheck]) -> str:
         lines.append(f"MAPE {gpu:10} {100 * mape(rows):5.1f}%  ({len(rows)} runs)")
     lines.append(f"MAPE {'all':10} {100 * mape(checks):5.1f}%  ({len(checks)} runs)")
     lines.append(fit_line(checks))
+    lines += fitted_to_lines()
     return "\n".join(lines)
 
 
@@ -92,7 +97,8 @@ def fit_line(checks: list[RunCheck]) -> str:
 
 # ------------------------------------------------------------------ fit and cross-validation
 
-SOURCES = ("megatron21", "torchtitan", "bridge", "nemo", "mcore")
+SOURCES = ("megatron21", "korthikanti", "mtnlg", "bloom", "megascale", "llama3", "deepseekv3",
+           "torchtitan", "bridge", "nemo", "mcore")
 
 
 def source_of(run: dict) -> str:
@@ -171,6 +177,8 @@ class CrossValidation:
     held_out: list[RunCheck]  # each row predicted by the fit of the other sources
     fold_fits: dict[str, FitResult]
     sources: dict[str, str]  # run id -> source family
+    band_table: dict | None = None  # fivefold.planner.bands.band_table of the held-out rows
+    band_coverage: tuple[float, float] | None = None  # (share inside, median width / p)
 
 
 def cross_validate(runs: list[dict], iterations: int = 5) -> CrossValidation:
@@ -201,8 +209,18 @@ def cross_validate(runs: list[dict], iterations: int = 5) -> CrossValidation:
         folds[fam] = fit_constants([configs[i] for i in train], [published[i] for i in train],
                                    iterations=iterations)
         held_out.update(zip(test, checks(test, folds[fam].fit)))
-    return CrossValidation(in_sample, everything, [held_out[i] for i in range(len(runs))],
-                           folds, {r["id"]: f for r, f in zip(runs, fams)})
+    held = [held_out[i] for i in range(len(runs))]
+    held_s = [c.predicted_s for c in held]
+    table = bands.band_table(runs, held_s, "fivefold plan validate --cross")
+    share, width, _ = bands.coverage(runs, held_s, fams)
+    return CrossValidation(in_sample, everything, held, folds,
+                           {r["id"]: f for r, f in zip(runs, fams)}, table, (share, width))
+
+
+def record_bands(cv: CrossValidation) -> None:
+    """Store the band table in the package (fivefold.planner.bands.TABLE), where `simulate`
+    and `plan` read it."""
+    bands.write_table(cv.band_table)
 
 
 def cross_report(cv: CrossValidation) -> str:
@@ -220,13 +238,16 @@ def cross_report(cv: CrossValidation) -> str:
     lines.append(f"{'all':12} {len(cv.in_sample):4d} {100 * mape(cv.in_sample):14.1f}% "
                  f"{100 * mape(cv.held_out):13.1f}%")
     lines.append(fit_line(cv.in_sample))
+    if cv.band_coverage:
+        share, width = cv.band_coverage
+        lines.append(f"80% bands, each held-out row's from the other sources' residuals: "
+                     f"{100 * share:.0f}% of rows inside, median width {100 * width:.0f}% of "
+                     "the point estimate")
     lines.append("")
     n_const = len(BOUNDS)
     lines.append(f"fitted constants: {n_const} (fivefold.planner.fitted) against "
-                 f"{len(cv.in_sample)} rows; none keyed by run, model, source or profile")
-    lines.append("  besides them, Ampere's gemm_eff and attn_score_s (fivefold.hardware) were "
-                 "fitted to megatron21's 16 rows, the only A100 rows, and stay fixed in every "
-                 "fold")
+                 f"{len(cv.in_sample)} rows, refitted in every fold")
+    lines += fitted_to_lines()
     lines.append("in-sample fit: " + ", ".join(f"{k} = {v:.4g}" for k, v in
                                                cv.in_sample_fit.fit.as_dict().items()))
     lines.append("at their bounds (in-sample): " + (", ".join(cv.in_sample_fit.at_bounds)

@@ -9,7 +9,7 @@ group at all (world size 1).
 
 `detect_profile` asks torch which device this is and looks its hardware profile up
 (fivefold.hardware, which stays torch-free for the planner). A CPU rank keeps its freed memory
-in its heap for the next step (fivefold.train.host_heap).
+in its heap for the next step (fivefold.host_heap).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fivefold.config import ConfigError
 from fivefold.hardware import HardwareProfile, device_profile, load_profile
-from fivefold.train.host_heap import keep_host_heap
+from fivefold.host_heap import keep_host_heap
 
 
 @dataclass(frozen=True)
