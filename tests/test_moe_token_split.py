@@ -14,7 +14,9 @@ nearly zero turns that rounding into a 2e-5 difference, measured here too). The 
 auxiliary loss to rel 1e-5. With a capacity factor the capacity group is a rank's share of
 the micro-batch (fivefold.models.moe), which one process does not reproduce, so capacity is
 checked for what it promises there: each rank keeps what `capacity_keep` keeps of its own
-tokens alone, at the capacity of its own token count.
+tokens alone, at the capacity of its own token count. The activation bytes each block saves
+for backward under tp 2 with sequence parallelism (saved-tensor hooks) are the planner's
+`block_saved_bytes` within 5%, as tests/test_planner_ledger.py holds them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import pytest
 import torch
 
 from fivefold.config import load_config
+from fivefold.memory.activation_count import SavedActivations
 from fivefold.models.moe import MoE, capacity_keep
+from fivefold.planner.activations import block_saved_bytes
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
@@ -42,9 +46,27 @@ LAYOUTS = [  # (overrides, label), on 2 ranks
 
 
 def layouts_on_ranks(rt: Runtime, layouts: list[list[str]], run_dir: str,
-                     capacity: list[str]) -> tuple[list[dict], list[tuple[int, int, int]]]:
+                     capacity: list[str]) -> tuple[list[dict], list[tuple[int, int, int]],
+                                                   list[tuple[int, float]]]:
     runs = [train(rt, sets, f"{run_dir}/{i}") for i, sets in enumerate(layouts)]
-    return runs, capacity_groups(rt, capacity, f"{run_dir}/capacity")
+    return (runs, capacity_groups(rt, capacity, f"{run_dir}/capacity"),
+            saved_bytes(rt, layouts[0], f"{run_dir}/saved"))
+
+
+def saved_bytes(rt: Runtime, sets: list[str], run_dir: str) -> list[tuple[int, float]]:
+    """Per block, (bytes it saves for backward over one micro-batch on this rank, counted by
+    saved-tensor hooks; the planner's `block_saved_bytes` for it)."""
+    cfg = load_config(None, sets)
+    trainer = Trainer(cfg, rt, run_dir)
+    x, y = trainer.train_sampler.rank_batch(0)
+    x, y = x[:trainer.micro_batch], y[:trainer.micro_batch]
+    labels = {f"layers.{i}": block for i, block in enumerate(trainer.model.layers)}
+    with SavedActivations(trainer.model, labels) as acts:
+        trainer.micro_batch_loss(x, y).backward()
+    plan = trainer.plan
+    return [(acts.bytes_by_label[name], block_saved_bytes(cfg.model, x.numel(), 4, plan.tp,
+                                                          plan.sequence_parallel, layer=i))
+            for i, name in enumerate(labels)]
 
 
 def capacity_groups(rt: Runtime, sets: list[str], run_dir: str) -> list[tuple[int, int, int]]:
@@ -83,7 +105,7 @@ def test_moe_on_sequence_and_context_shards_matches_one_process(split_sets, tmp_
     results = run_on_ranks(layouts_on_ranks, 2, [split_sets + s for s, _ in LAYOUTS],
                            str(tmp_path / "runs"), capacity, timeout_s=900)
     for i, (_, label) in enumerate(LAYOUTS):
-        for rank, (runs, _) in enumerate(results):
+        for rank, (runs, _, _) in enumerate(results):
             run = runs[i]
             assert_same_run(run, ref, f"{label}, rank {rank}")
             for step, ref_step in zip(run["moe"], ref["moe"]):
@@ -92,6 +114,9 @@ def test_moe_on_sequence_and_context_shards_matches_one_process(split_sets, tmp_
                     assert stats["aux_loss"] == pytest.approx(ref_step[layer]["aux_loss"],
                                                               rel=1e-5)
     tokens = 2 * load_config(None, capacity).model.seq_len // 2  # micro-batch x T / tp
-    for _, groups in results:
+    for _, groups, _ in results:
         assert groups and all(n == tokens and kept == want for n, kept, want in groups)
         assert any(kept < 2 * n for n, kept, _ in groups)  # the capacity dropped some
+    for _, _, blocks in results:  # the MoE layers save for their T / tp tokens only
+        for counted, predicted in blocks:
+            assert predicted == pytest.approx(counted, rel=0.05)
