@@ -1,6 +1,7 @@
 """MoE layers on a rank's share of the tokens (fivefold.parallel.moe_tokens) against one
 process, on 2 gloo ranks: tp 2 with sequence parallelism, cp 2 in ring and in Ulysses mode,
-and cp 2 ring with ep 2 over the cp ranks.
+and cp 2 ring with ep 2 over the cp ranks; on 4: tp 2 with sequence parallelism x
+ep 2 over dp 2, and cp 2 x tp 2 with sequence parallelism.
 
 The tiny MoE of tests/test_expert_parallel.py (8 experts, top-2, both blocks MoE), dropless,
 with the load-balancing loss, the router z-loss and a shared expert on, so every term whose
@@ -93,6 +94,27 @@ def capacity_groups(rt: Runtime, sets: list[str], run_dir: str) -> list[tuple[in
     return seen
 
 
+LAYOUTS_4 = [  # (overrides, label), on 4 ranks
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+     "tp 2 sequence parallel x ep 2 over dp 2"),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     "cp 2 ring x tp 2 sequence parallel: the balancing counts over cp+tp"),
+]
+
+
+def runs_on_ranks(rt: Runtime, layouts: list[list[str]], run_dir: str) -> list[dict]:
+    return [train(rt, sets, f"{run_dir}/{i}") for i, sets in enumerate(layouts)]
+
+
+def assert_matches(run: dict, ref: dict, label: str) -> None:
+    """Losses and parameters (assert_same_run), exact loads, the aux loss to rel 1e-5."""
+    assert_same_run(run, ref, label)
+    for step, ref_step in zip(run["moe"], ref["moe"]):
+        for layer, stats in step.items():
+            assert stats["tokens_per_expert"] == ref_step[layer]["tokens_per_expert"], label
+            assert stats["aux_loss"] == pytest.approx(ref_step[layer]["aux_loss"], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def split_sets(parity_overrides):
     return parity_overrides + SPLIT_MOE
@@ -106,13 +128,7 @@ def test_moe_on_sequence_and_context_shards_matches_one_process(split_sets, tmp_
                            str(tmp_path / "runs"), capacity, timeout_s=900)
     for i, (_, label) in enumerate(LAYOUTS):
         for rank, (runs, _, _) in enumerate(results):
-            run = runs[i]
-            assert_same_run(run, ref, f"{label}, rank {rank}")
-            for step, ref_step in zip(run["moe"], ref["moe"]):
-                for layer, stats in step.items():
-                    assert stats["tokens_per_expert"] == ref_step[layer]["tokens_per_expert"]
-                    assert stats["aux_loss"] == pytest.approx(ref_step[layer]["aux_loss"],
-                                                              rel=1e-5)
+            assert_matches(runs[i], ref, f"{label}, rank {rank}")
     tokens = 2 * load_config(None, capacity).model.seq_len // 2  # micro-batch x T / tp
     for _, groups, _ in results:
         assert groups and all(n == tokens and kept == want for n, kept, want in groups)
@@ -120,3 +136,13 @@ def test_moe_on_sequence_and_context_shards_matches_one_process(split_sets, tmp_
     for _, _, blocks in results:  # the MoE layers save for their T / tp tokens only
         for counted, predicted in blocks:
             assert predicted == pytest.approx(counted, rel=0.05)
+
+
+def test_moe_with_sequence_parallel_and_ep_or_cp_on_4_ranks_matches_one_process(
+        split_sets, tmp_path):
+    ref = reference(split_sets, tmp_path / "ref")
+    per_rank = run_on_ranks(runs_on_ranks, 4, [split_sets + s for s, _ in LAYOUTS_4],
+                            str(tmp_path / "runs"), timeout_s=900)
+    for i, (_, label) in enumerate(LAYOUTS_4):
+        for rank, runs in enumerate(per_rank):
+            assert_matches(runs[i], ref, f"{label}, rank {rank}")

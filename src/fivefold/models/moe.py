@@ -28,10 +28,11 @@ X * sum_e f_e sum_n p_ne, a sum over the tokens this call sees with f_e from
 `balance_counts(assignments per expert)`, a seam: the identity here; where parallelism
 splits a micro-batch's tokens over ranks (sequence or context parallelism,
 fivefold.parallel.moe_tokens) it sums the counts over those ranks, so each rank's term
-is its tokens' share of the one-process loss and the terms add up to it. They do not change the block's output: their gradient
-is attached to it (`AttachAuxLoss`, the same device as Megatron-Core's MoEAuxLossAutoScaler)
-with the coefficient `aux_grad_scale`, which the trainer sets to the token loss's
-1 / (tokens of the global batch); so a pipeline stage backpropagates its own layers' terms.
+is its tokens' share of the one-process loss and the terms add up to it. The losses do not
+change the block's output: their gradient is attached to it (`AttachAuxLoss`, the same
+device as Megatron-Core's MoEAuxLossAutoScaler) with the coefficient `aux_grad_scale`, which
+the trainer sets to the token loss's 1 / (tokens of the global batch); so a pipeline stage
+backpropagates its own layers' terms.
 
 The experts (stacked per matrix, (X, out, in): expert parallelism splits dim 0) run on the
 tokens sorted by expert through `expert_compute(x_sorted, counts)`, a seam: by default
