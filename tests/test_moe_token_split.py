@@ -1,7 +1,7 @@
 """MoE layers on a rank's share of the tokens (fivefold.parallel.moe_tokens) against one
 process, on 2 gloo ranks: tp 2 with sequence parallelism, cp 2 in ring and in Ulysses mode,
 and cp 2 ring with ep 2 over the cp ranks; on 4: tp 2 with sequence parallelism x
-ep 2 over dp 2, and cp 2 x tp 2 with sequence parallelism.
+ep 2 over dp 2, cp 2 x tp 2 with sequence parallelism, and cp 4 in hybrid mode.
 
 The tiny MoE of tests/test_expert_parallel.py (8 experts, top-2, both blocks MoE), dropless,
 with the load-balancing loss, the router z-loss and a shared expert on, so every term whose
@@ -99,6 +99,8 @@ LAYOUTS_4 = [  # (overrides, label), on 4 ranks
      "tp 2 sequence parallel x ep 2 over dp 2"),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
      "cp 2 ring x tp 2 sequence parallel: the balancing counts over cp+tp"),
+    (["parallel.cp=4", "parallel.cp_mode='hybrid'", "parallel.cp_ulysses=2"],
+     "cp 4 hybrid (ring 2 x Ulysses 2)"),
 ]
 
 
