@@ -45,7 +45,11 @@ the runtime does):
             the edp ranks (all-reduced at stage 0, sharded over edp at stages 1-3), a 4-byte
             all-reduce of the gradient norm over ep at stage 0, and per micro-batch the
             all-to-alls of `_Step.expert_parallel`, at balanced routing; an MoE block has no
-            tensor-parallel MLP region (its MLP runs whole on every tp rank)
+            tensor-parallel MLP region (its MLP runs whole on every tp rank). Where sequence
+            or context parallelism splits a micro-batch, the load statistics are reduced over
+            the routing axes (tp too with sp), the expert rows are a rank's shard's, and
+            fivefold.planner.moe_ledger's `token_split_records` adds the balancing counts'
+            all-reduce and, with sp, the MoE parameters' gradient all-reduces over tp
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each

@@ -52,11 +52,10 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
     split = 1
     for axis in lay.token_split_axes:
         split *= lay.cp if axis == "cp" else lay.tp
-    moe_layers = [i for i in layers if is_moe_layer(cfg.model, i)]
     if moe is None or split == 1:
         return out
     passes = 2 if lay.recompute != "none" else 1
-    for layer in moe_layers:
+    for layer in (i for i in layers if is_moe_layer(cfg.model, i)):
         if moe.aux_loss_weight:
             out += [("all_reduce", "+".join(lay.token_split_axes), split, "int64",
                      moe.experts * 8, "moe_balance")] * passes
