@@ -141,7 +141,9 @@ class Trainer:
         self.tp_axis = self.mesh.axis("tp")
         self.pp_axis = self.mesh.axis("pp")
         self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
-        self.routing_axis = self.mesh.joint_axis(*plan.routing_axes)  # MoE load statistics
+        self.routing_axis = (self.mesh.joint_axis(*plan.routing_axes)  # MoE load statistics
+                             if m.moe and plan.routing_axes != plan.token_axes
+                             else self.token_axis)
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
         if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
