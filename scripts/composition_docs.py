@@ -134,6 +134,16 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_expert_parallel.py::test_ep2_with_pp2_and_with_tp2_match_one_process": [
         (4, [*MOE, EP(2), PP2, micro(2)]), (4, [*MOE, EP(2), TP2, micro(2)])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
+    "tests/test_moe_token_split.py::"
+    "test_moe_on_sequence_and_context_shards_matches_one_process": [
+        (2, [*MOE, TP2, SP, micro(2)]), (2, [*MOE, "parallel.cp=2", micro(2)]),
+        (2, [*MOE, "parallel.cp=2", "parallel.cp_mode=ulysses", micro(2)]),
+        (2, [*MOE, "parallel.cp=2", EP(2), micro(2)])],
+    "tests/test_moe_token_split.py::"
+    "test_moe_with_sequence_parallel_and_ep_or_cp_on_4_ranks_matches_one_process": [
+        (4, [*MOE, TP2, SP, EP(2), micro(2)]), (4, [*MOE, "parallel.cp=2", TP2, SP, micro(2)]),
+        (4, [*MOE, "parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2",
+             micro(2)])],
     "tests/test_fp8.py::test_fp8_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, micro(4)]), (2, [FP8, z(3), micro(2)]), (2, [FP8, PP2, micro(2)]),
         (2, [FP8, TP2]), (2, [FP8, TP2, "parallel.fp8_recipe=rowwise"])],

@@ -17,7 +17,8 @@ TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1
 and tensor parallelism inside pipeline stages (pp2 x tp2 on 4 ranks with and without
 sequence parallelism, tied and untied, four schedules, padded vocabulary; pp2 x dp2 x tp2 on
 8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3). `MOE_CASES` holds expert parallelism (and MoE
-without it) on 4 ranks, at the balanced routing the prediction assumes.
+without it, and MoE with sequence and context parallelism) on 4 ranks, at the balanced
+routing the prediction assumes.
 Every rank's ledger is compared, since pipeline stages send, receive and hold different
 things. Each parallel dimension adds its rows to `CASES` as it lands: (world size,
 overrides, label). Ranks start once per world size and run all of that world's cases.
@@ -230,6 +231,15 @@ MOE_CASES = [  # (overrides, label), on 4 ranks
     (["parallel.ep=2", "parallel.tp=2", "parallel.recompute='full'"],
      "tp2 x ep 2 full recompute"),
     (["parallel.ep=1"], "MoE without ep: the load statistics' all-reduce"),
+    # MoE on a rank's share of the tokens (fivefold.parallel.moe_tokens)
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+     "tp2 sp x ep 2 over dp 2"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute='full'",
+      "model.moe.shared_experts=1"], "tp2 sp x dp 2, full recompute, a shared expert"),
+    (["parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], "cp2 ring x ep 2 zero1"),
+    (["parallel.cp=2", "parallel.cp_mode='ulysses'", "parallel.ep=4"], "cp2 Ulysses x ep 4"),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     "cp2 x tp2 sp: the balancing counts over cp+tp"),
     (["train.optimizer='lomo'"], "MoE under LOMO, whose update path has its own ledger"),
 ]
 ROUTED = ("moe_combine", "moe_dispatch_backward")  # the rows a rank's experts received

@@ -149,18 +149,12 @@ REFUSALS: list[Refusal] = [
     Refusal("fp8", ("schedule=zb",), "parallel.schedule",
             "the zero-bubble weight pass would re-run the fp8 linear's whole backward (and its "
             "tp scale exchange); use another schedule with precision 'fp8'"),
-    Refusal("moe", ("sequence_parallel",), "parallel.sequence_parallel",
-            "MoE layers run whole on every tp rank and need whole sequences; turn sequence "
-            "parallelism off with model.moe"),
     Refusal("moe", ("fp16",), "parallel.precision",
             "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
             "with model.moe"),
     Refusal("moe", ("optimizer=muon",), "train.optimizer",
             "Muon orthogonalizes 2-D matrices; the stacked experts are 3-D: use 'adamw' with "
             "model.moe"),
-    Refusal("moe", ("cp>1",), "parallel.cp",
-            "the MoE capacity and balancing groups are a rank's micro-batch, which context "
-            "parallelism cuts; use parallel.cp = 1 with model.moe"),
     Refusal("ep>1", ("zero_group",), "parallel.zero_group",
             "expert parallelism shards the experts over the whole expert-data-parallel "
             "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),

@@ -14,17 +14,25 @@ assignments of one forward call (one micro-batch: GShard's group, arXiv 2006.166
 Sec. 2.2), first choices before second ones and, within a choice, tokens in order; dropped
 assignments contribute nothing (the residual carries the token). Because the group is the
 micro-batch a rank routes, a data- or expert-parallel run drops exactly what one process
-running the same micro-batches drops. `capacity_factor` is an attribute, adjustable between
-steps.
+running the same micro-batches drops. Under sequence or context parallelism a forward call
+sees the rank's share of the micro-batch's tokens, and that share is the group (GShard's
+local groups): C counts the rank's N, so drops can differ from one process's; dropless
+routing is the same. `capacity_factor` is an attribute, adjustable between steps.
 
 Auxiliary losses, summed over tokens so that micro-batches add up like the token loss: the
 load-balancing loss (Switch, arXiv 2101.03961, Sec. 2.2) N * X * sum_e f_e P_e, with f_e
 the share of the micro-batch's assignments routed to e and P_e its mean normalized score,
 weighted by `aux_loss_weight`, and the router z-loss sum_n logsumexp(z_n)^2 (ST-MoE
-Sec. 3.1) weighted by `z_loss_weight`. They do not change the block's output: their gradient
-is attached to it (`AttachAuxLoss`, the same device as Megatron-Core's MoEAuxLossAutoScaler)
-with the coefficient `aux_grad_scale`, which the trainer sets to the token loss's
-1 / (tokens of the global batch); so a pipeline stage backpropagates its own layers' terms.
+Sec. 3.1) weighted by `z_loss_weight`. The balancing loss is computed as
+X * sum_e f_e sum_n p_ne, a sum over the tokens this call sees with f_e from
+`balance_counts(assignments per expert)`, a seam: the identity here; where parallelism
+splits a micro-batch's tokens over ranks (sequence or context parallelism,
+fivefold.parallel.moe_tokens) it sums the counts over those ranks, so each rank's term
+is its tokens' share of the one-process loss and the terms add up to it. The losses do not
+change the block's output: their gradient is attached to it (`AttachAuxLoss`, the same
+device as Megatron-Core's MoEAuxLossAutoScaler) with the coefficient `aux_grad_scale`, which
+the trainer sets to the token loss's 1 / (tokens of the global batch); so a pipeline stage
+backpropagates its own layers' terms.
 
 The experts (stacked per matrix, (X, out, in): expert parallelism splits dim 0) run on the
 tokens sorted by expert through `expert_compute(x_sorted, counts)`, a seam: by default
@@ -93,6 +101,7 @@ class MoE(nn.Module):
         self.balance_bias = moe.bias_update_rate > 0
         self.register_buffer("expert_bias", torch.zeros(experts), persistent=self.balance_bias)
         self.expert_compute = self.local_experts  # a seam (module docstring)
+        self.balance_counts = lambda counts_X: counts_X  # a seam (module docstring)
         self.aux_grad_scale = 1.0
         self.reset_stats()
 
@@ -116,16 +125,17 @@ class MoE(nn.Module):
         return logits_NX, gates_NK / gates_NK.sum(dim=-1, keepdim=True), experts_NK
 
     def aux_loss(self, logits_NX: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor:
-        """The weighted load-balancing loss plus router z-loss, summed over the N tokens."""
-        N = logits_NX.shape[0]
+        """The weighted load-balancing loss plus router z-loss, summed over the N tokens (the
+        balancing loss's shares f_e over the seam's token group, module docstring)."""
         aux = logits_NX.new_zeros(())
         if self.aux_loss_weight:
             scores_NX = (F.softmax(logits_NX, dim=-1) if self.score == "softmax"
                          else torch.sigmoid(logits_NX))
-            probs_X = (scores_NX / scores_NX.sum(-1, keepdim=True)).mean(0)
-            share_X = (torch.bincount(experts_NK.flatten(), minlength=self.experts)
-                       / experts_NK.numel())
-            aux = aux + self.aux_loss_weight * N * self.experts * (share_X * probs_X).sum()
+            probs_X = (scores_NX / scores_NX.sum(-1, keepdim=True)).sum(0)
+            counts_X = self.balance_counts(torch.bincount(experts_NK.flatten(),
+                                                          minlength=self.experts))
+            share_X = counts_X / counts_X.sum()
+            aux = aux + self.aux_loss_weight * self.experts * (share_X * probs_X).sum()
         if self.z_loss_weight:
             aux = aux + self.z_loss_weight * torch.logsumexp(logits_NX, dim=-1).square().sum()
         return aux

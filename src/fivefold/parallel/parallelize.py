@@ -13,12 +13,15 @@ model's own modules happens here, from outside and in this order (torchtitan's
      trainer's samplers read to hand the rank those tokens,
   3. expert parallelism over the mesh's expert axes (`plan.ep > 1`, fivefold.parallel.expert):
      every MoE layer keeps its ep rank's experts and dispatches tokens by all-to-all,
-  4. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
+  4. MoE layers on a rank's share of the tokens, where sequence or context parallelism splits
+     a micro-batch (`plan.token_split_axes`, fivefold.parallel.moe_tokens): their balancing
+     statistics are summed over those ranks (and, over tp, their gradients),
+  5. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
      and MLP linear, plain or tensor-parallel, becomes an `Fp8Linear` of the plan's recipe,
      emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says),
-  5. activation recomputation (`plan.recompute = "full"` or `"selective"`,
+  6. activation recomputation (`plan.recompute = "full"` or `"selective"`,
      fivefold.memory.recompute),
-  6. torch.compile of each block (`compile_blocks`, the train.compile switch).
+  7. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
 the data-parallel engine (fivefold.parallel.data_parallel, `plan.update == "engine"`) and the
@@ -38,6 +41,7 @@ from fivefold.parallel.expert import apply_expert_parallel
 from fivefold.parallel.fp8.linear import apply_fp8, has_fp8_units
 from fivefold.parallel.fp8.recipe import Fp8Recipe
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.moe_tokens import apply_moe_token_split
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
 from fivefold.parallel.plan import ParallelPlan
@@ -68,6 +72,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
                                                   ).to(model.rope_cos.device)
     if plan.ep > 1:
         apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
+    if model.cfg.moe is not None and plan.token_split_axes:
+        apply_moe_token_split(model, mesh.joint_axis(*plan.token_split_axes),
+                              tp_axis if plan.sequence_parallel and tp_axis.size > 1 else None)
     if plan.precision == "fp8":
         emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
                    else not has_fp8_units(mesh.device_type))

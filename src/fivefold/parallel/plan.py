@@ -189,6 +189,21 @@ class ParallelPlan:
         return ("dp_replicate", *self.shard_axes)
 
     @property
+    def token_split_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split one micro-batch's tokens: cp and, with sequence
+        parallelism, tp (an MoE layer runs on its rank's share, fivefold.parallel.moe_tokens)."""
+        return (("cp",) * (self.cp > 1)
+                + ("tp",) * (self.sequence_parallel and self.tp > 1))
+
+    @property
+    def routing_axes(self) -> tuple[str, ...]:
+        """The mesh axes whose ranks route different tokens through an MoE layer: the token
+        axes and, with sequence parallelism, tp (fivefold.train.moe_stats sums over them)."""
+        if self.sequence_parallel and self.tp > 1:
+            return ("dp_replicate", "dp_shard", "cp", "tp")
+        return self.token_axes
+
+    @property
     def grad_norm_axes(self) -> tuple[tuple[str, ...], ...]:
         """Mesh axes (each a group of adjacent axes, joined) over which ranks hold different
         parts of the gradient, so the squared norm is summed over them before clipping: the

@@ -19,7 +19,8 @@ block (Megatron-LM, arXiv 1909.08053, Sec. 3, Fig. 3; 2104.04473, Sec. 2.3):
   MoE layer              replicated (router, experts, shared experts): it runs whole on every
                          tp rank, on the same tokens, with no region around it; experts are
                          split by expert parallelism instead (fivefold.parallel.expert).
-                         Not with sequence parallelism.
+                         With sequence parallelism it runs on the rank's T/t tokens
+                         (fivefold.parallel.moe_tokens sums its gradients over tp).
 
 Each attention and MLP is a region entered through Megatron's f and left through g
 (fivefold.parallel.tensor_comm): one all-reduce forward and one backward per region. With
@@ -256,7 +257,6 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
     and head it does not hold are skipped.
     """
     cfg, t = model.cfg, tp_axis.size
-    assert cfg.moe is None or not sequence_parallel, "MoE layers see whole sequences"
     assert cfg.heads % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_hidden % t == 0, (
         f"tp {t} must divide heads {cfg.heads}, kv_heads {cfg.n_kv_heads} and ffn_hidden "
         f"{cfg.ffn_hidden}")
@@ -269,8 +269,8 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
                                                      tp_axis))
         model.output.out_features = model.output.weight.shape[0]
     for i, block in enumerate(model.layers):
-        # an MoE layer runs whole on every tp rank, on the same replicated tokens: its
-        # output, gradients and expert dispatch are the same on each (nothing to reduce)
+        # an MoE layer runs whole on every tp rank, on the same replicated tokens (with
+        # sequence parallelism on the rank's shard): no region around it
         regions = ("attention",) if isinstance(block.mlp, MoE) else ("attention", "mlp")
         for region_name in regions:
             region_module = getattr(block, region_name)
@@ -295,8 +295,8 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
             lambda module, args, out: (gather_from_sp(out, tp_axis) if sp else
                                        copy_to_tp(out, tp_axis)))
     if sp:  # replicated gains see T/t tokens per rank: their gradients are partial sums
-        for name, param in model.named_parameters():
-            if split_dim(name) is None:
+        for name, param in model.named_parameters():  # (MoE layers: fivefold.parallel.moe_tokens)
+            if split_dim(name) is None and name_in_part(name) not in MOE_PLACEMENTS:
                 param.register_hook(lambda grad: all_reduced(grad, tp_axis, "sp_norm_grads"))
     return model
 

@@ -90,8 +90,9 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         norms = 2 * ((4 + a) * D + (4 / tp if sp else 4))  # SP: rsqrt of 1/tp of the tokens
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
         attention = a * D + qkv_out + 4 * heads + a * hd
-        if moe:
-            return tokens * (norms + attention + moe_saved_per_token(model, a)) + \
+        if moe:  # with sequence parallelism the layer routes the rank's tokens / tp
+            routed = tokens / tp if sp else tokens
+            return tokens * (norms + attention) + routed * moe_saved_per_token(model, a) + \
                 moe_saved_constant(model)
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp)
     return tokens * per_token

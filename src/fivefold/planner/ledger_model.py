@@ -45,7 +45,11 @@ the runtime does):
             the edp ranks (all-reduced at stage 0, sharded over edp at stages 1-3), a 4-byte
             all-reduce of the gradient norm over ep at stage 0, and per micro-batch the
             all-to-alls of `_Step.expert_parallel`, at balanced routing; an MoE block has no
-            tensor-parallel MLP region (its MLP runs whole on every tp rank)
+            tensor-parallel MLP region (its MLP runs whole on every tp rank). Where sequence
+            or context parallelism splits a micro-batch, the load statistics are reduced over
+            the routing axes (tp too with sp), the expert rows are a rank's shard's, and
+            fivefold.planner.moe_ledger's `token_split_records` adds the balancing counts'
+            all-reduce and, with sp, the MoE parameters' gradient all-reduces over tp
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
@@ -68,6 +72,7 @@ from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of
                                                zero3_block_gathers)
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
+from fivefold.planner.moe_ledger import token_split_records
 
 # fp8 training communicates in bf16 outside its linears, as on a GPU (on the CPU the
 # runtime's base dtype is fp32: fivefold.parallel.plan.compute_precision)
@@ -91,10 +96,11 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
         ledger = Ledger()
         if lay.update == "plain":
             return ledger  # the plain single-process path: no engine, no collectives
-        _Step(ledger, lay, units, cfg, pp_rank, (len(layers), first, last), moe_layers).run()
+        _Step(ledger, lay, units, cfg, pp_rank, (layers, first, last), moe_layers).run()
         ledger.model_state_bytes = model_state_bytes(units, lay)
-    if moe_layers and lay.dp * lay.cp > 1:  # the load statistics (fivefold.train.moe_stats)
-        ledger.record("all_reduce", "+".join(lay.token_axes), lay.dp * lay.cp, "float64",
+    routing = lay.dp * lay.cp * (lay.tp if "tp" in lay.routing_axes else 1)
+    if moe_layers and routing > 1:  # the load statistics (fivefold.train.moe_stats)
+        ledger.record("all_reduce", "+".join(lay.routing_axes), routing, "float64",
                       moe_layers * (cfg.model.moe.experts + 2) * 8, "moe_load")
     return ledger
 
@@ -107,10 +113,11 @@ class _Step:
     """Replays the engine's collectives for one optimizer step into a ledger."""
 
     def __init__(self, ledger: Ledger, lay: ParallelPlan, units: list[Unit], cfg: Config,
-                 pp_rank: int, stage: tuple[int, bool, bool], moe_layers: int):
+                 pp_rank: int, stage: tuple[list[int], bool, bool], moe_layers: int):
         self.ledger, self.lay, self.units, self.cfg = ledger, lay, units, cfg
         self.pp_rank = pp_rank
-        self.blocks, self.first, self.last = stage  # blocks held; embedding; norm and head
+        self.layers, self.first, self.last = stage  # blocks held; embedding; norm and head
+        self.blocks = len(self.layers)
         self.moe_layers = moe_layers  # of those blocks
         self.qwz, self.hpz, self.qgz = lay.qwz, lay.hpz, lay.qgz
         self.param = DTYPE_NAMES[lay.precision]
@@ -177,17 +184,18 @@ class _Step:
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
-        # an MoE block's MLP runs whole on every tp rank: attention is its only region
+        # an MoE block's MLP is no region (whole on every tp rank, or on its sp shard)
         regions, ends = 2 * self.blocks - self.moe_layers, int(self.first) + int(self.last)
         again = self.blocks if lay.recompute != "none" else 0  # per block: attention's close
+        opened = regions if lay.recompute != "none" else 0  # every region's opening again
         if lay.sequence_parallel:
             for op, count, purpose in (
                     ("reduce_scatter", 2 * regions + ends + again, "sp_activations"),
-                    ("all_gather", 2 * regions + ends + 2 * again, "sp_activations"),
+                    ("all_gather", 2 * regions + ends + opened, "sp_activations"),
                     ("all_gather", regions, "sp_regather")):
                 for _ in range(count):
                     self.record(op, "tp", t, self.param, act, purpose)
-            for _ in range(regions + int(self.last)):
+            for _ in range(2 * self.blocks + int(self.last)):  # the norm gains
                 self.record("all_reduce", "tp", t, self.param, m.hidden * self.pb,
                             "sp_norm_grads")
         else:  # embedding and 2 regions forward; 2 regions and the final norm backward
@@ -271,7 +279,8 @@ class _Step:
         dropless; fivefold.planner.moe_ledger predicts them from a recorded routing).
         Recomputation (full or selective) runs the forward's three again in backward."""
         lay, m = self.lay, self.cfg.model
-        rows = lay.micro_batch * m.seq_len // lay.cp * m.moe.top_k
+        sp = lay.tp if lay.sequence_parallel else 1  # MoE layers route a rank's shard
+        rows = lay.micro_batch * m.seq_len // lay.cp // sp * m.moe.top_k
         if m.moe.capacity_factor is not None:  # each expert takes at most its capacity
             per_expert = math.ceil(m.moe.capacity_factor * rows / m.moe.experts)
             rows = min(rows, m.moe.experts * per_expert)
@@ -319,6 +328,8 @@ class _Step:
                 self.context_parallel()
             if lay.ep > 1 and self.moe_layers:
                 self.expert_parallel()
+            for record in token_split_records(self.cfg, lay, self.layers, self.param, self.pb):
+                self.record(*record)
             if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)
                     self.gather(u, backward=False)

@@ -12,9 +12,18 @@ step, each of the four purposes carries exactly
 which the step's metrics record (`moe`: tokens_per_expert, dropped_fraction per layer;
 fivefold.train.moe_stats) holds. The count exchange before each dispatch (`moe_counts`) is
 one int64 per expert per rank, per layer and micro-batch.
+
+`token_split_records` gives the collectives an MoE layer adds where sequence or context
+parallelism splits a micro-batch's tokens (fivefold.parallel.moe_tokens), for
+fivefold.planner.ledger_model.
 """
 
 from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.models.description import MOE_PARTS, block_parameters, is_moe_layer
+from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.params import local_numel
 
 ROW_PURPOSES = ("moe_dispatch", "moe_combine", "moe_dispatch_backward", "moe_combine_backward")
 
@@ -29,4 +38,29 @@ def predict_moe_all_to_all(moe_record: dict, hidden: int, act_bytes: int, ranks:
         rows += round(routed * (1 - stats["dropped_fraction"]))
     out = {purpose: rows * hidden * act_bytes for purpose in ROW_PURPOSES}
     out["moe_counts"] = ranks * len(moe_record) * micro_batches * experts * 8
+    return out
+
+
+def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype: str,
+                        elem_bytes: int) -> list[tuple[str, str, int, str, int, str]]:
+    """(op, mesh dim, size, dtype, bytes, purpose) of one micro-batch on a rank holding blocks
+    `layers`, per MoE layer: with the balancing loss, the all-reduce of the assignments per
+    expert over the ranks that split the micro-batch (int64; again in recomputation's
+    forward); with sequence parallelism, each MoE parameter's gradient all-reduced over tp in
+    `dtype` (the router, this ep rank's experts, the shared experts)."""
+    moe, out = cfg.model.moe, []
+    split = 1
+    for axis in lay.token_split_axes:
+        split *= lay.cp if axis == "cp" else lay.tp
+    if moe is None or split == 1:
+        return out
+    passes = 2 if lay.recompute != "none" else 1
+    for layer in (i for i in layers if is_moe_layer(cfg.model, i)):
+        if moe.aux_loss_weight:
+            out += [("all_reduce", "+".join(lay.token_split_axes), split, "int64",
+                     moe.experts * 8, "moe_balance")] * passes
+        if "tp" in lay.token_split_axes:
+            out += [("all_reduce", "tp", lay.tp, dtype,
+                     local_numel(cfg.model, p, 1, lay.ep) * elem_bytes, "moe_sp_grads")
+                    for p in block_parameters(cfg.model, layer) if p.part in MOE_PARTS]
     return out

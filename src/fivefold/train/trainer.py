@@ -148,6 +148,9 @@ class Trainer:
         self.tp_axis = self.mesh.axis("tp")
         self.pp_axis = self.mesh.axis("pp")
         self.token_axis = self.mesh.joint_axis(*plan.token_axes)  # the loss's sum
+        self.routing_axis = (self.mesh.joint_axis(*plan.routing_axes)  # MoE load statistics
+                             if m.moe and plan.routing_axes != plan.token_axes
+                             else self.token_axis)
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
         if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
@@ -276,7 +279,7 @@ class Trainer:
         if self.plan.update == "pipedream-2bw":
             C.all_reduce(loss_sum, self.token_axis, "loss")
         loss = loss_sum.item() / self.global_tokens
-        moe = (moe_step(self.model, self.token_axis, self.cfg.model.moe.bias_update_rate,
+        moe = (moe_step(self.model, self.routing_axis, self.cfg.model.moe.bias_update_rate,
                         self.global_tokens) if self.cfg.model.moe else None)
         return StepResult(loss, grad_norm.item(), time.perf_counter() - start, moe)
 
