@@ -225,8 +225,8 @@ def test_set_on_a_value_not_a_table(tmp_path):
      "set train.grad_clip = 0"),
     (["train.galore_reduce=sum"], "train.galore_reduce", "is not one of"),
     # structure
-    (["model.layer=2"], "model.layer", "unknown key; known keys are preset, layers"),
-    (["model.layer=2"], "model.layer", "did you mean layers"),
+    (["model.layer=2"], "model.layer", "unknown key; did you mean layers?"),
+    (["train.learning_rat=1"], "train.learning_rat", "unknown key; known keys are"),
     (["train.learning_rate=1"], "train.learning_rate", "unknown key"),
     (["model.moe.expert=4"], "model.moe.expert", "unknown key"),
     (["optim.lr=1"], "optim", "unknown section"),

@@ -10,6 +10,7 @@ process is spawned or any tensor is made.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
 import types
@@ -367,9 +368,10 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     for key, value in raw.items():
         dotted = f"{prefix}.{key}" if prefix else key
         if key not in hints:
-            close = [n for n in names if n.startswith(key[:3])]
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(dotted, f"unknown key; known keys are {', '.join(names)}{hint}")
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+            if close:
+                raise ConfigError(dotted, f"unknown key; did you mean {' or '.join(close)}?")
+            raise ConfigError(dotted, f"unknown key; known keys are {', '.join(names)}")
         hint = hints[key]
         sub = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
         if dataclasses.is_dataclass(hint):
