@@ -1,4 +1,4 @@
-"""The `fivefold` command line: train, convert, simulate, plan and calibrate.
+"""The `fivefold` command line: train, eval, generate, report, convert, simulate, plan, calibrate.
 
     fivefold train [CONFIG.toml] [--set key=value]... [--nproc N] [--steps N] [--run-dir DIR]
                    [--init-from MODEL_FOLDER]      (`--set parallel=auto`: the planner's layout)
