@@ -144,7 +144,8 @@ def names_a_key(err: ConfigError) -> bool:
     """The key is a config key, one of its sections or tables, or the command line's."""
     sections = {k.rsplit(".", 1)[0] for k in KEYS} | {k.split(".")[0] for k in KEYS}
     return (err.key in KEYS or err.key in sections or err.key in ("CONFIG", "--nproc")
-            or any(err.key.startswith(k + ".") for k in KEYS))  # a comm.algorithm table
+            or any(err.key.startswith(k + ".") for k in KEYS)  # a comm.algorithm table
+            or any(err.key.startswith(k + "[") for k in KEYS))  # a data.sources table
 
 
 def refuse_or_plan(sets: list[str], world: int) -> None:
