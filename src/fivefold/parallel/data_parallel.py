@@ -41,6 +41,9 @@ Muon (`train.optimizer = "muon"`, stage 0 without tensor parallelism, where ever
 whole matrices): the optimizers of fivefold.optim step per-parameter views of the flat
 master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere.
 
+SGD (`train.optimizer = "sgd"`, every stage): torch's SGD on the flat masters, its momentum
+buffer (4 bytes per parameter, K = 4 or 8) sharded like AdamW's moments.
+
 Expert parallelism (fivefold.parallel.expert): with `expert_axes` each MoE block's stacked
 expert matrices form a unit of their own, reduced over the "edp" ranks that hold copies of
 the same experts (all-reduced at stage 0, sharded over edp at stages 1-3) while the block's
@@ -146,6 +149,8 @@ class DataParallelEngine(EngineCheckpoint):
             self.views = [(name, view) for unit, master in zip(self.units, self.masters)
                           for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
+        elif train.optimizer == "sgd":  # L2 weight decay added to the gradient by `step`
+            self.optimizer = torch.optim.SGD(self.masters, lr=train.lr, momentum=train.beta1)
         elif self.offloaded < len(self.masters):  # units kept on the device (the first
             # `offloaded` step in the host optimizer); weight decay is applied by the engine
             self.optimizer = torch.optim.AdamW(self.masters[self.offloaded:], lr=train.lr,
@@ -280,7 +285,9 @@ class DataParallelEngine(EngineCheckpoint):
     def step(self, lr: float) -> None:
         """Decoupled weight decay on matrices, AdamW on the master, then re-publish params.
         With Muon its optimizers step per-parameter views of the (whole, stage 0) master,
-        weight decay included, as fivefold.optim does for a plain model."""
+        weight decay included, as fivefold.optim does for a plain model. SGD steps the
+        master (its momentum sharded like it) after adding the matrices' L2 weight decay to
+        the gradient, as torch's SGD does with `weight_decay`."""
         wd = self.train_cfg.weight_decay
         if self.host:  # the offloaded units, in forward order, on the host's thread
             self.wait_updates()
@@ -293,7 +300,10 @@ class DataParallelEngine(EngineCheckpoint):
                      for g in unit.views(master.grad)]
             for (_, view), grad in zip(self.views, grads):
                 view.grad = grad
-        if wd and not self.views:
+        if wd and isinstance(self.optimizer, torch.optim.SGD):
+            for m, mask in zip(self.masters, self.decay_masks):
+                m.grad.add_(torch.where(mask, m, 0.0), alpha=wd)
+        elif wd and not self.views:
             factor = 1.0 - lr * wd
             for m, mask in list(zip(self.masters, self.decay_masks))[self.offloaded:]:
                 m.mul_(torch.where(mask, factor, 1.0))

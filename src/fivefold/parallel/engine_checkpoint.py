@@ -16,11 +16,16 @@ from fivefold.comm import collectives as C
 from fivefold.parallel.flat_unit import place_flat
 
 
+# the optimizer states a unit can hold: AdamW's (on the device or offloaded), SGD's
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "step", "momentum_buffer")
+
+
 class EngineCheckpoint:
     """Checkpoint methods of `DataParallelEngine`."""
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Tensors to save or load in place: master weights and Adam moments of this rank.
+        """Tensors to save or load in place: master weights and optimizer states of this
+        rank (AdamW's moments and step, or SGD's momentum), cut like the masters.
 
         Keys name the shard (`.shard{r}of{n}`), so DCP stores every shard once (replicas
         hold identical ones); loading them in place needs the same data-parallel layout,
@@ -34,26 +39,32 @@ class EngineCheckpoint:
                     **{f"{key}.{name}.shard{r}of{n}": value
                        for name, state in self._view_states() for key, value in state.items()}}
         out = {}
-        for unit, master, state, axis in zip(self.units, self.masters, self._adam_states(),
+        for unit, master, state, axis in zip(self.units, self.masters, self._unit_states(),
                                              self.unit_shard):
             tag = f"{unit.name}.shard{axis.rank}of{axis.size}"
             out[f"master.{tag}"] = master.data
-            out[f"exp_avg.{tag}"] = state["exp_avg"]
-            out[f"exp_avg_sq.{tag}"] = state["exp_avg_sq"]
-            out[f"step.{tag}"] = state["step"]
+            for kind in STATE_KINDS:
+                if kind in state:
+                    out[f"{kind}.{tag}"] = state[kind]
         return out
 
-    def _adam_states(self) -> list[dict[str, torch.Tensor]]:
-        """AdamW's state of each master, created empty where no step has run yet, so that a
-        checkpoint load can fill it; the offloaded units' from the host tier (nvme: the
-        committed version, which `after_checkpoint_load` writes back once loaded)."""
+    def _unit_states(self) -> list[dict[str, torch.Tensor]]:
+        """The optimizer state of each master, created empty where no step has run yet, so
+        that a checkpoint load can fill it; the offloaded units' from the host tier (nvme:
+        the committed version, which `after_checkpoint_load` writes back once loaded).
+        SGD's momentum starts at zero, which its first step turns into the gradient itself,
+        as torch's first step does without one."""
         self.wait_updates()
         offloaded = self.host.states() if self.host else []
         for master in self.masters[self.offloaded:]:
             state = self.optimizer.state[master]
-            if not state:
+            if state:
+                continue
+            if not isinstance(self.optimizer, torch.optim.SGD):
                 state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))
+            elif self.optimizer.defaults["momentum"]:
+                state.update(momentum_buffer=torch.zeros_like(master))
         return offloaded + [self.optimizer.state[master]
                             for master in self.masters[self.offloaded:]]
 
@@ -66,17 +77,18 @@ class EngineCheckpoint:
         another layout (fivefold.train.reshard). `local(name, tensor)` is this rank's part of
         a whole parameter (its tensor-parallel shard); each unit is then laid out flat and
         padded as at construction (fivefold.parallel.flat_unit) and this rank keeps its shard
-        of the buffer, AdamW's moments exactly like the weights they belong to, and every
-        unit's step count is `step`. With Muon (stage 0, no tp: whole matrices) each
+        of the buffer, AdamW's moments (SGD's momentum) exactly like the weights they belong
+        to, and every unit's step count is `step`. With Muon (stage 0, no tp: whole matrices) each
         parameter's state is copied whole."""
-        adam = None if self.views else self._adam_states()
+        unit_states = None if self.views else self._unit_states()
         for i, (unit, master) in enumerate(zip(self.units, self.masters)):
             place_flat(unit, master.data, weights, local, self.stage)
-            if adam:
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    place_flat(unit, adam[i][kind], {n: states[n][kind] for n in unit.names},
-                                local, self.stage)
-                adam[i]["step"].copy_(step)
+            for kind, tensor in unit_states[i].items() if unit_states else []:
+                if kind == "step":
+                    tensor.copy_(step)
+                else:
+                    place_flat(unit, tensor, {n: states[n][kind] for n in unit.names}, local,
+                               self.stage)
         for name, state in self._view_states() if self.views else []:
             if state.keys() != states[name].keys():
                 raise ValueError(f"{name}: the checkpoint holds {sorted(states[name])}, this "
