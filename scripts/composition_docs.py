@@ -122,6 +122,8 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [SGD, z(0)]), (2, [SGD, z(1), micro(1)]), (2, [SGD, z(2)]),
         (2, [SGD, z(3), micro(1)]), (2, [SGD, TP2, SP]), (2, [SGD, PP2, micro(1)]),
         (2, [SGD, "parallel.cp=2"])],
+    "tests/test_lomo_zero.py::test_lomo_with_zero_matches_one_process_and_the_ledger": [
+        (2, [LOMO, z(1)]), (2, [LOMO, z(2), "train.grad_clip=0"])],
     "tests/test_reliability.py::test_lomo_skips_before_its_applying_pass": [
         (1, ["train.optimizer=lomo", "train.on_nonfinite=skip"])],
     "tests/test_reliability.py::test_nonfinite_guard_agrees_across_ranks": [

@@ -90,7 +90,7 @@ REFUSED = [
     (2, ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=1",
          "train.on_nonfinite=skip"]),
     (1, ["train.optimizer=lomo", "train.grad_clip=0", "train.on_nonfinite=skip"]),
-    (2, ["train.optimizer=lomo", "parallel.zero_stage=1"]),
+    (2, ["train.optimizer=lomo", "parallel.zero_stage=3"]),
     (1, ["train.optimizer=lomo", "parallel.micro_batch=2"]),
     (1, ["train.optimizer=lomo", "parallel.precision=fp16"]),
     (2, ["parallel.precision=fp16"]),

@@ -221,10 +221,12 @@ REFUSALS: list[Refusal] = [
             "LOMO without clipping applies each gradient inside its only backward, before "
             "the norm is known: set train.grad_clip > 0 (two passes, the first measures) or "
             "use 'stop'", when=("grad_clip=0",)),
-    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", *SHARDED), "train.optimizer",
+    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", "zero=3", "zero_group", "qgz"),
+            "train.optimizer",
             "LOMO updates each parameter inside backward, right after its gradient's "
-            "all-reduce over the data-parallel ranks, and keeps no gradient or state to shard: "
-            "it runs with data parallelism only, at parallel.zero_stage = 0"),
+            "all-reduce (ZeRO-1/2: reduce-scatter) over the data-parallel ranks: it runs with "
+            "data parallelism only, at parallel.zero_stage 0, 1 or 2, without zero_group or "
+            "qgz"),
     Refusal("optimizer=lomo", ("accumulation",), "parallel.micro_batch",
             "LOMO applies the update during backward, so it cannot accumulate micro-batches: "
             "leave micro_batch unset or set it to {parallel.global_batch}"),
