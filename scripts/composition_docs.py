@@ -57,7 +57,7 @@ NVME_OFFLOAD = ["parallel.offload=nvme", "parallel.offload_path=/tmp"]
 
 # test -> the (world size, overrides) it trains; representative layouts of each parity test
 FP8 = "parallel.precision=fp8"
-GALORE, LOMO = "train.optimizer=galore", "train.optimizer=lomo"
+GALORE, LOMO, SGD = "train.optimizer=galore", "train.optimizer=lomo", "train.optimizer=sgd"
 TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_data_parallel.py::test_parity_with_one_process": [
         (2, [z(0), micro(1)]), (2, [z(1), micro(1)]), (2, [z(2), micro(1)]),
@@ -118,6 +118,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [GALORE, z(2), *MOE]),
         (4, [GALORE, z(1), micro(1)]), (4, [GALORE, z(2)]), (2, [LOMO]),
         (2, [LOMO, "train.grad_clip=0"]), (4, [LOMO])],
+    "tests/test_sgd_layouts.py::test_sgd_on_every_layout_matches_one_process_and_the_ledger": [
+        (2, [SGD, z(0)]), (2, [SGD, z(1), micro(1)]), (2, [SGD, z(2)]),
+        (2, [SGD, z(3), micro(1)]), (2, [SGD, TP2, SP]), (2, [SGD, PP2, micro(1)]),
+        (2, [SGD, "parallel.cp=2"])],
+    "tests/test_lomo_zero.py::test_lomo_with_zero_matches_one_process_and_the_ledger": [
+        (2, [LOMO, z(1)]), (2, [LOMO, z(2), "train.grad_clip=0"])],
     "tests/test_reliability.py::test_lomo_skips_before_its_applying_pass": [
         (1, ["train.optimizer=lomo", "train.on_nonfinite=skip"])],
     "tests/test_reliability.py::test_nonfinite_guard_agrees_across_ranks": [
@@ -187,7 +193,7 @@ def pair_rows() -> tuple[dict, list[Refusal], list[str]]:
         seen = sorted({t for t, have in trained if {a, b} <= have})
         if fa.one_of and fa.one_of == fb.one_of:
             cells[a, b] = ("exclusive",)
-        elif hits and not (refusals[hits[0]].when or refusals[hits[0]].unless):
+        elif hits and not refusals[hits[0]].when:
             cells[a, b] = ("refused", hits[0])
         elif seen:
             cells[a, b] = ("tested", seen, hits[0] if hits else None)
@@ -199,8 +205,7 @@ def pair_rows() -> tuple[dict, list[Refusal], list[str]]:
 
 
 def _condition(r: Refusal) -> str:
-    parts = [f"with `{w}`" for w in r.when] + [f"unless `{u}`" for u in r.unless]
-    return f" ({', '.join(parts)})" if parts else ""
+    return f" ({', '.join(f'with `{w}`' for w in r.when)})" if r.when else ""
 
 
 def render() -> str:

@@ -519,8 +519,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "LOMO with fp16 loss scaling"),
     (["train.optimizer=galore", "parallel.pp=2"], 2, "train.optimizer",
      "GaLore runs with data parallelism at parallel.zero_stage 0, 1 or 2"),
-    (["train.optimizer=sgd"], 2, "train.optimizer", "'sgd' runs where torch's optimizer does"),
-    (["train.optimizer=sgd", "parallel.zero_stage=1"], 1, "train.optimizer", "on one rank"),
     (["train.optimizer=muon", "parallel.zero_stage=1"], 2, "parallel.zero_stage",
      "Muon orthogonalizes whole matrices"),
     (["train.optimizer=muon", "parallel.tp=2"], 2, "parallel.tp", "tensor-parallel splits"),

@@ -3,8 +3,8 @@
 A feature is a named predicate over a config and its data-parallel degree ("tp>1",
 "zero=3", "schedule=terapipe", "optimizer=lomo", ...; `FEATURES`, grouped by kind). A
 `Refusal` is a pair of features that the runtime does not run together, with the config key
-its error names and the message that says what to use instead; `when` and `unless` narrow
-it to configs that also have (or lack) further features. `validate_for_training`
+its error names and the message that says what to use instead; `when` narrows it to
+configs that also have further features. `validate_for_training`
 (fivefold.validate) raises `ConfigError(key, message)` for the first row of `REFUSALS` that
 a config matches, after the checks of single values and of divisibility, which stay there
 (and `validate`, for every command, for the first row of `ANY_USE`);
@@ -91,14 +91,13 @@ SHARDED = ("zero=1", "zero=2", "zero=3")
 
 @dataclass(frozen=True)
 class Refusal:
-    """`a` with any of `b` is refused, naming `key`, where every feature of `when` holds and
-    none of `unless` does. `{section.key}` in the message stands for that config value."""
+    """`a` with any of `b` is refused, naming `key`, where every feature of `when` holds.
+    `{section.key}` in the message stands for that config value."""
     a: str
     b: tuple[str, ...]
     key: str
     message: str
     when: tuple[str, ...] = ()
-    unless: tuple[str, ...] = ()
 
 
 # what no command accepts (fivefold.validate.validate: plan and simulate too)
@@ -216,10 +215,12 @@ REFUSALS: list[Refusal] = [
             "LOMO without clipping applies each gradient inside its only backward, before "
             "the norm is known: set train.grad_clip > 0 (two passes, the first measures) or "
             "use 'stop'", when=("grad_clip=0",)),
-    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", *SHARDED), "train.optimizer",
+    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", "zero=3", "zero_group", "qgz"),
+            "train.optimizer",
             "LOMO updates each parameter inside backward, right after its gradient's "
-            "all-reduce over the data-parallel ranks, and keeps no gradient or state to shard: "
-            "it runs with data parallelism only, at parallel.zero_stage = 0"),
+            "all-reduce (ZeRO-1/2: reduce-scatter) over the data-parallel ranks: it runs with "
+            "data parallelism only, at parallel.zero_stage 0, 1 or 2, without zero_group or "
+            "qgz"),
     Refusal("optimizer=lomo", ("accumulation",), "parallel.micro_batch",
             "LOMO applies the update during backward, so it cannot accumulate micro-batches: "
             "leave micro_batch unset or set it to {parallel.global_batch}"),
@@ -228,10 +229,6 @@ REFUSALS: list[Refusal] = [
     Refusal("fp16", ("dp>1", "tp>1", "cp>1", *SHARDED), "parallel.precision",
             "fp16 loss scaling runs on one rank only for now; use bf16 or fp32 with data "
             "parallelism"),
-    Refusal("optimizer=sgd", (*SPLITS, *SHARDED), "train.optimizer",
-            "'sgd' runs where torch's optimizer does: on one rank without ZeRO, or per stage "
-            "under PipeDream-2BW; the data-parallel engine keeps AdamW or Muon states. Use "
-            "'adamw' here", unless=("schedule=pipedream-2bw",)),
     Refusal("optimizer=muon", SHARDED, "parallel.zero_stage",
             "Muon orthogonalizes whole matrices; ZeRO shards hold parts of them (gathering "
             "each matrix for it is not built): use zero_stage = 0 with train.optimizer = "
@@ -251,8 +248,7 @@ def features_of(cfg: Config, dp: int) -> set[str]:
 def refusal_for(have: set[str], table: list[Refusal]) -> Refusal | None:
     """The first row of `table` that a config with features `have` matches."""
     for r in table:
-        if (r.a in have and have.intersection(r.b) and set(r.when) <= have
-                and not have.intersection(r.unless)):
+        if r.a in have and have.intersection(r.b) and set(r.when) <= have:
             return r
     return None
 

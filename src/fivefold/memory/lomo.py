@@ -21,6 +21,13 @@ all-reduces in both passes (the first pass's norm is the averaged gradient's, so
 global and the same on every rank), twice the bytes of one pass; no gradient is kept
 between them. Parameters stay equal on every rank because each applies the same reduced
 gradient (tests/test_galore_dp.py).
+
+With ZeRO (`sharded`, parallel.zero_stage 1 or 2: LOMO keeps neither optimizer state nor a
+whole gradient, so both stages shard the same thing, the update) each gradient is
+reduce-scattered instead (fivefold.parallel.grad_sync.reduce_scatter_tensor), each rank
+updates its slice of the parameter and all-gathers the parameter back, the same bytes as the
+all-reduce; the norm sums every rank's slices in one 4-byte all-reduce per step
+(tests/test_lomo_zero.py).
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ from torch import nn
 
 from fivefold.comm import collectives as C
 from fivefold.config import TrainConfig
+from fivefold.parallel.grad_sync import gather_tensor, reduce_scatter_tensor, tensor_shard
 
 
 class FusedSGD:
     """SGD applied from inside backward, one parameter at a time."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, axis: C.Axis | None = None):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, axis: C.Axis | None = None,
+                 sharded: bool = False):
         self.weight_decay, self.axis = cfg.weight_decay, axis
+        self.sharded = sharded and axis is not None and axis.size > 1
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.index = {id(q): i for i, q in enumerate(self.params)}
         self.norms: dict[int, torch.Tensor] = {}  # parameter index: its gradient's norm
@@ -52,6 +62,8 @@ class FusedSGD:
     def _on_gradient(self, q: torch.Tensor) -> None:
         """The gradient of `q` is complete: measure it, apply it, or both; then drop it."""
         grad, q.grad = q.grad, None
+        if self.sharded:
+            return self._on_sharded_gradient(q, grad)
         if self.axis is not None:  # one copy of the summed gradient on every rank
             C.all_reduce(grad, self.axis, "grads")
         if self.measure:
@@ -62,9 +74,29 @@ class FusedSGD:
                 grad = grad.add(q, alpha=self.weight_decay)
             q.data.add_(grad, alpha=-self.lr)  # .data: no saved view of q is read again
 
+    def _on_sharded_gradient(self, q: torch.Tensor, grad: torch.Tensor) -> None:
+        """ZeRO: this rank's slice of the summed gradient; measure it, or update the slice of
+        `q` with it and gather `q` whole again."""
+        part = reduce_scatter_tensor(grad, self.axis)
+        if self.measure:  # this rank's slice: `_norm` sums them over the ranks
+            self.norms[self.index[id(q)]] = torch.linalg.vector_norm(part)
+        if self.apply:
+            shard = tensor_shard(q.data, self.axis)
+            part = part.mul(self.coef)
+            if q.dim() >= 2 and self.weight_decay:
+                part = part.add(shard, alpha=self.weight_decay)
+            shard.add_(part, alpha=-self.lr)
+            gather_tensor(q.data, shard, self.axis)
+
     def _norm(self) -> torch.Tensor:
-        """The global gradient norm, summed in parameter order as clip_grad_norm_ does."""
-        return torch.linalg.vector_norm(torch.stack([self.norms[i] for i in sorted(self.norms)]))
+        """The global gradient norm, summed in parameter order as clip_grad_norm_ does (with
+        ZeRO: the squares of every rank's slices summed over the ranks)."""
+        norm = torch.linalg.vector_norm(torch.stack([self.norms[i] for i in sorted(self.norms)]))
+        if not self.sharded:
+            return norm
+        square = norm.square()
+        C.all_reduce(square, self.axis, "grad_norm")
+        return square.sqrt()
 
     def step(self, loss: torch.Tensor, lr: float, max_norm: float,
              check: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:

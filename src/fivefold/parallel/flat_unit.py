@@ -7,14 +7,20 @@ one flat buffer padded to a multiple of the shard degree n, so shard r is the co
 slice [r*S, (r+1)*S) with S = padded / n, and one collective moves the whole unit. The
 module's parameters become views into the flat buffer; freeing the buffer's storage frees
 all of them at once (ZeRO-3), and gathering into it restores them without touching autograd.
+
+`split_units` and `split_expert_units` decide which parameters form each unit; `place_flat`
+lays whole tensors out as a unit does (loading a checkpoint of another layout).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
+
+from fivefold.parallel.expert import is_expert_param
 
 
 class FlatUnit:
@@ -75,3 +81,48 @@ class FlatUnit:
 
     def allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+
+
+def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]], nn.Module | None]]:
+    """(name, named params, module) per unit: the root unit first, then each block in order.
+
+    Blocks are named by their key in `model.layers`, so a pipeline stage, whose `layers` holds
+    blocks by their index in the whole model, keeps the plain model's names."""
+    block_ids = {id(p) for p in model.layers.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in block_ids]
+    units = [("root", root, None)]
+    for i, block in model.layers.named_children():
+        units.append((f"layers.{i}", [(f"layers.{i}.{n}", p) for n, p in block.named_parameters()],
+                      block))
+    return units
+
+
+def split_expert_units(split: list, tag: str) -> list[tuple[str, list, nn.Module | None, bool]]:
+    """`split_units`' units with each block's stacked expert matrices apart, in a unit
+    "layers.i.experts{tag}" after its block's (expert parallelism: `tag` names the ep rank,
+    whose experts differ from its peers'); (name, params, module, holds experts)."""
+    out = []
+    for name, params, module in split:
+        apart = [module is not None and is_expert_param(n.split(".", 2)[2]) for n, _ in params]
+        experts = [named for named, expert in zip(params, apart) if expert]
+        dense = [named for named, expert in zip(params, apart) if not expert]
+        out.append((name, dense, module, False))
+        if experts:
+            out.append((f"{name}.experts{tag}", experts, module, True))
+    return out
+
+
+@torch.no_grad()
+def place_flat(unit: FlatUnit, target: torch.Tensor, whole: dict[str, torch.Tensor],
+                local: Callable[[str, torch.Tensor], torch.Tensor], stage: int) -> None:
+    """Lay this rank's parts `local(name, whole[name])` of the unit's parameters out flat and
+    padded, as the unit lays out its parameters, and copy this rank's shard of that buffer
+    (the whole buffer at stage 0) into `target`."""
+    flat = torch.zeros(unit.padded, dtype=target.dtype, device=target.device)
+    for name, view in zip(unit.names, unit.views(flat)):
+        part = local(name, whole[name])
+        if part.shape != view.shape:
+            raise ValueError(f"{name}: this rank's part has shape {tuple(part.shape)}, its "
+                             f"unit {tuple(view.shape)}")
+        view.copy_(part)
+    target.copy_(flat if stage == 0 else flat[unit.shard_slice])

@@ -146,13 +146,14 @@ class ParallelPlan:
                          (fivefold.memory.galore_dp)
         "pipedream-2bw"  each pipeline stage's own weight versions and optimizer
         "lomo"           SGD fused into backward (fivefold.memory.lomo), its gradients
-                         all-reduced over the data-parallel ranks in backward
+                         all-reduced over the data-parallel ranks in backward (ZeRO-1/2:
+                         reduce-scattered, and the updated slices all-gathered)
         "plain"          torch's optimizer on the plain model, one rank: the reference"""
         if self.asynchronous:
             return "pipedream-2bw"
         # what these two run on (offload with either is refused: fivefold.compositions)
         data_only = self.tp == self.pp == self.cp == self.ep == 1 and self.offload == "none"
-        if self.optimizer == "lomo" and data_only and self.zero_stage == 0:
+        if self.optimizer == "lomo" and data_only and self.zero_stage <= 2:
             return "lomo"
         if self.optimizer == "galore" and data_only and self.zero_stage <= 2 and (
                 self.gpus > 1 or self.zero_stage > 0):

@@ -9,7 +9,9 @@ at stage 1 one reduce-scatter of it, at stage 2 one per micro-batch; at stages 1
 squared gradient norm's 4-byte all-reduce over the shard axis and one all-gather of the
 low-rank steps and the full-rank parameters' new values; each bucket is 4 bytes per element
 of n segments (fivefold.planner.memory.galore_dp_segment). LOMO: every parameter's fp32
-gradient all-reduced in backward, in each of its passes (two with clipping). Both
+gradient all-reduced in backward, in each of its passes (two with clipping); at ZeRO-1/2
+reduce-scattered instead, each parameter padded to a multiple of dp, then all-gathered once
+after its update, and the norm's 4-byte all-reduce. Both
 all-reduce the step's loss (4 bytes) over the data-parallel ranks.
 """
 
@@ -19,7 +21,8 @@ from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.memory import galore_dp_segment, galore_dp_state_bytes
-from fivefold.planner.params import total_params
+from fivefold.models.description import block_parameters, root_parameters
+from fivefold.planner.params import local_numel, total_params
 
 
 def update_path_ledger(cfg: Config, lay: ParallelPlan) -> Ledger:
@@ -34,7 +37,15 @@ def update_path_ledger(cfg: Config, lay: ParallelPlan) -> Ledger:
     if lay.update == "lomo":
         record("all_reduce", dp, 4, "loss")
         passes = 2 if cfg.train.grad_clip else 1
-        record("all_reduce", dp, 4 * total_params(cfg.model), "grads", passes)
+        if lay.zero_stage == 0:
+            record("all_reduce", dp, 4 * total_params(cfg.model), "grads", passes)
+            return ledger
+        params = root_parameters(cfg.model) + [p for layer in range(cfg.model.layers)
+                                               for p in block_parameters(cfg.model, layer)]
+        padded = 4 * sum(-(-local_numel(cfg.model, p) // lay.dp) * lay.dp for p in params)
+        record("reduce_scatter", dp, padded, "grads", passes)
+        record("all_gather", dp, padded, "params")
+        record("all_reduce", dp, 4, "grad_norm")
         return ledger
     n = lay.dp if lay.zero_stage >= 1 else 1
     projected = cfg.train.galore_reduce == "projected"

@@ -191,7 +191,8 @@ class Trainer:
                                              plan.shard_axes, self.expert_axes,
                                              self._offload())
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
-            self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None)
+            self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None,
+                                 plan.zero_stage >= 1)
         elif plan.update == "galore-dp":  # whole matrices on every rank, states sharded
             self.galore = GaLoreDataParallel(self.model, cfg.train, plan.zero_stage,
                                              self.dp_axis, self.ledger)
