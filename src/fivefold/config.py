@@ -167,7 +167,7 @@ class TrainConfig:
     optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
                           'rest) | "galore" (low-rank Adam on the blocks\' matrices; data '
                           'parallel with zero_stage <= 2) | "sgd" | "lomo" (SGD fused into '
-                          'backward; data parallel, zero_stage 0)', "adamw")
+                          'backward; data parallel, zero_stage 0-2)', "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
     lr: float = _doc("peak learning rate", 1e-3)
