@@ -42,8 +42,9 @@ from parity import CPU, STEPS, assert_params_close, train_steps
 from fivefold.comm import collectives as C
 from fivefold.comm.ledger import Ledger
 from fivefold.config import load_config
+from fivefold.lr_schedule import lr_at
 from fivefold.models.llama import build_model
-from fivefold.optim import build_optimizer, lr_at
+from fivefold.optim import build_optimizer
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh

@@ -18,7 +18,7 @@ from fivefold.train.checkpoint import check_resume
 from fivefold.train.data import BatchSampler
 from fivefold.train.dist import Runtime
 from fivefold.train.mfu import mfu_peak
-from fivefold.train.run_header import start_line
+from fivefold.train.run_header import pipeline_note, start_line
 from fivefold.train.trainer import Trainer
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
@@ -37,6 +37,21 @@ def test_start_line_names_every_degree(tiny_overrides, sets, ranks, layout):
     cfg = load_config(None, tiny_overrides + ["parallel.global_batch=8"] + sets)
     line = start_line(cfg, plan_from_config(cfg, ranks, "fp32"), "cpu")
     assert f"{ranks} rank(s) ({layout}) on cpu, fp32; global batch 8 x 32 tokens" in line, line
+
+
+@pytest.mark.parametrize("sets, ranks, note", [
+    (["parallel.pp=2"], 2, "pp 2 with one micro-batch per step does not pipeline: each stage "
+                           "idles 1 of 2 turns; set parallel.micro_batch = 4 (2 micro-batches)"),
+    (["parallel.pp=4", "parallel.global_batch=2"], 4,
+     "idles 3 of 4 turns; raise parallel.global_batch to at least 4 and set"),
+    (["parallel.pp=2", "parallel.micro_batch=4"], 2, None),
+    (["parallel.pp=2", "parallel.schedule=terapipe"], 2, None),  # token slices pipeline
+    ([], 1, None),
+])
+def test_pipeline_without_micro_batches_is_warned(tiny_overrides, sets, ranks, note):
+    cfg = load_config(None, tiny_overrides + ["parallel.global_batch=8"] + sets)
+    said = pipeline_note(plan_from_config(cfg, ranks, "fp32"))
+    assert said == note if note is None else note in said, said
 
 
 def test_mfu_on_cpu_only_against_a_calibrated_profile(tmp_path):

@@ -171,8 +171,15 @@ class TrainConfig:
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
     lr: float = _doc("peak learning rate", 1e-3)
-    min_lr_ratio: float = _doc("final learning rate as a fraction of lr (cosine floor)", 0.1)
-    warmup_steps: int = _doc("linear warm-up steps", 20)
+    lr_schedule: str = _doc('after warm-up: "cosine" | "linear" decay to the floor | '
+                            '"constant" | "wsd" (warmup-stable-decay; fivefold.lr_schedule)',
+                            "cosine")
+    min_lr_ratio: float = _doc("final learning rate as a fraction of lr (the decay's floor)",
+                               0.1)
+    warmup_steps: int | None = _doc("linear warm-up steps; absent: min(20, steps // 10)", None)
+    decay_fraction: float = _doc("wsd: the share of the steps, at the end, that decay", 0.1)
+    decay_shape: str = _doc('wsd: the decay\'s shape "linear" | "cosine" | "sqrt" '
+                            "(1 - sqrt of its progress)", "sqrt")
     weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", 0.1)
     beta1: float = _doc("AdamW beta1 / SGD momentum", 0.9)
     muon_momentum: float = _doc("Muon's (Nesterov) momentum on the blocks' matrices", 0.95)

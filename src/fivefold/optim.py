@@ -1,9 +1,7 @@
-"""Optimizer construction and the learning-rate schedule.
+"""Optimizer construction (the learning-rate schedule is fivefold.lr_schedule).
 
 AdamW (Loshchilov & Hutter, arXiv 1711.05101) with decoupled weight decay on matrices only
-(norm gains and other vectors are not decayed), fused on GPU. The schedule is linear warm-up
-to `lr` followed by cosine decay to `lr * min_lr_ratio` at the last step. It is a pure function
-of the step, so the step number is the scheduler's whole state in a checkpoint.
+(norm gains and other vectors are not decayed), fused on GPU.
 
 Muon (`train.optimizer = "muon"`; Jordan et al. 2024, at scale Liu et al., arXiv 2502.16982)
 replaces each weight matrix's update by the orthogonalized momentum (Newton-Schulz), with
@@ -25,23 +23,11 @@ parallel/ and train/, and imports only config and memory/.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from fivefold.config import TrainConfig
 from fivefold.memory.galore import GaLoreAdamW
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
 from fivefold.data_sources import DATA_FORMATS, TOKEN_DTYPES, validate_sources
+from fivefold.lr_schedule import validate_schedule
 from fivefold.models.validate_model import FFN_TYPES  # noqa: F401 (the config fuzz reads it here)
 from fivefold.models.validate_model import (check_model, choice as _choice,
                                             divisors as _divisors, positive as _positive)
@@ -245,7 +246,7 @@ def validate_train(cfg: Config) -> None:
                                                  "global norm cannot be had, so clipping by "
                                                  "it is not possible: set train.grad_clip = 0 "
                                                  "or galore_reduce = 'full'")
-    for key in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
+    for key in ("weight_decay", "grad_clip", "sample_tokens"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
                 "log_every"):
@@ -254,9 +255,7 @@ def validate_train(cfg: Config) -> None:
         value = getattr(t, key)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"train.{key}", f"must lie in [0, 1], got {value}")
-    if t.warmup_steps > t.steps:
-        raise ConfigError("train.warmup_steps", f"{t.warmup_steps} warm-up steps exceed the "
-                                                f"{t.steps} steps of the run; lower it")
+    validate_schedule(t)
 
 
 def validate_data(cfg: Config) -> None:

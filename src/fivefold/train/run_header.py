@@ -2,7 +2,8 @@
 
 It names each parallel degree (dp, tp, pp, cp, ep), the ZeRO stage and the micro-batches per
 step, with the pipeline schedule and its virtual stages when pp > 1, so what trains is what
-the user reads. A pure function of the config and the plan, testable without ranks.
+the user reads, and a note when that layout has a pipeline that cannot pipeline. Pure
+functions of the config and the plan, testable without ranks.
 """
 
 from __future__ import annotations
@@ -27,3 +28,18 @@ def start_line(cfg: Config, plan: ParallelPlan, device_type: str,
     return (f"model {model_name or m.preset}: {param_count(m) / 1e6:.2f}M parameters, {m.layers} layers; "
             f"{plan.gpus} rank(s) ({layout_text(plan)}) on {device_type}, {plan.precision}; "
             f"global batch {plan.global_batch} x {m.seq_len} tokens")
+
+
+def pipeline_note(plan: ParallelPlan) -> str | None:
+    """A warning when pp > 1 runs one micro-batch per step, not cut into token slices: the
+    stages then take turns and each idles (pp - 1) / pp of the step (GPipe's bubble with
+    m = 1, Huang et al., arXiv 1811.06965, Sec. 2.2). None otherwise."""
+    if plan.pp == 1 or plan.micro_batches > 1 or plan.slices > 1:
+        return None
+    per_rank = plan.per_rank_batch
+    fits = [d for d in range(per_rank - 1, 0, -1) if per_rank % d == 0 and per_rank // d >= plan.pp]
+    fix = (f"set parallel.micro_batch = {fits[0]} ({per_rank // fits[0]} micro-batches)" if fits
+           else f"raise parallel.global_batch to at least {plan.pp * plan.dp} and set "
+                "parallel.micro_batch")
+    return (f"warning: pp {plan.pp} with one micro-batch per step does not pipeline: each stage "
+            f"idles {plan.pp - 1} of {plan.pp} turns; {fix}")

@@ -73,9 +73,10 @@ from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
+from fivefold.lr_schedule import lr_at, resumed_length
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.optim import OptimizerPair, build_optimizer, lr_at
+from fivefold.optim import OptimizerPair, build_optimizer
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
 from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
@@ -106,7 +107,7 @@ from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
 from fivefold.train.resume_data import DataOrder, data_record, data_start
 from fivefold.train.run_end import finish_run
-from fivefold.train.run_header import start_line
+from fivefold.train.run_header import pipeline_note, start_line
 from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -259,7 +260,7 @@ class Trainer:
         start = time.perf_counter()
         self.ledger.start_step(step)
         self.model.train()
-        lr = lr_at(step, self.cfg.train)
+        lr = lr_at(step, self.cfg.train, self.schedule_steps)
         clip = self.cfg.train.grad_clip or math.inf
         if self.plan.update == "pipedream-2bw":  # each stage updates itself, no global norm
             loss_sum = self.pipeline.asynchronous_step(step, lr)
@@ -399,6 +400,7 @@ class Trainer:
         if self.rt.is_main:
             remove_partials(self.run_dir)
         found = check_resume(self.run_dir, self.cfg, self.plan)
+        self.schedule_steps = self.cfg.train.steps  # the length the lr schedule is laid out for
         if found is None:
             return 0
         path, saved_meta, changed = found
@@ -428,6 +430,11 @@ class Trainer:
                      "and optimizer state resume, the data order starts afresh at step "
                      f"{self.train_sampler.start}")
         self.say(f"resumed from {path} (step {meta['step']})")
+        self.schedule_steps, note = resumed_length(  # absent in older checkpoints
+            meta.get("schedule_steps", meta["config"]["train"]["steps"]), self.cfg.train,
+            meta["step"])
+        if note:
+            self.say(note)
         return meta["step"]
 
     def _optimizers(self):
@@ -469,7 +476,7 @@ class Trainer:
     def _save(self, step: int) -> None:
         meta = {"data_position": step - self.train_sampler.start, "config": self.cfg.to_dict(),
                 "data": data_record(self.cfg), "data_start": self.train_sampler.start,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.skipped_steps, "schedule_steps": self.schedule_steps,
                 **layout_record(self.plan)}
         extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
@@ -489,6 +496,8 @@ class Trainer:
         self.say(start_line(self.cfg, self.plan, self.rt.device.type, self.model_name))
         if note := mfu_note(self.peak, self.rt.device):
             self.say(note)
+        if note := pipeline_note(self.plan):
+            self.say(note)
         if self.plan.asynchronous and t.optimizer == "adamw":
             self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
                      "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
@@ -505,7 +514,8 @@ class Trainer:
                 result = self.train_step(step)
                 done = step + 1
                 tokens_per_s = self.global_tokens / result.step_time_s
-                record = {"step": done, "loss": result.loss, "lr": lr_at(step, t),
+                record = {"step": done, "loss": result.loss,
+                          "lr": lr_at(step, t, self.schedule_steps),
                           "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
                           "mfu": (self.flops_per_token * tokens_per_s / self.peak.flops
                                   if self.peak else None),
