@@ -18,7 +18,7 @@ from fivefold.train.checkpoint import check_resume
 from fivefold.train.data import BatchSampler
 from fivefold.train.dist import Runtime
 from fivefold.train.mfu import mfu_peak
-from fivefold.train.run_header import pipeline_note, start_line
+from fivefold.train.run_header import balance_note, pipeline_note, start_line
 from fivefold.train.trainer import Trainer
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
@@ -52,6 +52,21 @@ def test_pipeline_without_micro_batches_is_warned(tiny_overrides, sets, ranks, n
     cfg = load_config(None, tiny_overrides + ["parallel.global_batch=8"] + sets)
     said = pipeline_note(plan_from_config(cfg, ranks, "fp32"))
     assert said == note if note is None else note in said, said
+
+
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32"]
+
+
+@pytest.mark.parametrize("sets, warned", [
+    (MOE, True),
+    (MOE + ["model.moe.aux_loss_weight=0.01"], False),
+    (MOE + ["model.moe.bias_update_rate=0.001"], False),
+    ([], False),  # dense
+])
+def test_moe_without_balancing_is_warned(tiny_overrides, sets, warned):
+    said = balance_note(load_config(None, tiny_overrides + sets))
+    assert (said is not None) == warned, said
+    assert said is None or "model.moe.aux_loss_weight = 0.01" in said
 
 
 def test_mfu_on_cpu_only_against_a_calibrated_profile(tmp_path):

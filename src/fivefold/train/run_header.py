@@ -43,3 +43,18 @@ def pipeline_note(plan: ParallelPlan) -> str | None:
                 "parallel.micro_batch")
     return (f"warning: pp {plan.pp} with one micro-batch per step does not pipeline: each stage "
             f"idles {plan.pp - 1} of {plan.pp} turns; {fix}")
+
+
+def balance_note(cfg: Config) -> str | None:
+    """A warning when an MoE model trains with no load balancing at all: neither the
+    balancing loss (Switch Transformer, arXiv 2101.03961 Sec. 2.2; GShard) nor DeepSeek-V3's
+    auxiliary-loss-free bias (arXiv 2412.19437 Sec. 2.1.2). The router then tends to send
+    most tokens to a few experts (the tiny preset reaches the top_k / experts bound within 20
+    steps). The defaults stay off so that an imported or published configuration trains as
+    stated; the warning says what to set. None otherwise."""
+    moe = cfg.model.moe
+    if moe is None or moe.aux_loss_weight or moe.bias_update_rate:
+        return None
+    return ("warning: this MoE model trains with no load balancing, so its experts tend to "
+            "collapse onto a few; set model.moe.aux_loss_weight = 0.01 (Switch/GShard) or "
+            "model.moe.bias_update_rate = 0.001 (DeepSeek-V3)")

@@ -107,7 +107,7 @@ from fivefold.train.pipeline_step import PipelineStep, build_stage
 from fivefold.train.reshard import describe_change, load_resharded
 from fivefold.train.resume_data import DataOrder, data_record, data_start
 from fivefold.train.run_end import finish_run
-from fivefold.train.run_header import pipeline_note, start_line
+from fivefold.train.run_header import balance_note, pipeline_note, start_line
 from fivefold.train.save_schedule import SaveSchedule
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -496,8 +496,9 @@ class Trainer:
         self.say(start_line(self.cfg, self.plan, self.rt.device.type, self.model_name))
         if note := mfu_note(self.peak, self.rt.device):
             self.say(note)
-        if note := pipeline_note(self.plan):
-            self.say(note)
+        for note in (pipeline_note(self.plan), balance_note(self.cfg)):
+            if note:
+                self.say(note)
         if self.plan.asynchronous and t.optimizer == "adamw":
             self.say("note: PipeDream-2BW computes each step's gradient one update late; AdamW "
                      "loses markedly to that on short runs, Muon hardly (train.optimizer=muon;"
