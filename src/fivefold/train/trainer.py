@@ -143,6 +143,7 @@ class Trainer:
         self.ledger = Ledger()
         self.ledger.recorder.directory = self.run_dir / "flight_recorder"
         self.skipped_steps = 0  # updates dropped by the non-finite guard
+        self.schedule_steps = cfg.train.steps  # the lr schedule's length; a resume may keep its own
         self.mesh = Mesh(plan.mesh_shape, rt.device.type, self.ledger).use_algorithms(
             CommAlgorithms.from_config(cfg), cfg.cluster.gpus_per_node)  # comm.algorithm
         self.dp_axis = self.mesh.joint_axis("dp_replicate", "dp_shard")
@@ -400,7 +401,6 @@ class Trainer:
         if self.rt.is_main:
             remove_partials(self.run_dir)
         found = check_resume(self.run_dir, self.cfg, self.plan)
-        self.schedule_steps = self.cfg.train.steps  # the length the lr schedule is laid out for
         if found is None:
             return 0
         path, saved_meta, changed = found
