@@ -129,11 +129,14 @@ def plain_adamw(params: list, hp: dict):
 
 
 def plain_lr(hp: dict, step: int, total_steps: int) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step."""
-    if hp["warmup_steps"] and step < hp["warmup_steps"]:
-        return hp["lr"] * (step + 1) / hp["warmup_steps"]
-    progress = min(1.0, (step - hp["warmup_steps"]) /
-                   max(1, total_steps - hp["warmup_steps"] - 1))
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio at the last step; an absent
+    `warmup_steps` is the config's documented automatic one, min(20, total_steps // 10)."""
+    warmup = hp["warmup_steps"]
+    if warmup is None:
+        warmup = min(20, total_steps // 10)
+    if warmup and step < warmup:
+        return hp["lr"] * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup - 1))
     floor = hp["lr"] * hp["min_lr_ratio"]
     return floor + (hp["lr"] - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
