@@ -258,7 +258,9 @@ def test_ledger_records_every_pipeline_message(parity_overrides, tmp_path):
 def test_sliced_attention_reproduces_the_plain_block():
     """TeraPipe's key/value cache: a block run on 3 uneven slices (11, 11, 10 tokens), with
     backwards in reverse slice order, gives the plain block's output and gradients (fp32,
-    atol 1e-6: only the attention kernel's summation order differs)."""
+    atol 1e-6, and rtol 1e-6 on the parameter gradients, sums over every token whose
+    elements reach about 2, where one ulp is 2.4e-7: only the kernels' summation order
+    differs, and on AMD EPYC cores one element of wo's gradient differed by 1.2e-6)."""
     cfg = load_config(None, TEST_MODEL + ["model.layers=1"]).model
     model = build_model(cfg, seed=3)
     block, cos, sin = model.layers[0], model.rope_cos, model.rope_sin
@@ -285,7 +287,7 @@ def test_sliced_attention_reproduces_the_plain_block():
     torch.testing.assert_close(torch.cat([x.grad for x in xs], dim=1), x_full.grad, atol=1e-6,
                                rtol=0)
     for name, q in block.named_parameters():
-        torch.testing.assert_close(q.grad, full_grads[name], atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(q.grad, full_grads[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------- PipeDream-2BW
