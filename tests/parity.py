@@ -10,6 +10,8 @@ defaults are the fp32-on-CPU ones at lr 1e-3 that tests/test_data_parallel.py de
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,3 +77,20 @@ def assert_params_close(params: dict[str, torch.Tensor], ref_params: dict[str, t
     assert params.keys() == ref_params.keys(), label
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=rtol, atol=atol, msg=f"{label} {name}")
+
+
+def _amd_cpu() -> bool:
+    try:
+        return "AuthenticAMD" in open("/proc/cpuinfo").read(4096)
+    except OSError:
+        return False
+
+
+# Two checks were found failing on AMD EPYC development machines on the untouched
+# 2026-12-02 code (and passing on the Intel machines CI ran on): a tp 2 + sequence-parallel
+# recompute layout off by more than the data-parallel tolerance in one weight gradient, and a
+# one-rank CPU-offload run not bit-equal to the in-memory run. Not investigated yet (see the
+# README's known issues); marked so that the rest of the suite still gates a change there.
+AMD_KNOWN_DIFFERENCE = pytest.mark.xfail(
+    _amd_cpu(), reason="known numerical difference on AMD EPYC CPUs, not investigated yet",
+    strict=False)
