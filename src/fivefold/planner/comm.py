@@ -96,10 +96,28 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
                "reduce_scatter": lambda n: (n - 1) / n}
 
 
+_TIMES: dict[tuple, tuple[Links, float]] = {}
+
+
 def collective_time(op: str, nbytes: float, group: Group, links: Links,
                     algorithm: str = "builtin") -> float:
     """Seconds for one collective of `nbytes` (ledger convention) over `group`; a `[comm]`
-    algorithm other than "builtin" is priced as the very schedule the runtime runs."""
+    algorithm other than "builtin" is priced as the very schedule the runtime runs.
+    Remembered per (op, bytes, group, links object): the planner's search asks the same
+    collectives for many layouts."""
+    key = (op, nbytes, group.size, group.per_node, id(links), algorithm)
+    hit = _TIMES.get(key)
+    if hit is not None and hit[0] is links:
+        return hit[1]
+    if len(_TIMES) >= 1 << 18:
+        _TIMES.clear()
+    seconds = _collective_time(op, nbytes, group, links, algorithm)
+    _TIMES[key] = (links, seconds)
+    return seconds
+
+
+def _collective_time(op: str, nbytes: float, group: Group, links: Links,
+                     algorithm: str) -> float:
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fivefold.config import Config
@@ -102,12 +102,15 @@ def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
     return out
 
 
-def offload_tries(lay: ParallelPlan) -> list[ParallelPlan]:
+def offload_tries(lay: ParallelPlan) -> Iterator[ParallelPlan]:
     """`lay`, then its offloaded variants in the order the search tries them (module
-    docstring); only `lay` when it offloads already or offload does not compose with it."""
+    docstring); only `lay` when it offloads already or offload does not compose with it.
+    Lazy: most layouts fit as they are, and building a variant is a dataclass copy."""
+    yield lay
     if lay.offload != "none" or lay.optimizer != "adamw" or lay.schedule == "pipedream-2bw":
-        return [lay]
-    return [lay] + [lay.replace(offload=tier, offload_fraction=f) for tier, f in OFFLOAD_TRIES]
+        return
+    for tier, f in OFFLOAD_TRIES:
+        yield lay.replace(offload=tier, offload_fraction=f)
 
 
 class FastScorer:
@@ -119,13 +122,32 @@ class FastScorer:
         self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
 
     def score(self, lay: ParallelPlan) -> tuple[float, float]:
-        """(step seconds, peak bytes per device; infinite when offload's host tier cannot
-        hold the offloaded state)."""
+        """(step seconds, peak bytes per device (infinite when offload's host tier cannot
+        hold the offloaded state), the least peak any offloaded variant of it can reach). A
+        layout over the device's memory is not timed: its step reads infinite."""
         sm = StepModel(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
         L, pp, v = m.layers, lay.pp, lay.vpp
         dense_layers = L - self.moe_layers
         kinds = [(n, moe) for n, moe in ((dense_layers, False), (self.moe_layers, True)) if n]
+        numel = sum(n * sm.block_numel(moe) for n, moe in kinds) / pp + \
+            root_params(m, lay.tp, True, pp == 1)
+        shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
+        matrices = low_rank = 0.0
+        if lay.optimizer in ("muon", "galore"):  # their share of the state
+            vectors = block_vector_params(m, lay.tp)
+            matrices = sum(n * (sm.block_numel(moe, dense_only=True) - vectors)
+                           for n, moe in kinds) / pp
+            low_rank = sum(n * galore_state_bytes(m, sm.first_layer(moe), lay.tp)
+                           for n, moe in kinds) / pp
+        kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
+        state = Unit(round(numel), 1, matrices=round(matrices),
+                     low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
+        peak = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
+        if peak > self.prof.memory_bytes:  # does not fit: its time is never read
+            floor = (self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, 0.0)
+                     if lay.offload == "none" else peak)
+            return math.inf, peak, floor
         costs = [(n, sm.moe_cost if moe else sm.dense_cost) for n, moe in kinds]
         total = sum(n * (c.f + c.b) for n, c in costs)
         biggest = max(c.f + c.b for _, c in costs)
@@ -135,35 +157,20 @@ class FastScorer:
         micro = lay.micro_batches
         bubble = bubble_fraction(lay.schedule, pp, micro, v)
         pipe = micro * per_rank / (1 - bubble) + 2 * (pp - 1) * v * sm.p2p_s
-        rank_layers = math.ceil(L / pp)
         grad_bytes = (sum(n * c.grad_sync_bytes for n, c in costs) / pp,
                       sum(n * c.expert_sync_bytes for n, c in costs) / pp)
         tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
-        numel = sum(n * sm.block_numel(moe) for n, moe in kinds) / pp + \
-            root_params(m, lay.tp, True, pp == 1)
-        shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
         opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
-        matrices = low_rank = 0.0
-        if lay.optimizer in ("muon", "galore"):  # their share of the state
-            vectors = block_vector_params(m, lay.tp)
-            matrices = sum(n * (sm.block_numel(moe, dense_only=True) - vectors)
-                           for n, moe in kinds) / pp
-            low_rank = sum(n * galore_state_bytes(m, sm.first_layer(moe), lay.tp)
-                           for n, moe in kinds) / pp
         if lay.optimizer == "muon":  # and Muon's orthogonalization
             opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
-        kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
-        state = Unit(round(numel), 1, matrices=round(matrices),
-                     low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
-        peak = self._memory(sm, lay, numel, shard, rank_layers, state, kept)
         if lay.offload != "none":
             exposed, host_fits = self._offload(sm, lay, costs, numel / shard,
                                                regather + opt_s)
             step += exposed
             peak = peak if host_fits else math.inf
-        return step, peak
+        return step, peak, peak
 
     def _offload(self, sm: StepModel, lay: ParallelPlan, costs: list, local: float,
                  device_s: float) -> tuple[float, bool]:
@@ -233,9 +240,11 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
             if accept is not None and not accept(lay):
                 continue
             tried = True
-            step, peak = scorer.score(lay)
+            step, peak, floor = scorer.score(lay)
             if peak <= usable:
                 ranked.append((step, lay))
+                break
+            if lay.offload == "none" and floor > usable:  # nor with all of its state offloaded
                 break
         scored += tried
     ranked.sort(key=lambda x: x[0])

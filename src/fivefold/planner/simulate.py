@@ -202,7 +202,11 @@ class StepModel:
         self.cache = {} if cache is None else cache
         c = cfg.cluster
         gpn = c.gpus_per_node
-        self.links = Links.of(prof, gpn, c.intra_node_GBps, c.inter_node_GBps)
+        links_key = ("links", id(prof), gpn, c.intra_node_GBps, c.inter_node_GBps)
+        if links_key not in self.cache or self.cache[links_key][0] is not prof:
+            self.cache[links_key] = (prof, Links.of(prof, gpn, c.intra_node_GBps,
+                                                    c.inter_node_GBps))
+        self.links = self.cache[links_key][1]  # one object per search: collective_time's key
         tp, cp, dp = lay.tp, lay.cp, lay.dp
         self.stack = stack_of(cfg.train.stack, cfg.train.stack_release)
         self.tp_group = Group.strided(tp, 1, gpn)
@@ -231,11 +235,21 @@ class StepModel:
 
     @functools.cached_property
     def dense_cost(self) -> LayerCost:
-        return self._layer_cost(False)
+        return self._shared_layer_cost(False)
 
     @functools.cached_property
     def moe_cost(self) -> LayerCost:
-        return self._layer_cost(True)
+        return self._shared_layer_cost(True)
+
+    def _shared_layer_cost(self, moe: bool) -> LayerCost:
+        """`_layer_cost`, shared through `cache` by the layouts with the same shard shape and
+        data-parallel grouping (what it reads beyond `_shape_key`)."""
+        lay = self.lay
+        key = ("layer", moe, lay.zero_stage, lay.zero_group, lay.dp, self.pp_unsharded,
+               lay.reduce_dtype) + self._shape_key()
+        if key not in self.cache:
+            self.cache[key] = self._layer_cost(moe)
+        return self.cache[key]
 
     def layer_cost(self, i: int) -> LayerCost:
         return self.moe_cost if is_moe_layer(self.model, i) else self.dense_cost
