@@ -70,8 +70,8 @@ def _runs(rt, overrides, tmp):
         extra = None
         if k == 0:
             extra = (refresh, predict_ledger(cfg, plan, rt.rank, galore_refresh=True).totals())
-        out.append((losses, full_parameters(trainer), trainer.ledger.totals(),
-                    dict(trainer.ledger.model_state_bytes), predicted.totals(),
+        comm, states = trainer.ledger.totals(), dict(trainer.ledger.model_state_bytes)
+        out.append((losses, full_parameters(trainer), comm, states, predicted.totals(),
                     predicted.model_state_bytes, extra))
     return out
 
