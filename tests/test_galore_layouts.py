@@ -1,13 +1,13 @@
 """GaLore with tensor parallelism, pipeline parallelism and ZeRO-3 against the one-process
 GaLore run (issue 34; fivefold.memory.galore_units on the data-parallel engine).
 
-On 2 gloo ranks, one process start for every case: tp 2 (wq/wk/wv's projections summed
-over tp, the other matrices' rows projected locally), tp 2 with sequence parallelism, pp 2
-(1F1B, each stage its own GaLore states), and ZeRO-3 over dp 2 (micro-batches of one
-sequence, so each micro-batch's gradient is reduce-scattered, the shards all-gathered per
-unit for the projection); pp 2 also with the randomized refresh (its seeds by the matrix's
-place in the whole model). Each against the one-process GaLore run of the same model and
-optimizer settings.
+One process start per group (`GROUPS`): on 2 gloo ranks tp 2 (wq/wk/wv's projections
+summed over tp, the other matrices' rows projected locally), pp 2 (1F1B, each stage its own
+GaLore states) and ZeRO-3 over dp 2 (micro-batches of one sequence, so each micro-batch's
+gradient is reduce-scattered, the shards all-gathered per unit for the projection); slow:
+tp 2 with sequence parallelism and pp 2 with the randomized refresh (its seeds by the
+matrix's place in the whole model), and on 4 ranks tp 2 x pp 2 and tp 2 x ZeRO-3 over dp 2.
+Each against the one-process GaLore run of the same model and optimizer settings.
 
 Tolerance: tests/test_galore_dp.py's, for the same reason: after 5 steps losses rel 2e-5,
 parameters atol 1e-5 + rtol 1e-4; the layouts sum gradients (and tp the projections of
@@ -36,12 +36,18 @@ from fivefold.train.trainer import Trainer
 
 GALORE = ["train.optimizer=galore", "train.galore_update_gap=3"]
 RANDOMIZED = ["train.galore_svd=randomized", "train.galore_update_gap=5"]  # refresh: step 0
+TP2, PP2 = "parallel.tp=2", ["parallel.pp=2", "parallel.schedule=1f1b"]
+ZERO3 = ["parallel.zero_stage=3", "parallel.micro_batch=1"]
 
-CASES = [("tp2", [*GALORE, "parallel.tp=2"]),
-         ("tp2 sp", [*GALORE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
-         ("pp2", [*GALORE, "parallel.pp=2", "parallel.schedule=1f1b"]),
-         ("pp2 randomized", [*GALORE, *RANDOMIZED, "parallel.pp=2", "parallel.schedule=1f1b"]),
-         ("zero3", [*GALORE, "parallel.zero_stage=3", "parallel.micro_batch=1"])]
+# (world size, [(label, overrides)]) per group, one process start each
+GROUPS = {
+    "tp pp zero3": (2, [("tp2", [*GALORE, TP2]), ("pp2", [*GALORE, *PP2]),
+                        ("zero3", [*GALORE, *ZERO3])]),
+    "sp randomized": (2, [("tp2 sp", [*GALORE, TP2, "parallel.sequence_parallel=true"]),
+                          ("pp2 randomized", [*GALORE, *RANDOMIZED, *PP2])]),
+    "four ranks": (4, [("tp2 pp2", [*GALORE, TP2, *PP2]),
+                       ("tp2 zero3 dp2", [*GALORE, TP2, *ZERO3])]),
+}
 
 
 def _reference_key(sets: list[str]) -> tuple[str, ...]:
@@ -52,23 +58,23 @@ def _config(overrides: list[str], sets):
     return load_config(None, overrides + [f"train.steps={STEPS}", *sets])
 
 
-def _runs(rt, overrides, tmp):
+def _runs(rt, overrides, cases, tmp):
     """Every case on these ranks: (losses, this rank's whole parameters, the last step's
-    ledger totals and model-state bytes, the predicted ones); and for tp 2 the refresh
-    step's (step 3) totals, measured and predicted."""
+    ledger totals and model-state bytes, the predicted ones, and the refresh step's (step 3
+    under gap 3) totals, measured and predicted)."""
     out = []
-    for k, (_, sets) in enumerate(CASES):
+    for k, (_, sets) in enumerate(cases):
         cfg = _config(overrides, sets)
         trainer = Trainer(cfg, rt, f"{tmp}/{k}")
         losses, refresh = [], None
         for s in range(STEPS):
             losses.append(trainer.train_step(s).loss)
-            if s == 3 and k == 0:
+            if s == 3 and cfg.train.galore_update_gap == 3:
                 refresh = trainer.ledger.totals()
         plan = plan_from_config(cfg, rt.world_size, "fp32")
         predicted = predict_ledger(cfg, plan, rt.rank)
         extra = None
-        if k == 0:
+        if refresh is not None:
             extra = (refresh, predict_ledger(cfg, plan, rt.rank, galore_refresh=True).totals())
         comm, states = trainer.ledger.totals(), dict(trainer.ledger.model_state_bytes)
         out.append((losses, full_parameters(trainer), comm, states, predicted.totals(),
@@ -76,11 +82,18 @@ def _runs(rt, overrides, tmp):
     return out
 
 
-def test_galore_tp_pp_zero3_match_one_process(parity_overrides, tmp_path):
-    """Each of `CASES` against its one-process run (module docstring's tolerances)."""
-    results = run_on_ranks(_runs, 2, parity_overrides, str(tmp_path), timeout_s=600)
+@pytest.mark.parametrize("group", [
+    "tp pp zero3", pytest.param("sp randomized", marks=pytest.mark.slow),
+    pytest.param("four ranks", marks=pytest.mark.slow)])
+def test_galore_tp_pp_zero3_match_one_process(group, parity_overrides, tmp_path):
+    """Each case of `GROUPS[group]` against its one-process run (module docstring's
+    tolerances); copies of a parameter equal bit for bit; the ledger and model-state bytes
+    equal the planner's on every rank, on a step without and with refresh."""
+    world, cases = GROUPS[group]
+    results = run_on_ranks(_runs, world, parity_overrides, cases, str(tmp_path),
+                           timeout_s=600)
     references = {}
-    for k, (label, sets) in enumerate(CASES):
+    for k, (label, sets) in enumerate(cases):
         key = _reference_key(sets)
         if key not in references:
             cfg = _config(parity_overrides, list(key))
@@ -91,7 +104,7 @@ def test_galore_tp_pp_zero3_match_one_process(parity_overrides, tmp_path):
         losses = results[0][k][0]
         assert losses == pytest.approx(ref.losses, rel=2e-5), label
         merged = {}
-        for rank in range(2):
+        for rank in range(world):
             params = results[rank][k][1]
             for name, value in params.items():
                 if name in merged:  # a copy on both ranks: the same bits
@@ -100,7 +113,7 @@ def test_galore_tp_pp_zero3_match_one_process(parity_overrides, tmp_path):
         assert_params_close(merged, ref.params, label)
         moved = max((ref.params[n] - initial[n]).abs().max().item() for n in initial)
         assert moved > 100 * 1e-5, (label, moved)
-        for rank in range(2):
+        for rank in range(world):
             comm, states, want_comm, want_states, extra = results[rank][k][2:]
             assert comm == want_comm and comm, (label, rank)
             assert states == want_states, (label, rank)

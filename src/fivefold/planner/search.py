@@ -150,8 +150,8 @@ class FastScorer:
                            for n, moe in kinds) / pp
             low_rank = sum(n * galore_state_bytes(m, sm.first_layer(moe), lay.tp)
                            for n, moe in kinds) / pp
-        if lay.optimizer == "muon":  # and Muon's orthogonalization
-            opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
+        if lay.optimizer in ("muon", "galore"):  # Muon's orthogonalization, GaLore's projections
+            opt_s += sum(n * sm.matrix_update_s(sm.first_layer(moe)) for n, moe in kinds) / pp
         kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
