@@ -116,6 +116,7 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_galore_dp.py::test_data_parallel_galore_and_lomo_match_one_process": [
         (2, [GALORE, z(0)]), (2, [GALORE, z(1)]), (2, [GALORE, z(2), micro(1)]),
         (2, [GALORE, z(2), *MOE]),
+        (2, [GALORE, "train.galore_reduce=projected", "train.grad_clip=0", z(1)]),
         (4, [GALORE, z(1), micro(1)]), (4, [GALORE, z(2)]), (2, [LOMO]),
         (2, [LOMO, "train.grad_clip=0"]), (4, [LOMO])],
     "tests/test_galore_layouts.py::test_galore_tp_pp_zero3_match_one_process": [

@@ -67,6 +67,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     *(Feature(f"optimizer={o}", "optimizer",
               (lambda o: lambda c, dp: c.train.optimizer == o)(o), "train.optimizer")
       for o in ("adamw", "muon", "sgd", "lomo", "galore")),
+    Feature("galore_reduce=projected", "optimizer",
+            lambda c, dp: c.train.optimizer == "galore" and c.train.galore_reduce == "projected"),
     # an unset precision is the device's default: fp32 on the CPU, where the tests run
     Feature("fp32", "precision", lambda c, dp: (c.parallel.precision or "fp32") == "fp32",
             "parallel.precision"),
@@ -205,6 +207,9 @@ REFUSALS: list[Refusal] = [
             "(fivefold.memory.galore_dp, fivefold.memory.galore_units); context and expert "
             "splits, hierarchical sharding and ZeRO++ are not built for it: drop them, or use "
             "'adamw' here"),
+    Refusal("galore_reduce=projected", ("tp>1", "pp>1", "zero=3"), "train.galore_reduce",
+            "'projected' is the reduction of GaLore with data parallelism alone (ZeRO 0-2, "
+            "fivefold.memory.galore_dp); with tp, pp or ZeRO-3 use 'full'"),
     *(Refusal("optimizer=galore", ("fp8",), "parallel.precision",
               "GaLore over several ranks or ZeRO is not built with fp8 linears; use bf16 or "
               "fp32, or one rank", when=(w,)) for w in ("dp>1", "tp>1", "pp>1", "zero=3")),

@@ -246,11 +246,6 @@ def validate_train(cfg: Config) -> None:
                                                  "global norm cannot be had, so clipping by "
                                                  "it is not possible: set train.grad_clip = 0 "
                                                  "or galore_reduce = 'full'")
-    p = cfg.parallel
-    if t.galore_reduce == "projected" and (p.tp > 1 or p.pp > 1 or p.zero_stage == 3):
-        raise ConfigError("train.galore_reduce", "'projected' is data-parallel GaLore's "
-                                                 "reduction (ZeRO 0-2 without tp or pp); "
-                                                 "with tp, pp or ZeRO-3 use 'full'")
     for key in ("weight_decay", "grad_clip", "sample_tokens"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",

@@ -11,12 +11,16 @@ publishes them (all-gathers at ZeRO-1/2, the shard at ZeRO-3) as after AdamW.
 Each unit's reduced gradient is first made whole on the rank: at ZeRO-1/2/3 the master's
 shard gradients are all-gathered over the unit's shard axis (purpose "galore_grads", 4 bytes
 per padded unit element, every step: ZeRO-3 gathers the gradient per unit as it gathers the
-parameters for forward). Every rank then computes its unit's whole low-rank update, and
-subtracts its own shard of it. The projected moments are therefore held whole on every
-data-parallel rank (2 r B fp32 values per matrix, half a matrix's elements at r = A / 4),
-not divided as galore_dp divides them; the full-rank parameters' AdamW moments are this
-rank's shard only (torch's AdamW over views of the master: the runs of the shard that are
-not block matrices).
+parameters for forward). The projected moments are divided by rows, as
+fivefold.memory.galore_dp divides them: the projected gradient T_G P, Adam's moments and its
+normalized step N are row for row, so ZeRO rank k of n projects only its chunk of T's rows
+(ceil(B / n), the last padded with zeros) and keeps its moments; the chunks of N are
+all-gathered, one bucket per unit (purpose "galore_steps", 4 r bytes per row: r / A of the
+gradient gather's), and every rank applies the whole update N P^T of its unit and subtracts
+its own shard of it (the back-projection is repeated on every ZeRO rank, the price of
+gathering r columns instead of A). At ZeRO-0 every rank holds all rows. The full-rank
+parameters' AdamW moments are this rank's shard only (torch's AdamW over views of the
+master: the runs of the shard that are not block matrices).
 
 Tensor parallelism. A column- or row-parallel weight W (m x n) holds one block of its split
 dim on each of the t ranks. GaLore takes its subspace from the whole W's gradient: W is seen
@@ -29,10 +33,10 @@ the SVD work is repeated on each rank instead of divided, as galore_dp divides i
 refreshes the projection of the rank's block follows from which side the split cuts:
 
   split cuts T's rows (w1, w3, w2, wo of a Llama block)   T_loc (b/t x a) P: rows of the
-      whole projection, no communication; the rank's moments are its b/t rows
+      whole projection, no communication; the tp rank's moments are of its b/t rows
   split cuts T's columns (wq, wk, wv)                      T_loc (b x a/t) P[a/t rows]: a
-      partial sum, all-reduced over tp (purpose "galore_project", 4 b r bytes per matrix,
-      one all-reduce per unit); moments b x r, the same on every tp rank
+      partial sum, all-reduced over tp (purpose "galore_project", 4 r bytes per row of the
+      ZeRO rank's chunk, one all-reduce per unit); moments the same on every tp rank
 
 and the update N P^T, or N P[a/t rows]^T, is exactly the rank's block of the one-process
 update. Replicated matrices (an MoE layer's router) are whole on every rank.
@@ -72,6 +76,8 @@ class UnitMatrix:
     left: bool  # whole m <= n: T = W^T
     r: int
     across: bool  # the split cuts T's columns: the projection is a sum over tp
+    rows: int  # T's rows on this tp rank
+    chunk: int  # of them, each ZeRO shard rank's (the last padded)
 
     def t_view(self, w: torch.Tensor) -> torch.Tensor:
         return w.T if self.left else w
@@ -109,6 +115,9 @@ class GaLoreUnits:
     def __init__(self, engine, train: TrainConfig, tp_axis: C.Axis):
         self.engine, self.cfg, self.tp = engine, train, tp_axis
         self.param_groups = [{"lr": train.lr}]  # the engine sets the step's lr here
+        # the ranks that divide the projected moments by rows: ZeRO's shard axis
+        self.shard = engine.shard_axis if engine.stage >= 1 else None
+        n = self.shard.size if self.shard else 1
         model_cfg: ModelConfig = engine.model.cfg
         layers = sorted({int(name.split(".")[1]) for unit in engine.units
                          for name in unit.names if name.startswith("layers.")})
@@ -130,12 +139,14 @@ class GaLoreUnits:
                 if split is not None:
                     whole[split] *= tp_axis.size
                 left = whole[0] <= whole[1]
+                rows = shape[1] if left else shape[0]
                 w = UnitMatrix(name, off, shape, index, split, left, galore_rank(whole),
-                               split is not None and split != (1 if left else 0))
-                rows = shape[1] if left else shape[0]  # T's rows held here
+                               split is not None and split != (1 if left else 0), rows,
+                               -(-rows // n))
                 zeros = lambda *s: torch.zeros(s, dtype=torch.float32, device=device)
                 self.state[name] = {"proj": zeros(min(whole), w.r),
-                                    "exp_avg": zeros(rows, w.r), "exp_avg_sq": zeros(rows, w.r)}
+                                    "exp_avg": zeros(w.chunk, w.r),
+                                    "exp_avg_sq": zeros(w.chunk, w.r)}
                 mats.append(w)
             self.matrices.append(mats)
         self.step_count = torch.zeros(())  # GaLore's step, the same for every matrix
@@ -180,6 +191,27 @@ class GaLoreUnits:
         part = w.shape[w.split]
         return proj[self.tp.rank * part:(self.tp.rank + 1) * part]
 
+    def _my_rows(self, w: UnitMatrix, grad: torch.Tensor) -> torch.Tensor:
+        """This ZeRO rank's chunk of T's rows of `grad` (this tp rank's block), zero-padded."""
+        if self.shard is None:
+            return w.t_view(grad)
+        start = self.shard.rank * w.chunk
+        mine = w.t_view(grad)[start:start + w.chunk]
+        return torch.nn.functional.pad(mine, (0, 0, 0, w.chunk - mine.shape[0]))
+
+    def _all_rows(self, mats: list[UnitMatrix], steps: list[torch.Tensor]
+                  ) -> list[torch.Tensor]:
+        """Every ZeRO rank's chunks of Adam's normalized steps, all-gathered (one bucket per
+        unit), as each matrix's T rows on this tp rank."""
+        if self.shard is None:
+            return steps
+        send = torch.cat([s.reshape(-1) for s in steps])
+        gathered = torch.empty(self.shard.size * send.numel(), dtype=send.dtype,
+                               device=send.device)
+        C.all_gather(gathered, send, self.shard, "galore_steps")
+        parts = gathered.view(self.shard.size, -1).split([s.numel() for s in steps], dim=1)
+        return [part.reshape(-1, w.r)[:w.rows] for w, part in zip(mats, parts)]
+
     @torch.no_grad()
     def step(self) -> None:
         """GaLore's step of every block matrix, subtracted from this rank's master (already
@@ -198,18 +230,18 @@ class GaLoreUnits:
                     self.state[w.name]["proj"].copy_(subspace(
                         self._whole_matrix(w, g), w.r, w.left, refresh_seed(w.index, k),
                         t.galore_svd))
-            lows = [w.t_view(g) @ self._proj_of_block(w) for w, g in zip(mats, blocks)]
+            lows = [self._my_rows(w, g) @ self._proj_of_block(w) for w, g in zip(mats, blocks)]
             summed = [low for w, low in zip(mats, lows) if w.across]
             if summed and self.tp.size > 1:  # the partial projections of T's column blocks
                 flat = torch.cat([low.reshape(-1) for low in summed])
                 C.all_reduce(flat, self.tp, "galore_project")
                 for low, part in zip(summed, flat.split([low.numel() for low in summed])):
                     low.copy_(part.view_as(low))
+            steps = self._all_rows(mats, [adam_direction(
+                self.state[w.name]["exp_avg"], self.state[w.name]["exp_avg_sq"], low, k + 1,
+                t.beta1, t.beta2, t.eps) for w, low in zip(mats, lows)])
             update = torch.zeros(unit.padded, dtype=master.dtype, device=master.device)
-            for w, low in zip(mats, lows):
-                s = self.state[w.name]
-                normalized = adam_direction(s["exp_avg"], s["exp_avg_sq"], low, k + 1,
-                                            t.beta1, t.beta2, t.eps)
+            for w, normalized in zip(mats, steps):
                 block = update[w.offset:w.offset + w.shape.numel()].view(w.shape)
                 w.t_view(block).copy_(normalized @ self._proj_of_block(w).T)
             mine = update if self.engine.stage == 0 else update[unit.shard_slice]
@@ -227,7 +259,9 @@ class GaLoreUnits:
         rest's AdamW states (this rank's runs, `tag` naming the shard)."""
         out = {"galore.step": self.step_count}
         for name, s in self.state.items():
-            out.update({f"galore.{kind}.{name}": v for kind, v in s.items()})
+            out[f"galore.proj.{name}"] = s["proj"]  # the same on every ZeRO rank
+            out.update({f"galore.{kind}.{name}.{tag}": s[kind]
+                        for kind in ("exp_avg", "exp_avg_sq")})
         for j, (u, a, b, p) in enumerate(self.rest):
             run = f"{self.engine.units[u].name}.{tag}.run{j}"
             out.update({f"rest.{kind}.{run}": v for kind, v in self.adamw.state[p].items()})

@@ -1,14 +1,16 @@
 """GaLore on the data-parallel engine (fivefold.memory.galore_units): its collectives and
 optimizer-state bytes on one rank, for `predict_ledger` (fivefold.planner.ledger_model).
 
-Per step, on a unit with block matrices: at ZeRO-1/2/3 one fp32 all-gather of the unit's
-gradient shards over the shard axis ("galore_grads", 4 bytes per padded element); with tp,
-one fp32 all-reduce over tp of the partial projections of the matrices whose split cuts T's
-columns ("galore_project", 4 b r bytes each). A refresh step (every `train.galore_update_gap`
-steps, from the first) adds one fp32 all-gather over tp per split matrix ("galore_refresh",
-the whole matrix). State: each matrix's projection (4 a r) and moments (8 r times the rows
-of T this rank holds), whole on every dp rank, and AdamW's moments (8 bytes) on the
-elements of this rank's shard that are not block matrices.
+Per step, on a unit with block matrices: at ZeRO-1/2/3 (n shard ranks) one fp32 all-gather
+of the unit's gradient shards over the shard axis ("galore_grads", 4 bytes per padded
+element) and one of every rank's chunk of Adam's normalized steps ("galore_steps", 4 n r
+ceil(b / n) bytes per matrix, b the T rows on this tp rank); with tp, one fp32 all-reduce
+over tp of the partial projections of the matrices whose split cuts T's columns
+("galore_project", 4 r ceil(b / n) bytes each). A refresh step (every
+`train.galore_update_gap` steps, from the first) adds one fp32 all-gather over tp per split
+matrix ("galore_refresh", the whole matrix). State: each matrix's projection (4 a r) and
+moments (8 r ceil(b / n)), and AdamW's moments (8 bytes) on the elements of this rank's
+shard that are not block matrices (n = 1 at ZeRO-0).
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def _units(units: list[Unit], layers: list[int], has_root: bool):
     return zip(units, ([None] if has_root else []) + list(layers))
 
 
+def _chunk(m: _Matrix, n: int) -> int:
+    """T rows of each of the n ZeRO ranks' chunks (the last padded)."""
+    return -(-m.rows // n)
+
+
 def galore_engine_records(ledger, cfg: Config, lay: ParallelPlan, units: list[Unit],
                           layers: list[int], has_root: bool, refresh: bool) -> None:
     """Record GaLore's collectives of one step (a refresh step with `refresh`)."""
@@ -76,9 +83,12 @@ def galore_engine_records(ledger, cfg: Config, lay: ParallelPlan, units: list[Un
         if layer is None:
             continue
         matrices = [m for _, m in _layout(cfg, lay, layer) if m is not None]
-        if lay.zero_stage >= 1 and unit.shard > 1:
-            ledger.record("all_gather", shard_dim, unit.shard, "float32", 4 * unit.padded,
+        n = unit.shard if lay.zero_stage >= 1 else 1
+        if n > 1:
+            ledger.record("all_gather", shard_dim, n, "float32", 4 * unit.padded,
                           "galore_grads")
+            ledger.record("all_gather", shard_dim, n, "float32",
+                          sum(4 * n * _chunk(m, n) * m.r for m in matrices), "galore_steps")
         if lay.tp == 1:
             continue
         if refresh:
@@ -86,7 +96,7 @@ def galore_engine_records(ledger, cfg: Config, lay: ParallelPlan, units: list[Un
                 if m.split is not None:
                     ledger.record("all_gather", "tp", lay.tp, "float32",
                                   4 * m.whole[0] * m.whole[1], "galore_refresh")
-        project = sum(4 * m.rows * m.r for m in matrices if m.across)
+        project = sum(4 * _chunk(m, n) * m.r for m in matrices if m.across)
         if project:
             ledger.record("all_reduce", "tp", lay.tp, "float32", project, "galore_project")
 
@@ -96,6 +106,7 @@ def galore_engine_optimizer_bytes(cfg: Config, lay: ParallelPlan, units: list[Un
     """The bytes GaLoreUnits holds on this rank (module docstring)."""
     total = 0
     for unit, layer in _units(units, layers, has_root):
+        n = unit.shard if lay.zero_stage >= 1 else 1
         lo = 0 if lay.zero_stage == 0 else shard_rank * unit.shard_numel
         hi = unit.padded if lay.zero_stage == 0 else lo + unit.shard_numel
         if layer is None:  # the root: embedding, final norm and head, all AdamW's
@@ -106,7 +117,7 @@ def galore_engine_optimizer_bytes(cfg: Config, lay: ParallelPlan, units: list[Un
             if m is None:
                 total += 8 * max(0, min(start + numel, hi) - max(start, lo))
             else:
-                total += 4 * min(m.whole) * m.r + 8 * m.rows * m.r
+                total += 4 * min(m.whole) * m.r + 8 * _chunk(m, n) * m.r
             start += numel
     return total
 
