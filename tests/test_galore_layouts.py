@@ -23,14 +23,18 @@ collectives are checked on the tp case's step-3 ledger.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+
 import pytest
+import torch
 from parity import CPU, STEPS, assert_params_close, full_parameters, train_steps
 
 from fivefold.config import load_config
+from fivefold.hardware import load_profile
 from fivefold.models.llama import build_model
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.matrix_update import galore_time, matrix_update_time
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
 
@@ -119,3 +123,22 @@ def test_galore_tp_pp_zero3_match_one_process(group, parity_overrides, tmp_path)
             assert states == want_states, (label, rank)
             if extra is not None:
                 assert extra[0] == extra[1], (label, rank, "refresh step")
+
+
+def test_planner_prices_galore_projections_and_refresh():
+    """fivefold.planner.matrix_update on the 8B preset's block 0 and an H200 profile:
+    GaLore costs time, its refresh share falls as the update gap grows toward the cost of
+    the projections alone, the randomized refresh is cheaper than the exact SVD on these
+    4096-wide matrices, tp divides the projections, and AdamW is charged nothing there."""
+    cfg = load_config(None, ["train.optimizer=galore", "model.preset=8B"])
+    prof = load_profile("H200")
+    train = dataclasses.replace
+    t = {gap: galore_time(cfg.model, 0, 1, train(cfg.train, galore_update_gap=gap), prof)
+         for gap in (1, 10, 10_000)}
+    assert t[1] > t[10] > t[10_000] > 0
+    randomized = galore_time(cfg.model, 0, 1, train(cfg.train, galore_update_gap=1,
+                                                    galore_svd="randomized"), prof)
+    assert randomized < t[1]
+    tp2 = galore_time(cfg.model, 0, 2, train(cfg.train, galore_update_gap=10_000), prof)
+    assert tp2 < t[10_000]
+    assert matrix_update_time(cfg.model, 0, 1, train(cfg.train, optimizer="adamw"), prof) == 0

@@ -7,10 +7,12 @@ fivefold.memory.galore_dp and galore_units): per step and block matrix, this ran
 of the gradient T (B x A, A the projected side) times P (A x r) and the back-projection
 N P^T, two fp32 GEMMs of B x A x r; and every `train.galore_update_gap` steps the subspace
 refresh, priced amortized over the gap: the exact SVD of the whole matrix at Golub and Van
-Loan's R-SVD count (6 B A^2 + 20 A^3 flops, Matrix Computations, Sec. 8.6) at the fp32 GEMM
-rate, the randomized one (GaLore 2, arXiv 2504.20437, Sec. 3.1; torch.svd_lowrank with 8
-extra columns and 2 power iterations) as 6 GEMMs of B x A x (r + 8). Every rank is charged
-every SVD of its matrices, as galore_units takes them (galore_dp divides them over the dp
+Loan's flop count for the R-SVD with both singular-vector sets (6 B A^2 + 20 A^3, Matrix
+Computations) at the fp32 GEMM rate, the randomized one (GaLore 2, arXiv 2504.20437, Sec.
+3.1; torch.svd_lowrank with 8 extra columns and 2 power iterations) as 6 GEMMs of B x A x
+(r + 8). The exact SVD's price is a lower bound (an SVD runs below the GEMM rate; no
+measured rate is fitted), so on small matrices, where the randomized one's kernel launches
+dominate, exact reads cheaper. Every rank is charged every SVD of its matrices, as galore_units takes them (galore_dp divides them over the dp
 ranks: there this is an upper bound). Communication is not here: the ledger model predicts
 GaLore's collectives (fivefold.planner.ledger_galore, ledger_update).
 """
