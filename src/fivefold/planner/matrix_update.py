@@ -12,9 +12,10 @@ Computations) at the fp32 GEMM rate, the randomized one (GaLore 2, arXiv 2504.20
 3.1; torch.svd_lowrank with 8 extra columns and 2 power iterations) as 6 GEMMs of B x A x
 (r + 8). The exact SVD's price is a lower bound (an SVD runs below the GEMM rate; no
 measured rate is fitted), so on small matrices, where the randomized one's kernel launches
-dominate, exact reads cheaper. Every rank is charged every SVD of its matrices, as galore_units takes them (galore_dp divides them over the dp
-ranks: there this is an upper bound). Communication is not here: the ledger model predicts
-GaLore's collectives (fivefold.planner.ledger_galore, ledger_update).
+dominate, exact reads cheaper. Every rank is charged every SVD of its matrices, as
+galore_units takes them (galore_dp divides them over the dp ranks: there this is an upper
+bound). Communication is not here: the ledger model predicts GaLore's collectives
+(fivefold.planner.ledger_galore, ledger_update).
 """
 
 from __future__ import annotations
