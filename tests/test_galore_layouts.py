@@ -7,7 +7,10 @@ GaLore states) and ZeRO-3 over dp 2 (micro-batches of one sequence, so each micr
 gradient is reduce-scattered, the shards all-gathered per unit for the projection); slow:
 tp 2 with sequence parallelism and pp 2 with the randomized refresh (its seeds by the
 matrix's place in the whole model), and on 4 ranks tp 2 x pp 2 and tp 2 x ZeRO-3 over dp 2.
-Each against the one-process GaLore run of the same model and optimizer settings.
+Each against the one-process GaLore run of the same model and optimizer settings; the
+ZeRO-3 run (on 4 ranks the tp 2 x ZeRO-3 one) also resumed from its step-2 checkpoint, which
+must continue bit-identically (the moments' row chunks and the rest's AdamW runs are keyed
+by shard).
 
 Tolerance: tests/test_galore_dp.py's, for the same reason: after 5 steps losses rel 2e-5,
 parameters atol 1e-5 + rtol 1e-4; the layouts sum gradients (and tp the projections of
@@ -27,7 +30,8 @@ import dataclasses
 
 import pytest
 import torch
-from parity import CPU, STEPS, assert_params_close, full_parameters, train_steps
+from parity import (CPU, STEPS, assert_params_close, full_parameters, resumed_losses,
+                    train_steps)
 
 from fivefold.config import load_config
 from fivefold.hardware import load_profile
@@ -44,13 +48,13 @@ TP2, PP2 = "parallel.tp=2", ["parallel.pp=2", "parallel.schedule=1f1b"]
 ZERO3 = ["parallel.zero_stage=3", "parallel.micro_batch=1"]
 
 # (world size, [(label, overrides)]) per group, one process start each
-GROUPS = {
+GROUPS = {  # the last number: the case also resumed from a checkpoint
     "tp pp zero3": (2, [("tp2", [*GALORE, TP2]), ("pp2", [*GALORE, *PP2]),
-                        ("zero3", [*GALORE, *ZERO3])]),
+                        ("zero3", [*GALORE, *ZERO3])], 2),
     "sp randomized": (2, [("tp2 sp", [*GALORE, TP2, "parallel.sequence_parallel=true"]),
-                          ("pp2 randomized", [*GALORE, *RANDOMIZED, *PP2])]),
+                          ("pp2 randomized", [*GALORE, *RANDOMIZED, *PP2])], None),
     "four ranks": (4, [("tp2 pp2", [*GALORE, TP2, *PP2]),
-                       ("tp2 zero3 dp2", [*GALORE, TP2, *ZERO3])]),
+                       ("tp2 zero3 dp2", [*GALORE, TP2, *ZERO3])], 1),
 }
 
 
@@ -62,10 +66,11 @@ def _config(overrides: list[str], sets):
     return load_config(None, overrides + [f"train.steps={STEPS}", *sets])
 
 
-def _runs(rt, overrides, cases, tmp):
+def _runs(rt, overrides, cases, tmp, resume: int | None):
     """Every case on these ranks: (losses, this rank's whole parameters, the last step's
     ledger totals and model-state bytes, the predicted ones, and the refresh step's (step 3
-    under gap 3) totals, measured and predicted)."""
+    under gap 3) totals, measured and predicted); and the losses of case `resume` run again
+    from its step-2 checkpoint."""
     out = []
     for k, (_, sets) in enumerate(cases):
         cfg = _config(overrides, sets)
@@ -83,7 +88,11 @@ def _runs(rt, overrides, cases, tmp):
         comm, states = trainer.ledger.totals(), dict(trainer.ledger.model_state_bytes)
         out.append((losses, full_parameters(trainer), comm, states, predicted.totals(),
                     predicted.model_state_bytes, extra))
-    return out
+    resumed = None
+    if resume is not None:
+        resumed = resumed_losses(rt, _config(overrides, cases[resume][1]), f"{tmp}/resume",
+                                 2, STEPS)[0]
+    return out, resumed
 
 
 @pytest.mark.parametrize("group", [
@@ -92,10 +101,14 @@ def _runs(rt, overrides, cases, tmp):
 def test_galore_tp_pp_zero3_match_one_process(group, parity_overrides, tmp_path):
     """Each case of `GROUPS[group]` against its one-process run (module docstring's
     tolerances); copies of a parameter equal bit for bit; the ledger and model-state bytes
-    equal the planner's on every rank, on a step without and with refresh."""
-    world, cases = GROUPS[group]
-    results = run_on_ranks(_runs, world, parity_overrides, cases, str(tmp_path),
+    equal the planner's on every rank, on a step without and with refresh; a resumed run
+    continues bit-identically."""
+    world, cases, resume = GROUPS[group]
+    outputs = run_on_ranks(_runs, world, parity_overrides, cases, str(tmp_path), resume,
                            timeout_s=600)
+    results = [out for out, _ in outputs]
+    if resume is not None:  # resumed at step 2: the straight run's losses, bit for bit
+        assert outputs[0][1] == results[0][resume][0]
     references = {}
     for k, (label, sets) in enumerate(cases):
         key = _reference_key(sets)
