@@ -34,11 +34,11 @@ A step whose loss or gradient norm is not finite is skipped or stops the run
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
 
-GaLore with more than one rank or a ZeRO stage (`plan.update == "galore-dp"`) keeps the plain
-model on every rank and hands gradients, clipping's view of them and the step to
-fivefold.memory.galore_dp; LOMO with data parallelism all-reduces each gradient inside its
-fused update (fivefold.memory.lomo), the step's loss summed before backward so that the
-non-finite guard reads the global one.
+GaLore on data-parallel ranks at ZeRO 0-2 (`plan.update == "galore-dp"`) keeps the plain
+model on every rank, handing gradients, clipping's view of them and the step to
+fivefold.memory.galore_dp (tp, pp, ZeRO-3: the engine steps it, memory.galore_engine); LOMO
+with data parallelism all-reduces each gradient inside its fused update (memory.lomo), the
+step's loss summed before backward so that the non-finite guard reads the global one.
 
 With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
 experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
