@@ -5,8 +5,10 @@ One process start per group (`GROUPS`): on 2 gloo ranks tp 2 (wq/wk/wv's project
 summed over tp, the other matrices' rows projected locally), pp 2 (1F1B, each stage its own
 GaLore states) and ZeRO-3 over dp 2 (micro-batches of one sequence, so each micro-batch's
 gradient is reduce-scattered, the shards all-gathered per unit for the projection); slow:
-tp 2 with sequence parallelism and pp 2 with the randomized refresh (its seeds by the
-matrix's place in the whole model), and on 4 ranks tp 2 x pp 2 and tp 2 x ZeRO-3 over dp 2.
+tp 2 with sequence parallelism, also on a mixture-of-experts model (its router, a 2-D
+matrix, whole on every tp rank; the 3-D experts keep AdamW), pp 2 with the randomized
+refresh (its seeds by the matrix's place in the whole model), and on 4 ranks tp 2 x pp 2
+and tp 2 x ZeRO-3 over dp 2.
 Each against the one-process GaLore run of the same model and optimizer settings; the
 ZeRO-3 run (on 4 ranks the tp 2 x ZeRO-3 one) also resumed from its step-2 checkpoint, which
 must continue bit-identically (the moments' row chunks and the rest's AdamW runs are keyed
@@ -20,8 +22,8 @@ steps 0 and 3 (gap 3) so both kinds of step are compared, the randomized case at
 only (gap 5; test_galore_dp.py's docstring measures why). Every case also asserts that the
 parameters moved by far more than the tolerance, that the ranks holding copies of a
 parameter hold the same values, and that the last step's ledger (a step without refresh)
-and the model-state bytes equal `predict_ledger` on every rank; the refresh step's extra
-collectives are checked on the tp case's step-3 ledger.
+and the model-state bytes equal `predict_ledger` on every rank, and so does the step-3
+ledger (a refresh step) of every case refreshed there.
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ from fivefold.train.trainer import Trainer
 
 GALORE = ["train.optimizer=galore", "train.galore_update_gap=3"]
 RANDOMIZED = ["train.galore_svd=randomized", "train.galore_update_gap=5"]  # refresh: step 0
-TP2, PP2 = "parallel.tp=2", ["parallel.pp=2", "parallel.schedule=1f1b"]
+TP2, SP = "parallel.tp=2", "parallel.sequence_parallel=true"
+PP2 = ["parallel.pp=2", "parallel.schedule=1f1b"]
 ZERO3 = ["parallel.zero_stage=3", "parallel.micro_batch=1"]
+MOE = ["model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]  # router 2-D, experts 3-D
 
 # (world size, [(label, overrides)]) per group, one process start each
 GROUPS = {  # the last number: the case also resumed from a checkpoint
     "tp pp zero3": (2, [("tp2", [*GALORE, TP2]), ("pp2", [*GALORE, *PP2]),
                         ("zero3", [*GALORE, *ZERO3])], 2),
-    "sp randomized": (2, [("tp2 sp", [*GALORE, TP2, "parallel.sequence_parallel=true"]),
-                          ("pp2 randomized", [*GALORE, *RANDOMIZED, *PP2])], None),
+    "sp moe randomized": (2, [("tp2 sp", [*GALORE, TP2, SP]),
+                              ("tp2 sp moe", [*GALORE, TP2, SP, *MOE]),
+                              ("pp2 randomized", [*GALORE, *RANDOMIZED, *PP2])], None),
     "four ranks": (4, [("tp2 pp2", [*GALORE, TP2, *PP2]),
                        ("tp2 zero3 dp2", [*GALORE, TP2, *ZERO3])], 1),
 }
@@ -96,7 +101,7 @@ def _runs(rt, overrides, cases, tmp, resume: int | None):
 
 
 @pytest.mark.parametrize("group", [
-    "tp pp zero3", pytest.param("sp randomized", marks=pytest.mark.slow),
+    "tp pp zero3", pytest.param("sp moe randomized", marks=pytest.mark.slow),
     pytest.param("four ranks", marks=pytest.mark.slow)])
 def test_galore_tp_pp_zero3_match_one_process(group, parity_overrides, tmp_path):
     """Each case of `GROUPS[group]` against its one-process run (module docstring's
