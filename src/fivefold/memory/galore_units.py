@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import collectives as C
@@ -197,7 +198,7 @@ class GaLoreUnits:
             return w.t_view(grad)
         start = self.shard.rank * w.chunk
         mine = w.t_view(grad)[start:start + w.chunk]
-        return torch.nn.functional.pad(mine, (0, 0, 0, w.chunk - mine.shape[0]))
+        return F.pad(mine, (0, 0, 0, w.chunk - mine.shape[0]))
 
     def _all_rows(self, mats: list[UnitMatrix], steps: list[torch.Tensor]
                   ) -> list[torch.Tensor]:
