@@ -116,8 +116,14 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_galore_dp.py::test_data_parallel_galore_and_lomo_match_one_process": [
         (2, [GALORE, z(0)]), (2, [GALORE, z(1)]), (2, [GALORE, z(2), micro(1)]),
         (2, [GALORE, z(2), *MOE]),
+        (2, [GALORE, "train.galore_reduce=projected", "train.grad_clip=0", z(1)]),
         (4, [GALORE, z(1), micro(1)]), (4, [GALORE, z(2)]), (2, [LOMO]),
         (2, [LOMO, "train.grad_clip=0"]), (4, [LOMO])],
+    "tests/test_galore_layouts.py::test_galore_tp_pp_zero3_match_one_process": [
+        (2, [GALORE, TP2]), (2, [GALORE, PP2, sched("1f1b")]), (2, [GALORE, z(3), micro(1)]),
+        (2, [GALORE, TP2, SP]), (2, [GALORE, TP2, SP, *MOE]),
+        (4, [GALORE, TP2, PP2, sched("1f1b")]),
+        (4, [GALORE, TP2, z(3), micro(1)])],
     "tests/test_sgd_layouts.py::test_sgd_on_every_layout_matches_one_process_and_the_ledger": [
         (2, [SGD, z(0)]), (2, [SGD, z(1), micro(1)]), (2, [SGD, z(2)]),
         (2, [SGD, z(3), micro(1)]), (2, [SGD, TP2, SP]), (2, [SGD, PP2, micro(1)]),

@@ -67,6 +67,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     *(Feature(f"optimizer={o}", "optimizer",
               (lambda o: lambda c, dp: c.train.optimizer == o)(o), "train.optimizer")
       for o in ("adamw", "muon", "sgd", "lomo", "galore")),
+    Feature("galore_reduce=projected", "optimizer",
+            lambda c, dp: c.train.optimizer == "galore" and c.train.galore_reduce == "projected"),
     # an unset precision is the device's default: fp32 on the CPU, where the tests run
     Feature("fp32", "precision", lambda c, dp: (c.parallel.precision or "fp32") == "fp32",
             "parallel.precision"),
@@ -199,15 +201,18 @@ REFUSALS: list[Refusal] = [
               "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
               "or weight versions) that recomputation would bypass; use recompute = 'none' "
               "with it, or 1f1b") for r in ("full", "selective")),
-    Refusal("optimizer=galore", ("tp>1", "pp>1", "cp>1", "zero=3", "ep>1", "zero_group",
-                                 "qwz", "hpz", "qgz"), "train.optimizer",
-            "GaLore runs with data parallelism at parallel.zero_stage 0, 1 or 2 (every rank "
-            "holds whole matrices, fivefold.memory.galore_dp); tensor, pipeline, context and "
-            "expert splits, ZeRO-3, hierarchical sharding and ZeRO++ are not built for it: "
-            "use dp with zero_stage <= 2, or 'adamw' here"),
-    Refusal("optimizer=galore", ("fp8",), "parallel.precision",
-            "GaLore over several ranks or ZeRO is not built with fp8 linears; use bf16 or fp32, "
-            "or one rank", when=("dp>1",)),
+    Refusal("optimizer=galore", ("cp>1", "ep>1", "zero_group", "qwz", "hpz", "qgz"),
+            "train.optimizer",
+            "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3 "
+            "(fivefold.memory.galore_dp, fivefold.memory.galore_units); context and expert "
+            "splits, hierarchical sharding and ZeRO++ are not built for it: drop them, or use "
+            "'adamw' here"),
+    Refusal("galore_reduce=projected", ("tp>1", "pp>1", "zero=3"), "train.galore_reduce",
+            "'projected' is the reduction of GaLore with data parallelism alone (ZeRO 0-2, "
+            "fivefold.memory.galore_dp); with tp, pp or ZeRO-3 use 'full'"),
+    *(Refusal("optimizer=galore", ("fp8",), "parallel.precision",
+              "GaLore over several ranks or ZeRO is not built with fp8 linears; use bf16 or "
+              "fp32, or one rank", when=(w,)) for w in ("dp>1", "tp>1", "pp>1", "zero=3")),
     Refusal("on_nonfinite=skip", ("schedule=pipedream-2bw",), "train.on_nonfinite",
             "PipeDream-2BW updates each stage inside its schedule, before any global norm is "
             "known, so a step cannot be skipped: use 'stop', or a synchronous schedule"),

@@ -165,9 +165,9 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
-                          'rest) | "galore" (low-rank Adam on the blocks\' matrices; data '
-                          'parallel with zero_stage <= 2) | "sgd" | "lomo" (SGD fused into '
-                          'backward; data parallel, zero_stage 0-2)', "adamw")
+                          'rest) | "galore" (low-rank Adam on the blocks\' matrices; data, '
+                          'tensor and pipeline parallel, ZeRO 0-3) | "sgd" | "lomo" (SGD '
+                          'fused into backward; data parallel, zero_stage 0-2)', "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)
     steps: int = _doc("total optimizer steps (the schedule's length); --steps sets it", 200)
     lr: float = _doc("peak learning rate", 1e-3)
@@ -188,10 +188,10 @@ class TrainConfig:
     galore_scale: float = _doc("GaLore: scale of the projected-back update", 0.25)
     galore_svd: str = _doc('GaLore: the subspace refresh by "exact" SVD or "randomized" SVD '
                            "(GaLore 2, arXiv 2504.20437: cheaper on large matrices)", "exact")
-    galore_reduce: str = _doc('GaLore with data parallelism: what the ranks reduce on steps '
-                              'without a subspace refresh, the "full" gradient or its '
-                              '"projected" one (a quarter of each matrix\'s bytes; needs '
-                              'grad_clip = 0, and grad_norm is then the projected gradient\'s)',
+    galore_reduce: str = _doc('GaLore with data parallelism alone (ZeRO 0-2): what the ranks '
+                              'reduce on steps without a subspace refresh, the "full" gradient '
+                              'or its "projected" one (a quarter of each matrix\'s bytes; needs '
+                              'grad_clip = 0, and grad_norm is then the projected one\'s)',
                               "full")
     beta2: float = _doc("AdamW beta2", 0.95)
     eps: float = _doc("AdamW epsilon", 1e-8)

@@ -51,6 +51,10 @@ the runtime does):
             fivefold.planner.moe_ledger's `token_split_records` adds the balancing counts'
             all-reduce and, with sp, the MoE parameters' gradient all-reduces over tp
 
+GaLore on the engine (tp, pp or ZeRO-3; fivefold.memory.galore_units) adds its gradient
+all-gathers and tp projections, and refreshes with `galore_refresh`
+(fivefold.planner.ledger_galore), and holds its own optimizer bytes.
+
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
 gradient reduce-scatter by two int8 all-to-alls (within, then across nodes). Sizes are
@@ -70,6 +74,7 @@ from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
                                                zero3_block_gathers)
+from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.moe_ledger import token_split_records
@@ -80,8 +85,10 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": 
 QUANT_BLOCK = 256  # fivefold.comm.quantize.BLOCK
 
 
-def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
-    """The ledger `Trainer.train_step` records on global rank `rank` under plan `lay`."""
+def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
+                   galore_refresh: bool = False) -> Ledger:
+    """The ledger `Trainer.train_step` records on global rank `rank` under plan `lay` (for
+    GaLore on the engine, of a step without subspace refresh unless `galore_refresh`)."""
     quantized = lay.qwz or lay.qgz
     pp_rank = lay.pp_rank_of(rank)
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
@@ -98,6 +105,8 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0) -> Ledger:
             return ledger  # the plain single-process path: no engine, no collectives
         _Step(ledger, lay, units, cfg, pp_rank, (layers, first, last), moe_layers).run()
         ledger.model_state_bytes = model_state_bytes(units, lay)
+        if lay.optimizer == "galore":  # the engine's optimizer: fivefold.memory.galore_units
+            galore_engine_ledger(ledger, cfg, lay, units, layers, rank, galore_refresh)
     routing = lay.dp * lay.cp * (lay.tp if "tp" in lay.routing_axes else 1)
     if moe_layers and routing > 1:  # the load statistics (fivefold.train.moe_stats)
         ledger.record("all_reduce", "+".join(lay.routing_axes), routing, "float64",

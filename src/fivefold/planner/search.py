@@ -161,8 +161,8 @@ class FastScorer:
                       sum(n * c.expert_sync_bytes for n, c in costs) / pp)
         tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
         opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
-        if lay.optimizer == "muon":  # and Muon's orthogonalization
-            opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
+        if lay.optimizer in ("muon", "galore"):  # Muon's orthogonalization, GaLore's projections
+            opt_s += sum(n * sm.matrix_update_s(sm.first_layer(moe)) for n, moe in kinds) / pp
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
         if lay.offload != "none":

@@ -73,10 +73,11 @@ from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ra
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, block_times,
-                                      embedding_times, head_times, newton_schulz_time)
+                                      embedding_times, head_times)
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner import offload
-from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
+from fivefold.planner.matrix_update import matrix_update_time
+from fivefold.planner.params import block_params, local_numel, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.fitted import FITTED, Fitted, in_training
@@ -683,8 +684,7 @@ class StepModel:
             traffic, launches = eager_adamw_traffic(units, lay, self.cfg.train.weight_decay)
         else:
             traffic, launches = self.fused_update_traffic(units), 4
-        ns = (sum(self.newton_schulz_s(i) for i in self.rank_layers(rank))
-              if lay.optimizer == "muon" else 0.0)
+        ns = sum(self.matrix_update_s(i) for i in self.rank_layers(rank))  # Muon, GaLore
         return (traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + launches * e.kernel_overhead_s
                 + ns)
 
@@ -704,10 +704,10 @@ class StepModel:
             traffic += local * per_param - matrices * (adamw - momentum)
         return traffic
 
-    def newton_schulz_s(self, layer: int) -> float:
-        """Muon's orthogonalization of block `layer`'s weight matrices on one rank."""
-        return newton_schulz_time(block_matrix_shapes(self.model, layer, self.lay.tp),
-                                  self.prof)
+    def matrix_update_s(self, layer: int) -> float:
+        """Muon's orthogonalization, or GaLore's projections and amortized refresh, of
+        block `layer`'s weight matrices on one rank (fivefold.planner.matrix_update)."""
+        return matrix_update_time(self.model, layer, self.lay.tp, self.cfg.train, self.prof)
 
     def rank_layers(self, rank: int) -> list[int]:
         return [i for g in range(rank, len(self.stage_layers), self.lay.pp)

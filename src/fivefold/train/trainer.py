@@ -34,11 +34,11 @@ A step whose loss or gradient norm is not finite is skipped or stops the run
 every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
 
-GaLore with more than one rank or a ZeRO stage (`plan.update == "galore-dp"`) keeps the plain
-model on every rank and hands gradients, clipping's view of them and the step to
-fivefold.memory.galore_dp; LOMO with data parallelism all-reduces each gradient inside its
-fused update (fivefold.memory.lomo), the step's loss summed before backward so that the
-non-finite guard reads the global one.
+GaLore on data-parallel ranks at ZeRO 0-2 (`plan.update == "galore-dp"`) keeps the plain
+model on every rank, handing gradients, clipping's view of them and the step to
+fivefold.memory.galore_dp (tp, pp, ZeRO-3: the engine steps it, memory.galore_engine); LOMO
+with data parallelism all-reduces each gradient inside its fused update (memory.lomo), the
+step's loss summed before backward so that the non-finite guard reads the global one.
 
 With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
 experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
@@ -77,7 +77,7 @@ from fivefold.lr_schedule import lr_at, resumed_length
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import OptimizerPair, build_optimizer
-from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
+from fivefold.parallel.data_parallel import ZeroPP
 from fivefold.parallel.expert import expert_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
@@ -88,6 +88,7 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.tensor import counted_masks
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from fivefold.memory.galore_dp import GaLoreDataParallel
+from fivefold.memory.galore_engine import engine_class
 from fivefold.memory.lomo import FusedSGD
 from fivefold.memory.offload import Offload
 from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
@@ -187,11 +188,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
             zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
-            self.engine = DataParallelEngine(self.model, plan.zero_stage, self.mesh, cfg.train,
-                                             rt.device, DTYPES[self.compute],
-                                             DTYPES[plan.reduce_dtype], zero_pp,
-                                             plan.shard_axes, self.expert_axes,
-                                             self._offload())
+            self.engine = engine_class(cfg.train)(self.model, plan.zero_stage, self.mesh,
+                                                   cfg.train, rt.device, DTYPES[self.compute],
+                                                   DTYPES[plan.reduce_dtype], zero_pp,
+                                                   plan.shard_axes, self.expert_axes,
+                                                   self._offload())
         elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
             self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None,
                                  plan.zero_stage >= 1)
