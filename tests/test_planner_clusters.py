@@ -203,3 +203,37 @@ def test_full_size_mixed_clusters_plan_in_under_30_s(spec, capsys):
     best = out[0]
     assert best["step_time_s"] > 0 and best["cost"]["usd_per_million_tokens"] > 0
     assert 0.9 < best["goodput"]["fraction"] < 1 and best["placement"]["gpus"] >= 768
+
+
+# ------------------------------------------------------------------ simulate on groups
+
+def test_simulate_on_two_identical_groups_equals_the_one_group_simulate(tmp_path, capsys):
+    # a pp-split over two groups of H100 is the homogeneous pipeline: same step (rel 1e-9)
+    layout = {"tp": 8, "pp": 2, "micro_batch": 1, "stage_layers": [4, 4]}
+    mixed, plain = tmp_path / "mixed.json", tmp_path / "plain.json"
+    mixed.write_text(json.dumps(_raw([{"gpu": "H100-SXM", "gpus": 8}] * 2, parallel=layout)))
+    raw = _raw([], parallel=layout)
+    raw["cluster"] = {"gpu": "H100-SXM", "gpus": 16}
+    plain.write_text(json.dumps(raw))
+    assert main(["simulate", str(mixed), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert main(["simulate", str(plain), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert got["placement"]["kind"] == "pp-split"
+    assert got["step_time_s"] == pytest.approx(want["step_time_s"], rel=1e-9)
+    assert got["memory_per_gpu_bytes"] == want["memory_per_gpu_bytes"]
+
+
+def test_simulate_on_groups_places_replicas_or_stages_or_names_the_key(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(_raw(MIXED, parallel={"tp": 4, "pp": 2, "micro_batch": 1})))
+    assert main(["simulate", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    shares = out["parallel"]["dp_batch_shares"]  # 2 H100 replicas, 1 B200 replica
+    assert len(shares) == 3 and sum(shares) == 48 and shares[2] > shares[0] == shares[1]
+    assert main(["simulate", str(path), "--set", "parallel.tp=8", "--set", "parallel.pp=3",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["placement"]["kind"] == "pp-split"
+    assert main(["simulate", str(path), "--set", "parallel.tp=8", "--set",
+                 "parallel.pp=2"]) == 2  # 16 ranks per replica; 12 per stage
+    assert "`parallel.tp`" in capsys.readouterr().err

@@ -278,7 +278,7 @@ class GroupConfig:
 @dataclass
 class ClusterConfig:
     groups: list[GroupConfig] | None = _doc("[[cluster.groups]]: a cluster of several device "
-                                            "groups, for `fivefold plan` (docs/run_spec.md); "
+                                            "groups, for plan and simulate (docs/run_spec.md); "
                                             "replaces gpu and gpus", None)
     usd_per_gpu_hour: float | None = _doc("price of one device-hour (plan --objective cost)",
                                           None)

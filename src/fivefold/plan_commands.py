@@ -100,9 +100,7 @@ def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int
     if args.command == "plan":  # checked per candidate layout (planner.auto.plan_spec)
         return cmd_plan(cfg, profile_of(cfg), args)
     if cfg.cluster.groups is not None:
-        raise ConfigError("cluster.groups", "simulate times one group's layout; place a "
-                                            "layout over several groups with `fivefold "
-                                            "plan SPEC` (docs/planner.md)")
+        return cmd_simulate_groups(cfg, args)
     cfg = prepare(cfg)
     if cfg.parallel.auto:
         raise ConfigError("parallel.auto", "simulate scores the layout the spec writes out; "
@@ -185,6 +183,28 @@ def cmd_plan_groups(cfg, args) -> int:
         print(objective_text(items, cfg, groups, args.objective, result.scored,
                              result.seconds, args.top))
     return 0 if items else 1
+
+
+def cmd_simulate_groups(cfg, args) -> int:
+    """`simulate` on a cluster of several device groups (fivefold.planner.hetero_simulate)."""
+    from fivefold.planner.cluster import cluster_groups
+    from fivefold.planner.hetero_simulate import simulate_groups
+    from fivefold.planner.objective import score, scored_json
+    from fivefold.planner.objective_report import objective_text
+    from fivefold.validate import validate_cluster, validate_model, validate_train
+
+    if args.trace:
+        raise ConfigError("--trace", "a trace is written for one group's layout; drop --trace")
+    for check in (validate_cluster, validate_model, validate_train):
+        check(cfg)
+    groups = cluster_groups(cfg)
+    placed = simulate_groups(cfg, groups)
+    scored = score(cfg, placed.estimate, placed.kind, placed.groups, placed.detail)
+    if args.json:
+        print(json.dumps(scored_json(scored), indent=1))
+    else:
+        print(objective_text([scored], cfg, groups, "time", None, 0.0, 1))
+    return 0
 
 
 def cmd_plan_train(args, train_main: Callable[[list[str]], int]) -> int:

@@ -196,6 +196,7 @@ def dp_placement(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupScor
     if kind == "dp-split":
         table["dp_batch_shares"] = [b for n, b in zip(replicas, shares) for _ in range(n)]
     detail = [{"group": g.label, "replicas": n, "sequences_per_replica": b,
+               "micro_batches_per_replica": b // shape.micro_batch,
                "step_time_s": e.step_time_s}
               for g, n, b, e in zip(groups, replicas, shares, ests)]
     return Placement(kind, groups, combine(cfg, groups, slow, ests, lay, table), detail)

@@ -15,7 +15,8 @@ LABEL = {"time": "step time", "cost": "USD per million productive tokens",
 
 
 def objective_text(items: list[Scored], cfg: Config, groups: list, objective: str,
-                   scored: int, seconds: float, top: int) -> str:
+                   scored: int | None, seconds: float, top: int) -> str:
+    """`scored`: placements the search scored (None for simulate's one layout)."""
     lines = [stack_line(cfg), *cluster_lines(groups), f"objective: {LABEL[objective]}",
              f"{'#':>2} {'kind':9} {'devices':>7} {'step s':>8} {'tok/s':>11} {'MFU':>6} "
              f"{'$/Mtok':>7} {'goodput':>7}  layout"]
@@ -27,7 +28,8 @@ def objective_text(items: list[Scored], cfg: Config, groups: list, objective: st
         lines.append(f"{i:2d} {s.kind:9} {sum(g.gpus for g in s.groups):7d} "
                      f"{e.step_time_s:8.4g} {e.tokens_per_s:11,.0f} {100 * e.mfu:5.1f}% "
                      f"{cost} {good}  {layout_line(e.parallel)}")
-    lines.append(f"\nscored {scored} placements in {seconds:.1f} s")
+    if scored is not None:
+        lines.append(f"\nscored {scored} placements in {seconds:.1f} s")
     if not items:
         lines.append("no placement fits: add devices, shorten the sequence or lower the batch")
         return "\n".join(lines)
