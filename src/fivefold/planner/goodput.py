@@ -16,9 +16,9 @@ work.
   storage (cluster.storage_GBps) when set. The load on restart reads them back the same way.
   Saves are taken as blocking (fivefold's DCP save is synchronous).
 - tau: Daly's higher-order optimum (J. T. Daly, "A higher order estimate of the optimum
-  checkpoint interval for restart dumps", Future Generation Computer Systems 22(3), 2006,
-  its higher-order estimate): sqrt(2 delta M) [1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9] - delta for
-  delta < 2M, else M. Its first term is Young's first-order optimum sqrt(2 delta M)
+  checkpoint interval for restart dumps", Future Generation Computer Systems 22(3), 2006):
+  sqrt(2 delta M) [1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9] - delta for delta < 2M,
+  else M. Its first term is Young's first-order optimum sqrt(2 delta M)
   (J. W. Young, "A first order approximation to the optimum checkpoint interval",
   Communications of the ACM 17(9), 1974).
 - the productive fraction: Daly's complete model for exponentially distributed failures
@@ -125,14 +125,16 @@ def require_failure_rates(groups: list[DeviceGroup]) -> None:
     """`--objective goodput` needs every group's failure rate; ConfigError naming the key."""
     for g in groups:
         if g.mtbf_hours_per_gpu is None:
-            raise ConfigError(f"{g.prefix}.mtbf_hours_per_gpu", "--objective goodput needs the device-hours between "
-                                   "job-stopping failures, e.g. 50000 (Llama 3's 16K H100 "
-                                   "run: about 45,600, docs/planner.md)")
+            raise ConfigError(f"{g.prefix}.mtbf_hours_per_gpu",
+                              "--objective goodput needs the device-hours between "
+                              "job-stopping failures, e.g. 50000 (Llama 3's 16K H100 run: "
+                              "about 45,600, docs/planner.md)")
 
 
 def require_prices(groups: list[DeviceGroup]) -> None:
     """`--objective cost` needs every group's price; ConfigError naming the key."""
     for g in groups:
         if g.usd_per_gpu_hour is None:
-            raise ConfigError(f"{g.prefix}.usd_per_gpu_hour", "--objective cost needs the price of one device-hour in "
-                                   "USD, e.g. 2.5")
+            raise ConfigError(f"{g.prefix}.usd_per_gpu_hour",
+                              "--objective cost needs the price of one device-hour in USD, "
+                              "e.g. 2.5")

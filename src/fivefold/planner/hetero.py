@@ -114,8 +114,10 @@ class GroupScorer:
         self.fast, self.cache = FastScorer(self.cfg, self.prof), {}
 
     def layout(self, shape: ParallelPlan, per_replica: int) -> ParallelPlan:
+        """This group's replicas of `shape` as a layout of their own; ZeRO shards within
+        `shape.zero_group` replicas (`sharding_group`), so within the group."""
         dp = self.g.gpus // (shape.tp * shape.pp * shape.cp)
-        return shape.replace(dp=dp, zero_group=dp, global_batch=dp * per_replica)
+        return shape.replace(dp=dp, global_batch=dp * per_replica)
 
     def score(self, shape: ParallelPlan, per_replica: int) -> float:
         """Closed-form step seconds; infinite when it does not fit or its schedule cannot
@@ -134,6 +136,14 @@ class GroupScorer:
         cfg = group_config(self.cfg, self.g, self.g.gpus, lay.global_batch, self.inter)
         est = exact_estimate(cfg, self.prof, lay, self.cache)
         return est if est is not None and est.fits else None
+
+
+def sharding_group(shape: ParallelPlan, replicas: list[int]) -> ParallelPlan:
+    """`shape` with ZeRO sharding within groups of gcd(replicas per group) replicas
+    (parallel.zero_group, MiCS/HSDP): replicas are numbered group by group, so no shard
+    group spans two kinds of device and each group's replicas are simulated as their own
+    layout; replication (the gradient all-reduce across shard groups) crosses groups."""
+    return shape.replace(zero_group=math.gcd(*replicas))
 
 
 def batch_shares(total: int, replicas: list[int], micro: int,
@@ -164,6 +174,7 @@ def dp_candidates(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupSco
     and the dp-split placement of `shape`."""
     total = cfg.parallel.global_batch
     replicas = [g.gpus // (shape.tp * shape.pp * shape.cp) for g in groups]
+    shape = sharding_group(shape, replicas)
     mb = shape.micro_batch
     out = []
     if total % (sum(replicas) * mb) == 0:
@@ -191,7 +202,7 @@ def dp_placement(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupScor
     total = cfg.parallel.global_batch
     slow = max(ests, key=lambda e: e.step_time_s)
     replicas = [e.layout.dp for e in ests]
-    lay = shape.replace(dp=sum(replicas), zero_group=sum(replicas), global_batch=total)
+    lay = shape.replace(dp=sum(replicas), global_batch=total)
     table = lay.parallel_table()
     if kind == "dp-split":
         table["dp_batch_shares"] = [b for n, b in zip(replicas, shares) for _ in range(n)]

@@ -24,7 +24,7 @@ import math
 from fivefold.config import Config, ConfigError
 from fivefold.planner.cluster import DeviceGroup, slowest_inter_GBps
 from fivefold.planner.hetero import (GroupScorer, Placement, base_plan, batch_shares,
-                                     dp_placement, pp_placement)
+                                     dp_placement, pp_placement, sharding_group)
 from fivefold.planner.hetero_pipeline import StageScorer
 from fivefold.planner.mixed_step import split_layers
 
@@ -47,6 +47,12 @@ def simulate_groups(cfg: Config, groups: list[DeviceGroup]) -> Placement:
     if whole:
         scorers = [GroupScorer(cfg, g, inter) for g in groups]
         replicas = [g.gpus // ranks for g in groups]
+        shape = sharding_group(shape, replicas)
+        if p.zero_group is not None and shape.zero_group % p.zero_group:
+            raise ConfigError("parallel.zero_group", f"{p.zero_group} replicas per shard "
+                                                     "group must divide every group's "
+                                                     f"{', '.join(map(str, replicas))}")
+        shape = shape.replace(zero_group=p.zero_group or shape.zero_group)
         shares = _shares(cfg, scorers, shape, replicas)
         kind = "uniform" if len(set(shares)) == 1 else "dp-split"
         placed = dp_placement(cfg, groups, scorers, kind, shape, shares)
