@@ -77,6 +77,8 @@ def test_single_group_price_below_zero_and_missing_figures_exit_2(tmp_path, caps
     assert "`cluster.groups[0].mtbf_hours_per_gpu`" in capsys.readouterr().err
     assert main(["plan", str(path), "--objective", "speed"]) == 2
     assert "`--objective`" in capsys.readouterr().err
+    assert main(["plan", str(path), "--train"]) == 2  # the launched ranks are one kind
+    assert "`--train`" in capsys.readouterr().err
 
 
 def test_groups_derive_cluster_gpus_and_refuse_a_cluster_gpu_beside_them():

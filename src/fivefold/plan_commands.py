@@ -88,9 +88,14 @@ def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int
     if args.command == "plan" and args.runs is not None:
         raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
                                   "takes one spec")
-    if args.command == "plan" and args.train:
-        return cmd_plan_train(args, train_main)
     from fivefold.config import load_config
+
+    if args.command == "plan" and args.train:
+        if load_config(args.spec, args.overrides).cluster.groups is not None:
+            raise ConfigError("--train", "--train plans for the launched ranks, one kind of "
+                                         "device; plan the groups without --train and train "
+                                         "the printed --set keys on them")
+        return cmd_plan_train(args, train_main)
     from fivefold.planner.simulate import profile_of
     from fivefold.planner.spec import prepare
 
