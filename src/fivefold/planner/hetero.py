@@ -18,9 +18,9 @@ leave a group idle: cheaper, or fewer devices to fail, fivefold.planner.cost/goo
   counts must be in the ratio of their stage counts.
 
 Every rank is priced by its own group's profile (fivefold.planner.cluster.group_config):
-under dp-split each group's replicas are simulated as the homogeneous layout they form, the
-data-parallel collectives on the slowest group's inter-node link, and the step is the slowest
-group's; under pp-split the schedule's replay takes each stage's times from its group.
+under dp-split a replica of each group is simulated in the whole layout as if every replica
+were its group's (its compute its own, its data-parallel collectives spanning every replica
+at the slowest group's inter-node link), and the step is the slowest group's; under pp-split the schedule's replay takes each stage's times from its group.
 As `plan` on one group, two passes: the closed form (fivefold.planner.search.FastScorer, or
 1F1B's slots of the slowest stage for pp-split) ranks every candidate, the best few of each
 kind are simulated exactly. Precision, the global batch, the model and the optimizer stay as
@@ -105,18 +105,21 @@ def shapes(cfg: Config, groups: list[DeviceGroup], base: ParallelPlan) -> list[P
 
 class GroupScorer:
     """Scores a shape's replicas on one group: FastScorer and exact simulation on the
-    group's own profile, data-parallel links at the slowest group's."""
+    group's own profile. A replica of this group is timed in the whole layout (every
+    replica of the placement, `total_gpus` devices) as if every replica were this group's,
+    each taking `per_replica` sequences: its compute is its own device's, and its
+    data-parallel collectives span all the replicas, at the slowest group's links."""
 
-    def __init__(self, cfg: Config, g: DeviceGroup, inter: float):
-        self.g, self.inter = g, inter
-        self.cfg = group_config(cfg, g, g.gpus, cfg.parallel.global_batch, inter)
+    def __init__(self, cfg: Config, g: DeviceGroup, inter: float, total_gpus: int):
+        self.g, self.inter, self.total = g, inter, total_gpus
+        self.cfg = group_config(cfg, g, total_gpus, cfg.parallel.global_batch, inter)
         self.prof = shared_machine(g.prof, g.gpus)
         self.fast, self.cache = FastScorer(self.cfg, self.prof), {}
 
     def layout(self, shape: ParallelPlan, per_replica: int) -> ParallelPlan:
-        """This group's replicas of `shape` as a layout of their own; ZeRO shards within
-        `shape.zero_group` replicas (`sharding_group`), so within the group."""
-        dp = self.g.gpus // (shape.tp * shape.pp * shape.cp)
+        """Every replica of `shape` on this group's devices; ZeRO shards within
+        `shape.zero_group` replicas (`sharding_group`), so within one group."""
+        dp = self.total // (shape.tp * shape.pp * shape.cp)
         return shape.replace(dp=dp, global_batch=dp * per_replica)
 
     def score(self, shape: ParallelPlan, per_replica: int) -> float:
@@ -133,7 +136,7 @@ class GroupScorer:
         if not math.isfinite(self.score(shape, per_replica)):
             return None
         lay = self.layout(shape, per_replica)
-        cfg = group_config(self.cfg, self.g, self.g.gpus, lay.global_batch, self.inter)
+        cfg = group_config(self.cfg, self.g, self.total, lay.global_batch, self.inter)
         est = exact_estimate(cfg, self.prof, lay, self.cache)
         return est if est is not None and est.fits else None
 
@@ -201,7 +204,7 @@ def dp_placement(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupScor
         return None
     total = cfg.parallel.global_batch
     slow = max(ests, key=lambda e: e.step_time_s)
-    replicas = [e.layout.dp for e in ests]
+    replicas = [g.gpus // (shape.tp * shape.pp * shape.cp) for g in groups]
     lay = shape.replace(dp=sum(replicas), global_batch=total)
     table = lay.parallel_table()
     if kind == "dp-split":
@@ -220,8 +223,11 @@ def combine(cfg: Config, groups: list[DeviceGroup], slow: Estimate, ests: list[E
     step, total = slow.step_time_s, cfg.parallel.global_batch
     peak = sum(g.gpus * g.prof.peak_flops("bf16" if lay.precision == "fp8" else lay.precision)
                for g in groups)
-    model_fl = sum(e.model_tflops_per_gpu * e.layout.gpus * e.step_time_s for e in ests) * 1e12
-    hw_fl = sum(e.hardware_tflops_per_gpu * e.layout.gpus * e.step_time_s for e in ests) * 1e12
+    # each group's FLOPs in its own step: its devices at its estimate's rate per device
+    model_fl = sum(e.model_tflops_per_gpu * g.gpus * e.step_time_s
+                   for g, e in zip(groups, ests)) * 1e12
+    hw_fl = sum(e.hardware_tflops_per_gpu * g.gpus * e.step_time_s
+                for g, e in zip(groups, ests)) * 1e12
     gpus = sum(g.gpus for g in groups)
     return Estimate(step, total * cfg.model.seq_len / step, model_fl / step / gpus / 1e12,
                     hw_fl / step / gpus / 1e12, model_fl / step / peak, hw_fl / step / peak,
@@ -256,7 +262,7 @@ def hetero_search(cfg: Config, groups: list[DeviceGroup]) -> HeteroResult:
     for subset in subsets(groups):
         inter = slowest_inter_GBps(subset)
         base = base_plan(cfg, subset)
-        scorers = [GroupScorer(cfg, g, inter) for g in subset]
+        scorers = [GroupScorer(cfg, g, inter, sum(h.gpus for h in subset)) for g in subset]
         ranked: dict[str, list] = {"uniform": [], "dp-split": []}
         for shape in shapes(cfg, subset, base):
             for cand in dp_candidates(cfg, subset, scorers, shape):

@@ -45,7 +45,7 @@ def simulate_groups(cfg: Config, groups: list[DeviceGroup]) -> Placement:
         tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, schedule=p.schedule, micro_batch=micro,
         zero_stage=p.zero_stage, recompute=p.recompute, sequence_parallel=p.sequence_parallel)
     if whole:
-        scorers = [GroupScorer(cfg, g, inter) for g in groups]
+        scorers = [GroupScorer(cfg, g, inter, gpus) for g in groups]
         replicas = [g.gpus // ranks for g in groups]
         shape = sharding_group(shape, replicas)
         if p.zero_group is not None and shape.zero_group % p.zero_group:
