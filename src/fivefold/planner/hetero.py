@@ -197,8 +197,8 @@ def dp_candidates(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupSco
 
 def dp_placement(cfg: Config, groups: list[DeviceGroup], scorers: list[GroupScorer],
                  kind: str, shape: ParallelPlan, shares: list[int]) -> Placement | None:
-    """The exact estimate of a uniform or dp-split placement: each group's replicas simulated
-    as their own layout, the slowest group deciding."""
+    """The exact estimate of a uniform or dp-split placement: a replica of each group
+    simulated in the whole layout (GroupScorer), the slowest group deciding."""
     ests = [s.exact(shape, b) for s, b in zip(scorers, shares)]
     if any(e is None for e in ests):
         return None
