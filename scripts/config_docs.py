@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import Config, MoEConfig, SourceConfig, load_config
+from fivefold.config import Config, GroupConfig, MoEConfig, SourceConfig, load_config
 from fivefold.models.presets import PRESETS
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -52,7 +52,7 @@ def _type_name(f: dataclasses.Field) -> str:
     text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if "MoEConfig" in text:
         return "table"
-    if "SourceConfig" in text:
+    if "SourceConfig" in text or "GroupConfig" in text:
         return "array of tables (optional)"
     return text.replace(" | None", " (optional)")
 
@@ -113,6 +113,10 @@ def render() -> str:
         if f.name == "data":  # written [[data.sources]], one table per source
             lines += _table("[data.sources]", "one source of a weighted mixture, each key as "
                             "its `[data]` twin", SourceConfig())
+        if f.name == "cluster":  # written [[cluster.groups]], one table per device group
+            lines += _table("[cluster.groups]", "one group of devices of one kind (docs/"
+                            "run_spec.md); an absent price or failure rate takes the "
+                            "cluster's", GroupConfig())
     lines += _presets()
     return "\n".join(lines).rstrip("\n") + "\n"
 

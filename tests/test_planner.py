@@ -39,6 +39,8 @@ OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
                  "hardware_tflops_per_gpu", "mfu", "hfu", "memory_per_gpu_bytes", "fits",
                  "breakdown_s", "parallel"}
 CONTEXT_FIELDS = {"stack", "profile"}  # what simulate/plan --json add to each estimate
+# what plan --json adds: fivefold.planner.objective.scored_json
+OBJECTIVE_FIELDS = {"placement", "cost", "goodput", "productive_tokens_per_s", "train"}
 MEMORY_FIELDS = {"params", "grads", "optimizer", "activations", "other", "total"}
 BREAKDOWN_FIELDS = {"compute", "exposed_comm", "bubble", "optimizer"}
 
@@ -469,7 +471,8 @@ def test_cli_plan_json_lists_best_first(tmp_path, capsys):
     captured = capsys.readouterr()
     best = json.loads(captured.out)
     assert len(best) == 2 and best[0]["step_time_s"] <= best[1]["step_time_s"]
-    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS for b in best)
+    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS | OBJECTIVE_FIELDS
+               for b in best)
     assert "scored" in captured.err
     assert main(["plan", path, "--top", "1"]) == 0
     assert "fivefold train" in capsys.readouterr().out

@@ -15,10 +15,12 @@ import json
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.cluster_config import ClusterConfig, GroupConfig  # noqa: F401 (re-exported)
+from fivefold.config_fields import doc_field as _doc
 from fivefold.config_paths import resolve_file_paths
 from fivefold.models.presets import PRESETS
 
@@ -29,13 +31,6 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"config error in `{key}`: {message}")
-
-
-def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-    """A dataclass field carrying its one-line documentation (shown by docs/config.md)."""
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
 
 
 @dataclass
@@ -259,16 +254,6 @@ class DataConfig:
     val_fraction: float = _doc("share of documents held out for validation", 0.02)
     tokenizer_sample_mib: float = _doc("MiB of training text the BPE tokenizer learns from", 5.0)
     cache_dir: str | None = _doc("tokenizer and token cache; default ~/.cache/fivefold", None)
-
-
-@dataclass
-class ClusterConfig:
-    gpu: str | None = _doc("hardware profile name or calibrated profile file; default: detected",
-                           None)
-    gpus: int | None = _doc("total devices (plan/simulate); train uses the launched ranks", None)
-    gpus_per_node: int = _doc("devices sharing the fast fabric (NVLink domain)", 8)
-    intra_node_GBps: float | None = _doc("per-device one-direction bandwidth in a node", None)
-    inter_node_GBps: float | None = _doc("per-device one-direction bandwidth across nodes", None)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The planner's subcommands of `fivefold`: simulate, plan, plan validate, calibrate.
 
     fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE]
-    fivefold plan SPEC [--set k=v]... [--top K] [--json]
+    fivefold plan SPEC [--set k=v]... [--top K] [--objective time|cost|goodput] [--json]
     fivefold plan SPEC --train [--nproc N] [--steps N] [--run-dir DIR]   (plan, then train)
     fivefold plan validate [RUNS.json] [--json] [--cross]   (also: fivefold validate-plan)
     fivefold calibrate [--out FILE] [--ranks N] [--device cpu|cuda] [--threads N]
@@ -48,6 +48,9 @@ def add_parsers(sub) -> None:
                            "the runs and report in-sample and leave-one-source-out errors "
                            "(minutes)")
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    plan.add_argument("--objective", default="time",
+                      help="rank by step time (default), cost (USD per million productive "
+                           "tokens) or goodput (productive tokens/s): docs/planner.md")
     plan.add_argument("--train", action="store_true",
                       help="train the best layout the runtime executes on --nproc local ranks "
                            "(= fivefold train SPEC --set parallel=auto)")
@@ -85,15 +88,24 @@ def run(args: argparse.Namespace, train_main: Callable[[list[str]], int]) -> int
     if args.command == "plan" and args.runs is not None:
         raise ConfigError("SPEC", f"unexpected argument {args.runs!r}; `fivefold plan SPEC` "
                                   "takes one spec")
-    if args.command == "plan" and args.train:
-        return cmd_plan_train(args, train_main)
     from fivefold.config import load_config
+
+    if args.command == "plan" and args.train:
+        if load_config(args.spec, args.overrides).cluster.groups is not None:
+            raise ConfigError("--train", "--train plans for the launched ranks, one kind of "
+                                         "device; plan the groups without --train and train "
+                                         "the printed --set keys on them")
+        return cmd_plan_train(args, train_main)
     from fivefold.planner.simulate import profile_of
     from fivefold.planner.spec import prepare
 
     cfg = load_config(args.spec, args.overrides)
+    if args.command == "plan" and cfg.cluster.groups is not None:  # several device groups
+        return cmd_plan_groups(cfg, args)
     if args.command == "plan":  # checked per candidate layout (planner.auto.plan_spec)
         return cmd_plan(cfg, profile_of(cfg), args)
+    if cfg.cluster.groups is not None:
+        return cmd_simulate_groups(cfg, args)
     cfg = prepare(cfg)
     if cfg.parallel.auto:
         raise ConfigError("parallel.auto", "simulate scores the layout the spec writes out; "
@@ -124,17 +136,80 @@ def cmd_plan(cfg, prof, args) -> int:
 
     if args.top < 1:
         raise ConfigError("--top", f"must be at least 1, got {args.top}")
+    from fivefold.planner.cluster import cluster_groups
+    from fivefold.planner.objective import check_objective, ranked, score, scored_json
+
+    groups = cluster_groups(cfg)
+    check_objective(args.objective, groups)
     result = plan_search(cfg, prof, args.top)
+    items = ranked([score(cfg, e, "uniform", groups, [{"group": groups[0].label,
+                                                        "replicas": e.layout.dp}])
+                    for e in result.best], args.objective)
     if args.json:
         print(f"fivefold plan: scored {result.scored} layouts ({result.fitting} fit) in "
               f"{result.seconds:.1f} s", file=sys.stderr)
         from fivefold.planner.bands import band_fields  # the cross-validated band
         context = context_json(cfg, prof)
-        print(json.dumps([{**e.to_json(), **context, **band_fields(cfg, e.step_time_s)}
-                          for e in result.best], indent=1))
+        print(json.dumps([{**scored_json(s), **context,
+                           **band_fields(cfg, s.estimate.step_time_s)} for s in items],
+                         indent=1))
+    elif args.objective != "time" or any(s.goodput or s.usd_per_million_tokens is not None
+                                         for s in items):
+        from fivefold.planner.objective_report import objective_text
+        print(objective_text(items, cfg, groups, args.objective, result.scored,
+                             result.seconds, args.top))
     else:
         print(plan_text(result, cfg, prof, args.spec))
     return 0 if result.best else 1
+
+
+def cmd_plan_groups(cfg, args) -> int:
+    """`plan` on a cluster of several device groups (fivefold.planner.hetero)."""
+    from fivefold.planner.cluster import cluster_groups
+    from fivefold.planner.hetero import hetero_search
+    from fivefold.planner.objective import check_objective, ranked, score, scored_json
+    from fivefold.planner.objective_report import objective_text
+    from fivefold.validate import validate_cluster, validate_model, validate_train
+
+    if args.top < 1:
+        raise ConfigError("--top", f"must be at least 1, got {args.top}")
+    for check in (validate_cluster, validate_model, validate_train):
+        check(cfg)
+    groups = cluster_groups(cfg)
+    check_objective(args.objective, groups)
+    result = hetero_search(cfg, groups)
+    items = ranked([score(cfg, p.estimate, p.kind, p.groups, p.detail) for p in result.best],
+                   args.objective)
+    if args.json:
+        print(f"fivefold plan: scored {result.scored} placements in {result.seconds:.1f} s",
+              file=sys.stderr)
+        print(json.dumps([scored_json(s) for s in items[:args.top]], indent=1))
+    else:
+        print(objective_text(items, cfg, groups, args.objective, result.scored,
+                             result.seconds, args.top))
+    return 0 if items else 1
+
+
+def cmd_simulate_groups(cfg, args) -> int:
+    """`simulate` on a cluster of several device groups (fivefold.planner.hetero_simulate)."""
+    from fivefold.planner.cluster import cluster_groups
+    from fivefold.planner.hetero_simulate import simulate_groups
+    from fivefold.planner.objective import score, scored_json
+    from fivefold.planner.objective_report import objective_text
+    from fivefold.validate import validate_cluster, validate_model, validate_train
+
+    if args.trace:
+        raise ConfigError("--trace", "a trace is written for one group's layout; drop --trace")
+    for check in (validate_cluster, validate_model, validate_train):
+        check(cfg)
+    groups = cluster_groups(cfg)
+    placed = simulate_groups(cfg, groups)
+    scored = score(cfg, placed.estimate, placed.kind, placed.groups, placed.detail)
+    if args.json:
+        print(json.dumps(scored_json(scored), indent=1))
+    else:
+        print(objective_text([scored], cfg, groups, "time", None, 0.0, 1))
+    return 0
 
 
 def cmd_plan_train(args, train_main: Callable[[list[str]], int]) -> int:

@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+from fivefold.cluster_groups import validate_groups
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
 from fivefold.data_sources import DATA_FORMATS, TOKEN_DTYPES, validate_sources
@@ -281,11 +282,9 @@ def validate_data(cfg: Config) -> None:
 
 
 def validate_cluster(cfg: Config) -> None:
-    c = cfg.cluster
-    _positive("cluster.gpus", c.gpus)
-    _positive("cluster.gpus_per_node", c.gpus_per_node)
-    _positive("cluster.intra_node_GBps", c.intra_node_GBps)
-    _positive("cluster.inter_node_GBps", c.inter_node_GBps)
+    for key in ("gpus", "gpus_per_node", "intra_node_GBps", "inter_node_GBps"):
+        _positive(f"cluster.{key}", getattr(cfg.cluster, key))
+    validate_groups(cfg)  # [[cluster.groups]], prices, failure rates: fivefold.cluster_groups
 
 
 def validate_comm(cfg: Config) -> None:
