@@ -44,7 +44,8 @@ from fivefold.models.hf import CheckpointError
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.tensor import shard_tensor
 from fivefold.train.checkpoint import load_rank_extra
-from fivefold.train.checkpoint_export import read_training_state
+from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
+from fivefold.train.expert_checkpoint import ep_rows, place_expert_biases
 from fivefold.train.dist import Runtime
 
 
@@ -85,18 +86,24 @@ def place_in_plain(model: nn.Module, optimizer, weights: dict[str, torch.Tensor]
 
 def load_resharded(rt: Runtime, path: Path, cfg: ModelConfig, model: nn.Module,
                    engine: DataParallelEngine | None, optimizer, tp_size: int,
-                   tp_rank: int) -> dict:
+                   tp_rank: int, ep_size: int = 1, ep_rank: int = 0) -> dict:
     """Take checkpoint `path`, written under another layout, into this rank's `engine` (or,
-    on one plain rank, `model` and `optimizer`); return rank 0's extra state (RNG restored)."""
+    on one plain rank, `model` and `optimizer`); this rank holds tp part `tp_rank` of
+    `tp_size` and ep rank `ep_rank`'s experts of `ep_size`. Return rank 0's extra state (RNG
+    restored)."""
     if engine:
         names = {name for unit in engine.units for name in unit.names}
         weights, states, step = read_whole_state(path, cfg, names)
-        engine.load_whole_state(weights, states, step,
-                                lambda name, full: shard_tensor(name, full, tp_size, tp_rank))
+
+        def local(name, full):
+            return shard_tensor(name, ep_rows(name, full, ep_size, ep_rank), tp_size, tp_rank)
+
+        engine.load_whole_state(weights, states, step, local)
     else:
         names = {n for n, _ in model.named_parameters()}
         weights, states, _ = read_whole_state(path, cfg, names)
         place_in_plain(model, optimizer, weights, states)
+    place_expert_biases(model, read_expert_biases(path), path)
     return load_rank_extra(rt, path, 0)
 
 
