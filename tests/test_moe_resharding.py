@@ -237,3 +237,36 @@ def test_a_model_mixtral_does_not_compute_is_not_exported():
         with pytest.raises(CheckpointError) as err:
             hf_config_from_model(cfg, torch.float32)
         assert err.value.key == f"model.moe.{key}"
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_units_are_joined_into_whole_experts(ep, tmp_path):
+    """One process, no ranks: each ep rank's units of a model (its expert rows apart, as the
+    engine builds them), cut into 2 edp shards with padding, read back as the whole model bit
+    for bit; `ep_rows` then gives each ep rank exactly the rows its unit held."""
+    import copy
+
+    from fivefold.config import ModelConfig, MoEConfig
+    from fivefold.models.llama import build_model
+    from fivefold.train.checkpoint_export import _join_flat_units
+    from fivefold.train.expert_checkpoint import ep_rows, rank_units
+
+    cfg = ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=40, vocab=67,
+                      seq_len=8, moe=MoEConfig(experts=4, top_k=2, expert_ffn_hidden=24))
+    model = build_model(cfg, seed=5)
+    flat, held = {}, {}
+    for rank in range(ep):
+        for unit, params in rank_units(copy.deepcopy(model), ep, rank):
+            buffer = torch.cat([p.detach().reshape(-1) for _, p in params])
+            buffer = torch.cat([buffer, torch.zeros(buffer.numel() % 2)])  # pad to 2 shards
+            for r, piece in enumerate(buffer.chunk(2)):
+                flat[f"master.{unit}.shard{r}of2"] = piece
+            held.update({(rank, name): p.detach() for name, p in params})
+    assert any(f".experts{ep - 1}of{ep}." in key for key in flat)
+    state = _join_flat_units(flat, cfg, tmp_path)
+    assert state.keys() == {name for name, _ in model.named_parameters()}
+    for name, value in model.named_parameters():
+        assert torch.equal(state[name], value.detach()), name
+        for rank in range(ep):
+            part = held.get((rank, name), held.get((0, name)))
+            assert torch.equal(ep_rows(name, state[name], ep, rank), part), (name, rank)
