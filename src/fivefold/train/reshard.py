@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
 from fivefold.models.hf import CheckpointError
 from fivefold.parallel.data_parallel import DataParallelEngine
@@ -85,12 +86,14 @@ def place_in_plain(model: nn.Module, optimizer, weights: dict[str, torch.Tensor]
 
 
 def load_resharded(rt: Runtime, path: Path, cfg: ModelConfig, model: nn.Module,
-                   engine: DataParallelEngine | None, optimizer, tp_size: int,
-                   tp_rank: int, ep_size: int = 1, ep_rank: int = 0) -> dict:
+                   engine: DataParallelEngine | None, optimizer, tp_axis: Axis,
+                   expert_axes: tuple[Axis, Axis] | None = None) -> dict:
     """Take checkpoint `path`, written under another layout, into this rank's `engine` (or,
-    on one plain rank, `model` and `optimizer`); this rank holds tp part `tp_rank` of
-    `tp_size` and ep rank `ep_rank`'s experts of `ep_size`. Return rank 0's extra state (RNG
-    restored)."""
+    on one plain rank, `model` and `optimizer`); this rank holds its `tp_axis` rank's part and,
+    with expert parallelism, its ep rank's experts (`expert_axes`: (ep, edp), as the trainer
+    holds them). Return rank 0's extra state (RNG restored)."""
+    tp_size, tp_rank = tp_axis.size, tp_axis.rank
+    ep_size, ep_rank = (expert_axes[0].size, expert_axes[0].rank) if expert_axes else (1, 0)
     if engine:
         names = {name for unit in engine.units for name in unit.names}
         weights, states, step = read_whole_state(path, cfg, names)

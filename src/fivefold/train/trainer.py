@@ -406,10 +406,8 @@ class Trainer:
         path, saved_meta, changed = found
         if changed:  # written under another layout (fivefold.train.reshard)
             meta = saved_meta
-            ep = self.expert_axes[0] if self.expert_axes else None
             extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
-                                   self.optimizer, self.tp_axis.size, self.tp_axis.rank,
-                                   *((ep.size, ep.rank) if ep else ()))
+                                   self.optimizer, self.tp_axis, self.expert_axes)
             change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
                                      changed)
             self.say(f"resharded {path} from {change}")
