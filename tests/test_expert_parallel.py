@@ -179,22 +179,3 @@ def test_ep2_zero1_with_bias_resumes_exactly(moe_sets, tmp_path):
                        "model.moe.bias_update_rate=0.01"]
     straight, resumed = run_on_ranks(resume_ep, 4, sets, str(tmp_path), timeout_s=600)[0]
     assert resumed == straight
-
-
-def test_an_expert_parallel_checkpoint_is_not_resharded(moe_sets):
-    """A checkpoint written with ep 2 resumes only under ep 2: another ep (or any other
-    layout change) is refused naming the key, before any rank loads it."""
-    from pathlib import Path
-
-    from fivefold.config import ConfigError
-    from fivefold.parallel.plan import plan_from_config
-    from fivefold.train.checkpoint import check_layout, layout_record
-
-    def plan(*sets):
-        return plan_from_config(load_config(None, moe_sets + list(sets)), 4, "fp32")
-
-    meta = layout_record(plan("parallel.ep=2"))
-    assert check_layout(Path("ckpt"), meta, plan("parallel.ep=2")) == []
-    with pytest.raises(ConfigError, match="expert-parallel checkpoints") as info:
-        check_layout(Path("ckpt"), meta, plan("parallel.ep=1"))
-    assert info.value.key == "parallel.ep"

@@ -167,6 +167,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
     trip); otherwise its family is kept where the model allows and its other keys are kept
     except those rewritten here.
     """
+    if cfg.moe is not None:
+        check_mixtral(cfg)
     if base is not None:
         try:
             if model_fields(model_config_from_hf(base, "config.json")) == model_fields(cfg):
@@ -202,6 +204,27 @@ def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype, base: dict | None
                    num_local_experts=cfg.moe.experts, num_experts_per_tok=cfg.moe.top_k,
                    router_jitter_noise=0.0)
     return out
+
+
+def check_mixtral(cfg: ModelConfig) -> None:
+    """Refuse, naming the key, an MoE model that Mixtral (arXiv 2401.04088, Sec. 2.1) does not
+    compute exactly: Mixtral routes every token of every layer dropless to its top-k of a
+    softmax over the router logits, without a routing bias or shared experts. (Qwen2-MoE
+    gates its shared expert with a sigmoid and Qwen3-MoE normalizes queries and keys, which
+    fivefold's model does not, so an MoE model is written as Mixtral or not at all.)"""
+    m = cfg.moe
+    unmapped = {"model.moe.shared_experts": (m.shared_experts, 0),
+                "model.moe.score": (m.score, "softmax"),
+                "model.moe.dense_layers": (m.dense_layers, 0),
+                "model.moe.layer_freq": (m.layer_freq, 1),
+                "model.moe.capacity_factor": (m.capacity_factor, None),
+                "model.moe.bias_update_rate": (m.bias_update_rate, 0.0)}
+    for key, (value, mixtral) in unmapped.items():
+        if value != mixtral:
+            raise CheckpointError(key, f"is {value!r}; Mixtral, the Hugging Face family an MoE "
+                                       f"model is written as, computes {key} = {mixtral!r} "
+                                       "only, so its logits would differ: export a model "
+                                       f"trained with {key} = {mixtral!r}")
 
 
 def model_fields(cfg: ModelConfig) -> dict:

@@ -9,7 +9,7 @@ shards, `layout`). The step is also the learning-rate schedule's whole state.
 Keys: the trainer's state dict keys carry a shard tag where pipeline stages or tp ranks hold
 different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
 `check_layout` reads the layout record. A resume under another layout (other dp, tp, pp, vpp,
-stage split, cp, ZeRO stage, group or ZeRO++ switches) is resharded (fivefold.train.reshard); `check_layout`
+stage split, cp, ep, ZeRO stage, group or ZeRO++ switches) is resharded (fivefold.train.reshard); `check_layout`
 refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW and
 Muon, and a changed global batch, which would change the data of every later step.
 
@@ -88,8 +88,7 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded) or with expert parallelism (its per-ep-rank expert units are not), or with
-    another optimizer than AdamW or Muon, or than the checkpoint's."""
+    resharded), or with another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
@@ -107,13 +106,6 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
-    if max(saved_plan.get("ep", 1), plan.ep) > 1:
-        key = changed[0]
-        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
-                               f"{now[key]!r}; expert-parallel checkpoints (each ep rank's "
-                               "experts in units of their own, fivefold.parallel.expert) are "
-                               "not resharded: resume with the layout that wrote it or use "
-                               "another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "

@@ -10,9 +10,11 @@ parameters here. With pipeline or tensor parallelism the keys also carry the ran
 them, `.pp{p}of{P}` then `.tp{t}of{T}` (fivefold.train.trainer): each pp rank's units are
 those of its stage (fivefold.parallel.pipeline.stage: the root holds what the stage has of the
 embedding, final norm and head; blocks keep their global index), and each tp rank's
-parameters are its shards (fivefold.parallel.tensor). The reader rebuilds each rank's model on
-the meta device the way the run built it, so it cuts every buffer by the runtime's own unit
-layout, and joins the tp shards with `unshard_tensor`.
+parameters are its shards (fivefold.parallel.tensor). With expert parallelism each ep rank's
+experts are a unit of their own, `layers.i.experts{e}of{E}` (fivefold.train.expert_checkpoint).
+The reader rebuilds each (pp, tp, ep) rank's model on the meta device the way the run built
+it, so it cuts every buffer by the runtime's own unit layout, joins the tp shards with
+`unshard_tensor` and stacks the ep ranks' expert rows.
 
 `read_training_state` reads the optimizer's state the same way: the engine stores each
 unit's AdamW moments `exp_avg` and `exp_avg_sq` as flat buffers cut like the master weights
@@ -43,11 +45,12 @@ from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.hf import CheckpointError
 from fivefold.models.llama import Transformer
 from fivefold.models.pretrained import Pretrained, check_state
-from fivefold.parallel.data_parallel import split_units
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank, stage_layer_ranges
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import apply_tensor_parallel, unshard_tensor
 from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.expert_checkpoint import (BIAS_KEYS, expert_degree, join_expert_rows,
+                                              rank_units)
 
 
 def is_training_run(path: Path) -> bool:
@@ -107,8 +110,8 @@ def read_training_state(step: Path, cfg: ModelConfig, names: set[str] | None = N
         raise CheckpointError(str(step), "holds neither model.* nor master.* tensors")
     parallel = json.loads((step / "meta.json").read_text()).get("config", {}).get("parallel")
     units = _flat_units(tensors, cfg, step, parallel, names)
-    unit_tags = {(tag, unit) for tag, unit, _ in units}
-    param_tags = {(tag, name) for tag, _, params in units for name, _ in params}
+    unit_tags = {(tag, unit) for tag, unit, *_ in units}
+    param_tags = {(tag, name) for tag, _, params, _ in units for name, _ in params}
     empty, kinds, per_param = {}, set(), []
     for key, m in tensors.items():
         match = SHARD_KEY.fullmatch(key)
@@ -200,19 +203,22 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
 
 
 def _flat_units(keys, cfg: ModelConfig, step: Path, parallel: dict | None,
-                names: set[str] | None = None) -> list[tuple[str, str, list]]:
-    """(rank tag, unit name, named parameters) of every non-empty unit of every (pp, tp) rank
-    that the keys' tags name, holding any of `names` (None: all), rebuilt on the meta device."""
+                names: set[str] | None = None) -> list[tuple[str, str, list, int]]:
+    """(rank tag, unit name, named parameters, ep rank) of every non-empty unit of every
+    (pp, tp, ep) rank that the keys name, holding any of `names` (None: all), rebuilt on the
+    meta device (fivefold.train.expert_checkpoint `rank_units`)."""
     pp, tp = _rank_degree(keys, "pp", step), _rank_degree(keys, "tp", step)
+    ep = expert_degree(keys, step)
     units = []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            model = _rank_model(cfg, pp, pp_rank, tp, tp_rank, parallel, step)
             tag = (f".pp{pp_rank}of{pp}" if pp > 1 else "") + (f".tp{tp_rank}of{tp}"
                                                                 if tp > 1 else "")
-            for unit, params, _ in split_units(model):
-                if params and (names is None or any(n in names for n, _ in params)):
-                    units.append((tag, unit, params))  # a middle stage's root holds nothing
+            for ep_rank in range(ep):
+                model = _rank_model(cfg, pp, pp_rank, tp, tp_rank, parallel, step)
+                for unit, params in rank_units(model, ep, ep_rank):
+                    if params and (names is None or any(n in names for n, _ in params)):
+                        units.append((tag, unit, params, ep_rank))  # a middle stage's root: none
     return units
 
 
@@ -226,19 +232,23 @@ def _join_flat_units(flat: dict[str, torch.Tensor], cfg: ModelConfig, step: Path
 def _join_units(flat: dict[str, torch.Tensor], units: list, kind: str, cfg: ModelConfig,
                 step: Path) -> dict[str, torch.Tensor]:
     """Each parameter's whole `kind` tensor ("master", "exp_avg", "exp_avg_sq": cut from the
-    units' flat buffers and joined over tp; "step": its unit's step count)."""
-    tp = _rank_degree(flat, "tp", step)
-    parts: dict[str, list[torch.Tensor]] = {}  # name -> its tp shards, in tp rank order
-    for tag, unit, params in units:
+    units' flat buffers, joined over tp, expert rows stacked over ep; "step": its unit's step
+    count)."""
+    tp, ep = _rank_degree(flat, "tp", step), expert_degree(flat, step)
+    parts: dict[str, dict[int, list[torch.Tensor]]] = {}  # name -> ep rank -> tp shards
+    for tag, unit, params, ep_rank in units:
         for name, tensor in _cut_unit(flat, kind, unit, tag, params, step):
-            parts.setdefault(name, []).append(tensor)
+            parts.setdefault(name, {}).setdefault(ep_rank, []).append(tensor)
     state = {}
-    for name, shards in parts.items():
-        if len(shards) != tp:
-            raise CheckpointError(str(step), f"{name} is held {len(shards)} times over {tp} tp "
-                                             "rank(s)")
-        state[name] = (shards[0] if kind == "step" or tp == 1 else
-                       unshard_tensor(name, shards, cfg.vocab))
+    for name, by_ep in parts.items():
+        joined = {}
+        for ep_rank, shards in by_ep.items():
+            if len(shards) != tp:
+                raise CheckpointError(str(step), f"{name} is held {len(shards)} times over {tp} "
+                                                 "tp rank(s)")
+            joined[ep_rank] = (shards[0] if kind == "step" or tp == 1 else
+                               unshard_tensor(name, shards, cfg.vocab))
+        state[name] = joined[0] if kind == "step" else join_expert_rows(name, joined, ep, step)
     return state
 
 
@@ -266,3 +276,16 @@ def _cut_unit(flat: dict[str, torch.Tensor], kind: str, unit: str, tag: str, par
             raise CheckpointError(str(step), f"unit {unit}{tag} is smaller than its parameters")
         yield name, buffer[offset:offset + p.numel()].view(p.shape).clone()
         offset += p.numel()
+
+
+def read_expert_biases(step: Path) -> dict[str, torch.Tensor]:
+    """The routing bias of every MoE block ("layers.i": (X,) fp32) in checkpoint `step`, from
+    the engine's `expert_bias.layers.i` or one plain rank's `model.layers.i.mlp.expert_bias`
+    (fivefold.train.expert_checkpoint); empty where the model balances without them."""
+    meta = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    keys = {key: m.group(1) for key in meta for pattern in BIAS_KEYS
+            if (m := pattern.fullmatch(key))}
+    state = {key: torch.empty(meta[key].size, dtype=meta[key].properties.dtype) for key in keys}
+    if state:
+        _load(state, step)
+    return {block: state[key] for key, block in keys.items()}

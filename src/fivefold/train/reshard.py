@@ -39,12 +39,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
 from fivefold.models.hf import CheckpointError
 from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.tensor import shard_tensor
 from fivefold.train.checkpoint import load_rank_extra
-from fivefold.train.checkpoint_export import read_training_state
+from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
+from fivefold.train.expert_checkpoint import ep_rows, place_expert_biases
 from fivefold.train.dist import Runtime
 
 
@@ -84,19 +86,27 @@ def place_in_plain(model: nn.Module, optimizer, weights: dict[str, torch.Tensor]
 
 
 def load_resharded(rt: Runtime, path: Path, cfg: ModelConfig, model: nn.Module,
-                   engine: DataParallelEngine | None, optimizer, tp_size: int,
-                   tp_rank: int) -> dict:
+                   engine: DataParallelEngine | None, optimizer, tp_axis: Axis,
+                   expert_axes: tuple[Axis, Axis] | None = None) -> dict:
     """Take checkpoint `path`, written under another layout, into this rank's `engine` (or,
-    on one plain rank, `model` and `optimizer`); return rank 0's extra state (RNG restored)."""
+    on one plain rank, `model` and `optimizer`); this rank holds its `tp_axis` rank's part and,
+    with expert parallelism, its ep rank's experts (`expert_axes`: (ep, edp), as the trainer
+    holds them). Return rank 0's extra state (RNG restored)."""
+    tp_size, tp_rank = tp_axis.size, tp_axis.rank
+    ep_size, ep_rank = (expert_axes[0].size, expert_axes[0].rank) if expert_axes else (1, 0)
     if engine:
         names = {name for unit in engine.units for name in unit.names}
         weights, states, step = read_whole_state(path, cfg, names)
-        engine.load_whole_state(weights, states, step,
-                                lambda name, full: shard_tensor(name, full, tp_size, tp_rank))
+
+        def local(name, full):
+            return shard_tensor(name, ep_rows(name, full, ep_size, ep_rank), tp_size, tp_rank)
+
+        engine.load_whole_state(weights, states, step, local)
     else:
         names = {n for n, _ in model.named_parameters()}
         weights, states, _ = read_whole_state(path, cfg, names)
         place_in_plain(model, optimizer, weights, states)
+    place_expert_biases(model, read_expert_biases(path), path)
     return load_rank_extra(rt, path, 0)
 
 

@@ -408,7 +408,7 @@ class Trainer:
         if changed:  # written under another layout (fivefold.train.reshard)
             meta = saved_meta
             extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
-                                   self.optimizer, self.tp_axis.size, self.tp_axis.rank)
+                                   self.optimizer, self.tp_axis, self.expert_axes)
             change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
                                      changed)
             self.say(f"resharded {path} from {change}")
