@@ -26,13 +26,14 @@ from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler
 from fivefold.validate import validate_for_training
 
-# (shares, zero_stage, micro_batch): 3 replicas, global batch 8
-SHARE_LAYOUTS = [([2, 1, 1], 0, None),  # one micro-batch each: 4, 2 and 2 sequences
-                 ([2, 1, 1], 0, 2),  # 2, 1 and 1 micro-batches of 2
-                 ([2, 1, 1], 1, 1),  # ZeRO-1, 4, 2 and 2 micro-batches of 1
-                 ([1, 2, 1], 2, None),  # ZeRO-2, the large share in the middle
-                 ([2, 1, 1], 3, None)]  # ZeRO-3
-STAGE_SPLITS = [[3, 1], [1, 3]]  # 4 blocks on pp 2
+# (shares, zero_stage, micro_batch): 3 replicas, global batch 8; the slow set in the slow test
+SHARE_LAYOUTS = {"default": [([2, 1, 1], 0, 2),  # 2, 1 and 1 micro-batches of 2
+                             ([1, 2, 1], 2, None),  # ZeRO-2: 2, 4, 2 sequences, one micro-batch
+                             ([2, 1, 1], 3, None)],  # ZeRO-3
+                 "slow": [([2, 1, 1], 0, None),  # one micro-batch each: 4, 2 and 2 sequences
+                          ([2, 1, 1], 1, 1),  # ZeRO-1: 4, 2 and 2 micro-batches of 1
+                          ([1, 1, 2], 1, None)]}
+STAGE_SPLITS = {"default": [[3, 1]], "slow": [[1, 3]]}  # 4 blocks on pp 2
 
 
 def _share_config(overrides, shares, stage, micro):
@@ -47,16 +48,16 @@ def _pipeline_config(overrides, split):
                                           "parallel.micro_batch=2", f"train.steps={STEPS}"])
 
 
-def _share_runs(rt, overrides, tmp):
+def _share_runs(rt, overrides, layouts, tmp):
     """Every batch-share layout on these 3 ranks; each rank's runs (rank 0's parameters are
     the gathered whole)."""
     return [train_steps(rt, _share_config(overrides, *layout), f"{tmp}/{i}", evaluate=True)
-            for i, layout in enumerate(SHARE_LAYOUTS)]
+            for i, layout in enumerate(layouts)]
 
 
-def _pipeline_runs(rt, overrides, tmp):
+def _pipeline_runs(rt, overrides, splits, tmp):
     return [train_steps(rt, _pipeline_config(overrides, split), f"{tmp}/{i}", evaluate=True)
-            for i, split in enumerate(STAGE_SPLITS)]
+            for i, split in enumerate(splits)]
 
 
 def _assert_run_matches(run, ref, label):
@@ -65,34 +66,64 @@ def _assert_run_matches(run, ref, label):
     assert run.val_loss == pytest.approx(ref.val_loss, rel=2e-5), label
 
 
-def test_batch_shares_match_one_process(parity_overrides, tmp_path):
-    """3 replicas with shares 2:1:1 (and 1:2:1) under DDP, ZeRO-1, -2 and -3, with and
-    without accumulation, against the one-process Trainer (module docstring's tolerances)."""
-    ref = train_steps(CPU, load_config(None, parity_overrides + [f"train.steps={STEPS}"]),
-                      tmp_path / "ref", evaluate=True)
-    ranks = run_on_ranks(_share_runs, 3, parity_overrides, str(tmp_path), timeout_s=600)
-    for layout, *runs in zip(SHARE_LAYOUTS, *ranks):
+@pytest.fixture(scope="module")
+def references(parity_overrides, tmp_path_factory):
+    """The one-process Trainer: the tiny model (2 blocks), and 4 blocks in micro-batches of 2
+    as the pipeline runs it."""
+    steps = [f"train.steps={STEPS}"]
+    four = ["model.layers=4", "parallel.micro_batch=2"]
+    return {name: train_steps(CPU, load_config(None, parity_overrides + steps + sets),
+                              tmp_path_factory.mktemp("ref"), evaluate=True)
+            for name, sets in (("shares", []), ("pipeline", four))}
+
+
+def check_batch_shares(overrides, references, layouts, tmp):
+    ranks = run_on_ranks(_share_runs, 3, overrides, layouts, str(tmp), timeout_s=600)
+    ref = references["shares"]
+    for layout, *runs in zip(layouts, *ranks):
         label = f"shares layout {layout}"
         for run in runs:
             _assert_run_matches(run, ref, label)
         assert_params_close(runs[0].params, ref.params, label, atol=1e-5, rtol=1e-4)
 
 
-def test_uneven_stage_layers_match_one_process(parity_overrides, tmp_path):
-    """pp 2 with 3 + 1 and 1 + 3 blocks (4 micro-batches of 2, 1F1B): every rank's losses,
-    gradient norms and validation loss, and the stages' parameters together, are the
-    one-process run's (module docstring's tolerances)."""
-    ref = train_steps(CPU, load_config(None, parity_overrides + [
-        "model.layers=4", "parallel.micro_batch=2", f"train.steps={STEPS}"]),
-        tmp_path / "ref", evaluate=True)
-    ranks = run_on_ranks(_pipeline_runs, 2, parity_overrides, str(tmp_path), timeout_s=600)
-    for split, first, last in zip(STAGE_SPLITS, *ranks):
+def check_stage_splits(overrides, references, splits, tmp):
+    ranks = run_on_ranks(_pipeline_runs, 2, overrides, splits, str(tmp), timeout_s=600)
+    ref = references["pipeline"]
+    for split, first, last in zip(splits, *ranks):
         label = f"stage_layers {split}"
         _assert_run_matches(first, ref, label)
         _assert_run_matches(last, ref, label)
         blocks = {n.split(".")[1] for n in first.params if n.startswith("layers.")}
         assert len(blocks) == split[0], label  # the first stage holds its share of blocks
         assert_params_close({**first.params, **last.params}, ref.params, label)
+
+
+def test_batch_shares_match_one_process(parity_overrides, references, tmp_path):
+    """3 replicas with shares 2:1:1 and 1:2:1: unequal accumulation under DDP, one
+    micro-batch each under ZeRO-2 and ZeRO-3; every rank's losses, gradient norms and
+    validation loss, and the parameters, are the one-process run's (module docstring)."""
+    check_batch_shares(parity_overrides, references, SHARE_LAYOUTS["default"], tmp_path)
+
+
+@pytest.mark.slow
+def test_more_batch_shares_match_one_process(parity_overrides, references, tmp_path):
+    """DDP with one micro-batch each, ZeRO-1 accumulating unequally, shares 1:1:2."""
+    check_batch_shares(parity_overrides, references, SHARE_LAYOUTS["slow"], tmp_path)
+
+
+def test_uneven_stage_layers_match_one_process(parity_overrides, references, tmp_path):
+    """pp 2 with 3 + 1 blocks (1F1B, 4 micro-batches of 2): every rank's losses, gradient
+    norms and validation loss, and the stages' parameters together, are the one-process
+    run's (module docstring's tolerances)."""
+    check_stage_splits(parity_overrides, references, STAGE_SPLITS["default"], tmp_path)
+
+
+@pytest.mark.slow
+def test_uneven_stage_layers_other_way_match_one_process(parity_overrides, references,
+                                                          tmp_path):
+    """pp 2 with 1 + 3 blocks."""
+    check_stage_splits(parity_overrides, references, STAGE_SPLITS["slow"], tmp_path)
 
 
 def test_replica_rows_together_are_the_one_process_batch():
