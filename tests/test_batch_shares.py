@@ -22,8 +22,10 @@ from parity import CPU, STEPS, assert_params_close, train_steps
 
 from fivefold.batch_shares import replica_rows, replica_slice
 from fivefold.config import ConfigError, load_config
+from fivefold.parallel.plan import training_plan
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler
+from fivefold.train.run_header import layout_text
 from fivefold.validate import validate_for_training
 
 # (shares, zero_stage, micro_batch): 3 replicas, global batch 8; the slow set in the slow test
@@ -179,3 +181,10 @@ def test_shares_with_equal_micro_batch_counts_pass():
     for sets in (["parallel.zero_stage=3"], ["parallel.zero_stage=1", "parallel.micro_batch=1"]):
         validate_for_training(load_config(None, sets + ["parallel.dp_batch_shares=[2, 1, 1]",
                                                         "parallel.global_batch=8"]), 3)
+
+
+def test_start_line_names_each_replicas_micro_batches():
+    cfg = load_config(None, ["parallel.dp_batch_shares=[2, 1, 1]", "parallel.micro_batch=2",
+                             "parallel.global_batch=8"])
+    assert layout_text(training_plan(cfg, 3, "cpu")).endswith(
+        "ZeRO 0, batch shares 2:1:1, micro-batches 2/1/1 of 2/2/2")

@@ -56,6 +56,15 @@ def replica_batch(plan, dp_rank: int) -> tuple[int, int]:
     return rows, min(plan.micro_batch, rows)
 
 
+def shares_text(plan) -> str:
+    """E.g. "batch shares 2:1:1, micro-batches 4/2/2 of 2/2/2" for a ParallelPlan's replicas."""
+    rows = replica_rows(plan.global_batch, plan.dp, plan.dp_batch_shares)
+    micro = [min(plan.micro_batch, r) for r in rows]
+    return (f"batch shares {':'.join(map(str, plan.dp_batch_shares))}, micro-batches "
+            f"{'/'.join(str(r // m) for r, m in zip(rows, micro))} of "
+            f"{'/'.join(map(str, micro))}")
+
+
 def micro_batch_counts(p: ParallelConfig, dp: int) -> list[int]:
     """Micro-batches each replica runs per step."""
     rows = replica_rows(p.global_batch, dp, p.dp_batch_shares)
