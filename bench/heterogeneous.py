@@ -21,12 +21,13 @@ runs one intra-op thread. Model: the `tiny` preset, fp32, a global batch of 12 s
    `matched` (the shares above), each one micro-batch per rank per step. After `--warmup`
    untimed steps each, `--rounds` rounds of timed steps alternate between them (the order
    swapped each round), each timed stretch between barriers, so the machine's noise hits
-   both alike. Reported: median tokens/s over the rounds per plan and their ratio.
+   both alike. Reported: median tokens/s over the rounds per plan (and the best round), each
+round's seconds per step, and the ratio of the medians.
 
 The shared development machine has 2 cores and other jobs run on it, so absolute figures
 move from run to run; the ratio between plans measured in the same rounds is the result.
 
-    python bench/heterogeneous.py            # 4 rounds of 2 timed steps per plan
+    python bench/heterogeneous.py            # 6 rounds of 1 timed step per plan
     python bench/heterogeneous.py --quick    # smoke test: 1 round of 1 step
     python bench/heterogeneous.py --json out.json
 """
@@ -147,6 +148,7 @@ def report(results: list[dict], args: dict) -> dict:
         plans[name] = {"rows": rows, "shares": shares_of(rows),
                        "predicted_compute_s": max(r / s for r, s in zip(rows, speeds)),
                        "step_s": step_s, "tokens_per_s": tokens / step_s,
+                       "best_tokens_per_s": tokens / min(first["seconds_per_step"][name]),
                        "rounds_s": first["seconds_per_step"][name]}
     u, m = plans["uniform"], plans["matched"]
     return {"machine": machine_info(pinned={r: res["cores"] for r, res in enumerate(results)}),
@@ -159,7 +161,7 @@ def report(results: list[dict], args: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_timing_args(ap, steps=8, rounds=4, warmup=1, what="plan")
+    add_timing_args(ap, steps=6, rounds=6, warmup=1, what="plan")
     ap.add_argument("--calibration", type=int, default=3,
                     help="timed forward+backward passes per rank for its speed (default 3)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up, 1 round of 1 step")
@@ -172,14 +174,19 @@ def main() -> None:
     from fivefold.train.data import prepare_data
 
     prepare_data(bench_config(None), log=lambda text: print(text, file=sys.stderr))
+    load_at_start = os.getloadavg()
     res = report(run_local(rank_main, WORLD, args, timeout_s=3600), args)
+    res["machine"]["load_average_at_start"] = load_at_start
     pinned = res["machine"]["pinned"]
     print(f"ranks pinned to cores {pinned}" if pinned[0] else "ranks not pinned (< 2 cores)")
+    print(f"load average (1, 5, 15 min) at start {load_at_start}, at the end "
+          f"{res['machine']['load_average']}")
     print("speed (sequences/s, fwd+bwd): " + ", ".join(f"{s:.2f}" for s in res["speed_seq_per_s"]))
     for name, p in res["plans"].items():
-        print(f"{name:8s} rows {p['rows']} shares {p['shares']}: {p['tokens_per_s']:8.0f} "
-              f"tokens/s, step {p['step_s']:.3f} s (predicted compute "
-              f"{p['predicted_compute_s']:.3f} s)")
+        print(f"{name:8s} rows {p['rows']} shares {p['shares']}: {p['tokens_per_s']:6.0f} "
+              f"tokens/s (best round {p['best_tokens_per_s']:.0f}), step {p['step_s']:.2f} s "
+              f"(predicted compute {p['predicted_compute_s']:.2f} s); rounds "
+              + " ".join(f"{t:.2f}" for t in p["rounds_s"]))
     print(f"matched / uniform tokens/s: {res['ratio']['tokens_per_s']:.2f} "
           f"(predicted from the speeds: {res['ratio']['predicted']:.2f})")
     write_json(a.json, res)

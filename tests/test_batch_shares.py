@@ -30,9 +30,9 @@ from fivefold.validate import validate_for_training
 
 # (shares, zero_stage, micro_batch): 3 replicas, global batch 8; the slow set in the slow test
 SHARE_LAYOUTS = {"default": [([2, 1, 1], 0, 2),  # 2, 1 and 1 micro-batches of 2
-                             ([1, 2, 1], 2, None),  # ZeRO-2: 2, 4, 2 sequences, one micro-batch
-                             ([2, 1, 1], 3, None)],  # ZeRO-3
-                 "slow": [([2, 1, 1], 0, None),  # one micro-batch each: 4, 2 and 2 sequences
+                             ([2, 1, 1], 2, None)],  # ZeRO-2: 4, 2, 2 sequences, one micro-batch
+                 "slow": [([1, 2, 1], 3, None),  # ZeRO-3, the large share in the middle
+                          ([2, 1, 1], 0, None),  # one micro-batch each: 4, 2 and 2 sequences
                           ([2, 1, 1], 1, 1),  # ZeRO-1: 4, 2 and 2 micro-batches of 1
                           ([1, 1, 2], 1, None)]}
 STAGE_SPLITS = {"default": [[3, 1]], "slow": [[1, 3]]}  # 4 blocks on pp 2
@@ -102,15 +102,16 @@ def check_stage_splits(overrides, references, splits, tmp):
 
 
 def test_batch_shares_match_one_process(parity_overrides, references, tmp_path):
-    """3 replicas with shares 2:1:1 and 1:2:1: unequal accumulation under DDP, one
-    micro-batch each under ZeRO-2 and ZeRO-3; every rank's losses, gradient norms and
-    validation loss, and the parameters, are the one-process run's (module docstring)."""
+    """3 replicas with shares 2:1:1: unequal accumulation under DDP, one micro-batch each
+    under ZeRO-2; every rank's losses, gradient norms and validation loss, and the
+    parameters, are the one-process run's (module docstring)."""
     check_batch_shares(parity_overrides, references, SHARE_LAYOUTS["default"], tmp_path)
 
 
 @pytest.mark.slow
 def test_more_batch_shares_match_one_process(parity_overrides, references, tmp_path):
-    """DDP with one micro-batch each, ZeRO-1 accumulating unequally, shares 1:1:2."""
+    """ZeRO-3 with shares 1:2:1, DDP with one micro-batch each, ZeRO-1 accumulating
+    unequally, ZeRO-1 with shares 1:1:2."""
     check_batch_shares(parity_overrides, references, SHARE_LAYOUTS["slow"], tmp_path)
 
 
