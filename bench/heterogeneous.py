@@ -5,8 +5,12 @@ one run.
 Three gloo ranks are pinned with `os.sched_setaffinity`: rank 0 alone on core 0, ranks 1 and
 2 together on core 1, so rank 0 computes about twice as fast as each of the others (on a
 machine with fewer than 2 cores the ranks are left unpinned and the run says so). Each rank
-runs one intra-op thread. Model: the `tiny` preset, fp32, a global batch of 12 sequences of
-256 tokens, AdamW with fivefold's defaults, on the built-in corpus.
+runs one intra-op thread. `--emulate K` instead leaves the ranks unpinned and makes ranks 1
+and 2 K times slower by a sleep before each forward of (K - 1) times their measured compute
+time per sequence (a throttle that emulates a slower device and, unlike pinning, survives a
+loaded machine, whose scheduler moves other jobs off the doubly used core). Model: the
+`tiny` preset, fp32, a global batch of 12 sequences of 256 tokens, AdamW with fivefold's
+defaults, on the built-in corpus.
 
 1. Speed. All ranks at once (so the shared core is shared while measuring) time
    `--calibration` forward and backward passes of 4 sequences (a rank's part of the uniform
@@ -22,13 +26,14 @@ runs one intra-op thread. Model: the `tiny` preset, fp32, a global batch of 12 s
    untimed steps each, `--rounds` rounds of timed steps alternate between them (the order
    swapped each round), each timed stretch between barriers, so the machine's noise hits
    both alike. Reported: median tokens/s over the rounds per plan (and the best round), each
-round's seconds per step, and the ratio of the medians.
+   round's seconds per step, and the ratio of the medians.
 
 The shared development machine has 2 cores and other jobs run on it, so absolute figures
 move from run to run; the ratio between plans measured in the same rounds is the result.
 
     python bench/heterogeneous.py            # 6 rounds of 1 timed step per plan
     python bench/heterogeneous.py --quick    # smoke test: 1 round of 1 step
+    python bench/heterogeneous.py --emulate 2   # ranks 1 and 2 throttled to half speed
     python bench/heterogeneous.py --json out.json
 """
 
@@ -48,6 +53,7 @@ WORLD = 3
 GLOBAL_BATCH = 12
 PRESET = "tiny"
 CORES = {0: {0}, 1: {1}, 2: {1}}  # rank -> the cores it may run on
+EMULATED_SLOW = (1, 2)  # --emulate K: the ranks made K times slower
 
 
 def pin(rank: int) -> list[int] | None:
@@ -85,9 +91,17 @@ def bench_config(shares: list[int] | None):
     return load_config(None, sets)
 
 
-def measure_speed(passes: int) -> float:
-    """Sequences per second of this rank: forward and backward of a uniform plan's rows,
-    `passes` times after one untimed pass."""
+def throttle(model, seconds_per_row: float) -> None:
+    """`--emulate`: before each forward, sleep `seconds_per_row` per sequence of the batch,
+    so the rank computes as a device (1 + seconds_per_row x its speed) times slower would."""
+    model.register_forward_pre_hook(lambda _, inputs: time.sleep(seconds_per_row
+                                                                 * inputs[0].shape[0]))
+
+
+def measure_speed(passes: int, slowdown: float) -> tuple[float, float]:
+    """(sequences per second of this rank, the throttle's seconds per sequence): forward and
+    backward of a uniform plan's rows, `passes` times after one untimed pass that also sets
+    the throttle of `slowdown` (1: none)."""
     import torch
 
     from fivefold.models.llama import build_model
@@ -98,25 +112,32 @@ def measure_speed(passes: int) -> float:
     x = torch.randint(0, cfg.model.vocab, (rows, cfg.model.seq_len))
 
     def once():
+        start = time.perf_counter()
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        return time.perf_counter() - start
 
-    once()
+    per_row = (slowdown - 1) * once() / rows
+    if per_row:
+        throttle(model, per_row)
     start = time.perf_counter()
     for _ in range(passes):
         once()
-    return rows * passes / (time.perf_counter() - start)
+    return rows * passes / (time.perf_counter() - start), per_row
 
 
 def rank_main(_, args: dict) -> dict:
-    """One rank: pin, measure, agree on the shares, then time both plans round by round."""
+    """One rank: pin (or throttle), measure, agree on the shares, then time both plans round
+    by round."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    cores = pin(rank)
+    cores = None if args["emulate"] else pin(rank)
     dist.barrier()
-    speed = torch.tensor([measure_speed(args["calibration"])], dtype=torch.float64)
+    slowdown = args["emulate"] if args["emulate"] and rank in EMULATED_SLOW else 1.0
+    measured, per_row = measure_speed(args["calibration"], slowdown)
+    speed = torch.tensor([measured], dtype=torch.float64)
     speeds = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
     dist.all_gather(speeds, speed)
     speeds = [float(s) for s in speeds]
@@ -125,6 +146,8 @@ def rank_main(_, args: dict) -> dict:
     sides = {name: TrainerSide(bench_config(shares_of(r) if name == "matched" else None),
                                total, rank, WORLD) for name, r in rows.items()}
     for side in sides.values():
+        if per_row:
+            throttle(side.trainer.model, per_row)
         side.run(args["warmup"])
     seconds = {name: [] for name in sides}
     for k, n in enumerate(split_rounds(args["steps"], args["rounds"])):
@@ -164,12 +187,15 @@ def main() -> None:
     add_timing_args(ap, steps=6, rounds=6, warmup=1, what="plan")
     ap.add_argument("--calibration", type=int, default=3,
                     help="timed forward+backward passes per rank for its speed (default 3)")
+    ap.add_argument("--emulate", type=float, default=0.0, metavar="K",
+                    help="instead of pinning, make ranks 1 and 2 K times slower by sleeping "
+                         "before each forward (K - 1 times their measured compute time)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up, 1 round of 1 step")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.rounds, a.warmup, a.calibration = 1, 1, 1, 1
     args = {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
-            "calibration": a.calibration}
+            "calibration": a.calibration, "emulate": a.emulate}
     from fivefold.local_ranks import run_local
     from fivefold.train.data import prepare_data
 
@@ -178,7 +204,9 @@ def main() -> None:
     res = report(run_local(rank_main, WORLD, args, timeout_s=3600), args)
     res["machine"]["load_average_at_start"] = load_at_start
     pinned = res["machine"]["pinned"]
-    print(f"ranks pinned to cores {pinned}" if pinned[0] else "ranks not pinned (< 2 cores)")
+    print(f"ranks pinned to cores {pinned}" if pinned[0] else
+          f"ranks not pinned; ranks 1 and 2 emulated {a.emulate}x slower" if a.emulate else
+          "ranks not pinned (< 2 cores)")
     print(f"load average (1, 5, 15 min) at start {load_at_start}, at the end "
           f"{res['machine']['load_average']}")
     print("speed (sequences/s, fwd+bwd): " + ", ".join(f"{s:.2f}" for s in res["speed_seq_per_s"]))
