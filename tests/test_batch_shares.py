@@ -189,3 +189,15 @@ def test_start_line_names_each_replicas_micro_batches():
                              "parallel.global_batch=8"])
     assert layout_text(training_plan(cfg, 3, "cpu")).endswith(
         "ZeRO 0, batch shares 2:1:1, micro-batches 2/1/1 of 2/2/2")
+
+
+def test_plan_with_shares_round_trips_through_json():
+    """`parallel = "auto"` hands the ranks their plan as JSON: the shares come back as given."""
+    import json
+
+    from fivefold.parallel.plan import ParallelPlan
+
+    plan = training_plan(load_config(None, ["parallel.dp_batch_shares=[2, 1, 1]",
+                                            "parallel.global_batch=8"]), 3, "cpu")
+    assert ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan.micro_batch == 4  # the largest replica's rows: one micro-batch each

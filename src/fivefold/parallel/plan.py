@@ -267,9 +267,10 @@ class ParallelPlan:
         if set(data) != names:
             raise ValueError(f"a parallel plan has the fields {sorted(names)}; got "
                              f"{sorted(data)}")
-        stages = data["stage_layers"]
+        stages, shares = data["stage_layers"], data["dp_batch_shares"]
         return cls(**{**data, "stage_layers": tuple(stages) if stages else None,
-                      "fp8_tensors": tuple(data["fp8_tensors"])})
+                      "fp8_tensors": tuple(data["fp8_tensors"]),
+                      "dp_batch_shares": tuple(shares) if shares else None})
 
     def replace(self, **changes) -> "ParallelPlan":
         return dataclasses.replace(self, **changes)
