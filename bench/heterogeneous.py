@@ -100,8 +100,8 @@ def throttle(model, seconds_per_row: float) -> None:
 
 def measure_speed(passes: int, slowdown: float) -> tuple[float, float]:
     """(sequences per second of this rank, the throttle's seconds per sequence): forward and
-    backward of a uniform plan's rows, `passes` times after one untimed pass that also sets
-    the throttle of `slowdown` (1: none)."""
+    backward of a uniform plan's rows, `passes` times after an untimed warm-up pass and a
+    pass that sets the throttle of `slowdown` (1: none) from its time."""
     import torch
 
     from fivefold.models.llama import build_model
@@ -117,6 +117,7 @@ def measure_speed(passes: int, slowdown: float) -> tuple[float, float]:
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
         return time.perf_counter() - start
 
+    once()
     per_row = (slowdown - 1) * once() / rows
     if per_row:
         throttle(model, per_row)
