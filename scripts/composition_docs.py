@@ -170,6 +170,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [z(3), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]), (4, [z(3), *NVME_OFFLOAD])],
     "tests/test_offload.py::test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly": [
         (1, [*NVME_OFFLOAD])],
+    "tests/test_batch_shares.py::test_batch_shares_match_one_process": [
+        (3, ["parallel.dp_batch_shares=[2, 1, 1]", z(0), micro(2)]),
+        (3, ["parallel.dp_batch_shares=[2, 1, 1]", z(2)])],
+    "tests/test_batch_shares.py::test_more_batch_shares_match_one_process": [
+        (3, ["parallel.dp_batch_shares=[1, 2, 1]", z(3)]),
+        (3, ["parallel.dp_batch_shares=[2, 1, 1]", z(1), micro(1)])],
 }
 
 

@@ -119,6 +119,9 @@ class ParallelConfig:
     micro_batch: int | None = _doc("sequences per micro-batch per dp rank; default no accumulation",
                                    None)
     global_batch: int = _doc("sequences per optimizer step, all ranks together", 8)
+    dp_batch_shares: list[int] | None = _doc("each dp replica's share of the global batch, "
+                                             "e.g. [2, 1, 1] (docs/data_parallel.md); default "
+                                             "even", None)
     recompute: str = _doc('"none" | "selective" | "full" activation recomputation', "none")
     offload: str = _doc('"none" | "cpu" (fp32 master weights and optimizer states in host '
                         'memory, the optimizer step on the CPU) | "nvme" (optimizer states in '

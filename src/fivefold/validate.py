@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+from fivefold.batch_shares import check_batch_split
 from fivefold.cluster_groups import validate_groups
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
@@ -81,14 +82,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
         raise ConfigError("parallel.zero_group", f"{p.zero_group} does not divide the "
                                                  f"data-parallel degree {dp}; choose one of "
                                                  f"{_divisors(dp)}")
-    if p.global_batch % dp:
-        raise ConfigError("parallel.global_batch", f"{p.global_batch} sequences do not split "
-                                                   f"evenly over dp = {dp} ranks; use a "
-                                                   f"multiple of {dp}")
-    if p.micro_batch is not None and (p.global_batch // dp) % p.micro_batch:
-        raise ConfigError("parallel.micro_batch", f"{p.micro_batch} does not divide the "
-                                                  f"{p.global_batch // dp} sequences per dp rank"
-                                                  f" (global_batch {p.global_batch} / dp {dp})")
+    check_batch_split(p, dp, world_size is not None or p.dp is not None, cfg.train.optimizer)
     check_compositions(cfg, dp, ANY_USE)
     if p.hpz or p.qgz:
         shard = p.zero_group or dp

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fivefold.batch_shares import replica_rows
 from fivefold.config import Config, ParallelConfig
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
@@ -73,6 +74,7 @@ class ParallelPlan:
     offload_path: str | None
     offload_fraction: float
     offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
+    dp_batch_shares: tuple[int, ...] | None = None  # None: the batch splits evenly over dp
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -107,7 +109,8 @@ class ParallelPlan:
 
     @property
     def per_rank_batch(self) -> int:
-        """Sequences per data-parallel rank per optimizer step."""
+        """Sequences per data-parallel rank per step (even split; dp_batch_shares: the
+        replicas' own are fivefold.batch_shares.replica_rows)."""
         return self.global_batch // self.dp
 
     @property
@@ -264,9 +267,10 @@ class ParallelPlan:
         if set(data) != names:
             raise ValueError(f"a parallel plan has the fields {sorted(names)}; got "
                              f"{sorted(data)}")
-        stages = data["stage_layers"]
+        stages, shares = data["stage_layers"], data["dp_batch_shares"]
         return cls(**{**data, "stage_layers": tuple(stages) if stages else None,
-                      "fp8_tensors": tuple(data["fp8_tensors"])})
+                      "fp8_tensors": tuple(data["fp8_tensors"]),
+                      "dp_batch_shares": tuple(shares) if shares else None})
 
     def replace(self, **changes) -> "ParallelPlan":
         return dataclasses.replace(self, **changes)
@@ -297,7 +301,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         zero_stage=p.zero_stage, vpp=p.vpp, schedule=p.schedule,
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,
-        micro_batch=p.micro_batch or p.global_batch // dp, global_batch=p.global_batch,
+        micro_batch=p.micro_batch or max(replica_rows(p.global_batch, dp, p.dp_batch_shares)),
+        global_batch=p.global_batch,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
         cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
@@ -306,7 +311,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
         gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
         offload_path=p.offload_path, offload_fraction=p.offload_fraction,
-        offload_kernel=p.offload_kernel)
+        offload_kernel=p.offload_kernel,
+        dp_batch_shares=tuple(p.dp_batch_shares) if p.dp_batch_shares else None)
 
 
 def fp8_base(default_precision: str) -> str:

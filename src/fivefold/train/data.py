@@ -19,7 +19,8 @@ under a key of every source, weight and setting.
 `BatchSampler` draws the global batch of step `s` from a generator seeded by (seed, split, s)
 alone. The data position is therefore just the step number (resuming is exact), and the
 global batch is the same whatever the layout: data-parallel rank r of dp takes rows
-[r*G/dp, (r+1)*G/dp) of it and cuts them into micro-batches. From a mixture, each sequence
+[r*G/dp, (r+1)*G/dp) of it, or its `parallel.dp_batch_shares` part (fivefold.batch_shares),
+and cuts them into micro-batches. From a mixture, each sequence
 of the global batch draws its source by weight from that same generator
 (fivefold.train.mixture), so all of this holds for mixtures too.
 """
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from fivefold.batch_shares import replica_slice
 from fivefold.config import Config, ConfigError, DataConfig
 from fivefold.data_sources import source_configs
 from fivefold.train.corpus import Document, detect_format, load_documents, split_documents
@@ -272,14 +274,12 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray | Mixture, seq_len: int, global_batch: int,
                  seed: int, split: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 positions: torch.Tensor | None = None):
-        if global_batch % dp_size:
-            raise ValueError(f"global_batch {global_batch} not divisible by dp {dp_size}")
+                 positions: torch.Tensor | None = None,
+                 shares: tuple[int, ...] | None = None):
         self.mixture = tokens if isinstance(tokens, Mixture) else Mixture((tokens,), (1.0,))
         self.seq_len, self.global_batch = seq_len, global_batch
         self.seed, self.split = seed, split
-        self.per_rank = global_batch // dp_size
-        self.first_row = dp_rank * self.per_rank
+        self.first_row, self.per_rank = replica_slice(global_batch, dp_size, shares, dp_rank)
         self.positions = None if positions is None else positions.cpu()
 
     def global_draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:

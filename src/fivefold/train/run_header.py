@@ -8,6 +8,7 @@ functions of the config and the plan, testable without ranks.
 
 from __future__ import annotations
 
+from fivefold.batch_shares import shares_text
 from fivefold.config import Config
 from fivefold.models.flops import param_count
 from fivefold.parallel.plan import ParallelPlan
@@ -16,9 +17,10 @@ from fivefold.parallel.plan import ParallelPlan
 def layout_text(plan: ParallelPlan) -> str:
     """E.g. "dp 2, tp 1, pp 1, cp 2, ep 1, ZeRO 0, 4 micro-batches of 1"."""
     pipeline = f" ({plan.schedule}, vpp {plan.vpp})" if plan.pp > 1 else ""
+    batches = (shares_text(plan) if plan.dp_batch_shares else f"{plan.micro_batches} micro-"
+               f"batch{'es' if plan.micro_batches != 1 else ''} of {plan.micro_batch}")
     return (f"dp {plan.dp}, tp {plan.tp}, pp {plan.pp}{pipeline}, cp {plan.cp}, ep {plan.ep}, "
-            f"ZeRO {plan.zero_stage}, {plan.micro_batches} micro-batch"
-            f"{'es' if plan.micro_batches != 1 else ''} of {plan.micro_batch}")
+            f"ZeRO {plan.zero_stage}, {batches}")
 
 
 def start_line(cfg: Config, plan: ParallelPlan, device_type: str,

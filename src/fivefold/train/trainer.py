@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fivefold.batch_shares import replica_batch
 from fivefold.comm import collectives as C
 from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.collectives import Axis
@@ -162,8 +163,7 @@ class Trainer:
         self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
         self.dp = plan.dp  # the ranks of one tp group share a batch
-        self.per_rank = plan.per_rank_batch
-        self.micro_batch = plan.micro_batch
+        self.per_rank, self.micro_batch = replica_batch(plan, self.dp_axis.rank)  # its share
         self.global_tokens = plan.global_batch * m.seq_len
         self.precision = plan.precision
         # the dtype of everything outside fp8's linears (all of it without fp8)
@@ -180,10 +180,11 @@ class Trainer:
         positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
         self.train_sampler = DataOrder(BatchSampler(self.data.train, m.seq_len,
                                                     plan.global_batch, cfg.train.seed, 0,
-                                                    self.dp_axis.rank, self.dp, positions))
+                                                    self.dp_axis.rank, self.dp, positions,
+                                                    plan.dp_batch_shares))
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp,
-                                        positions)
+                                        positions, plan.dp_batch_shares)
         self.engine, self.optimizer, self.lomo, self.galore = None, None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
