@@ -1,0 +1,103 @@
+"""Muon on every data layout (fivefold.parallel.muon_sharded) against the one-process Muon run.
+
+Each layout trains STEPS steps on gloo ranks from the same seed and data as one process with
+Muon (torch.optim.Muon on the blocks' matrices, fivefold.muon.StackedMuon on stacked experts,
+AdamW elsewhere). Tolerance: losses rel 2e-5, parameters atol 1e-4 + rtol 1e-4. Muon
+orthogonalizes in bf16, so the layouts' other float-sum order of the gradients (1e-7
+relative) can flip a bf16 rounding of the orthogonalized update: about 4e-3 relative of an
+update of lr 1e-3 times 0.2 sqrt(max(A, B)), a few 1e-5 after five steps (the same bound
+tests/test_data_parallel.py states for DDP with Muon). One process start per world size;
+the 4-rank layouts are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import CPU, STEPS, assert_params_close, train_steps
+
+from fivefold.config import load_config
+from fivefold.muon import StackedMuon, orthogonalize
+from fivefold.parallel.muon_owners import assign_owners, newton_schulz_flops
+from fivefold.testing import run_on_ranks
+
+MUON = ["train.optimizer=muon", f"train.steps={STEPS}"]
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.aux_loss_weight=0.01"]
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+DENSE_2 = [["parallel.zero_stage=1"], ["parallel.zero_stage=2", "parallel.micro_batch=2"],
+           ["parallel.zero_stage=3"], ["parallel.tp=2"], SP,
+           ["parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batch=1"]]
+MOE_2 = [["parallel.ep=2"], ["parallel.ep=2", "parallel.zero_stage=1"],
+         ["parallel.ep=2", "parallel.zero_stage=3"]]
+DENSE_4 = [["parallel.zero_stage=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+           ["parallel.zero_stage=3", "parallel.zero_group=2"],
+           ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.micro_batch=2"]]
+MOE_4 = [["parallel.ep=2", "parallel.zero_stage=2"], ["parallel.ep=2", "parallel.tp=2"]]
+
+
+def _runs(rt, overrides, layouts, tmp):
+    """Every layout in turn; each rank's run (pipeline stages hold different parameters)."""
+    return [train_steps(rt, load_config(None, overrides + sets), f"{tmp}/{k}")
+            for k, sets in enumerate(layouts)]
+
+
+def _check(world, base, layouts, tmp_path):
+    ref = train_steps(CPU, load_config(None, base), tmp_path / "ref")
+    runs = run_on_ranks(_runs, world, base, layouts, str(tmp_path / "runs"), timeout_s=600)
+    for k, sets in enumerate(layouts):
+        label = f"world {world} {sets}"
+        params = {}
+        for rank_runs in runs:
+            params.update(rank_runs[k].params)
+        assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
+        assert_params_close(params, ref.params, label, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_tp_pp_match_one_process(parity_overrides, tmp_path):
+    """ZeRO-1/2/3, tp 2, tp 2 with sequence parallelism and pp 2 x ZeRO-1 on 2 ranks."""
+    _check(2, parity_overrides + MUON, DENSE_2, tmp_path)
+
+
+def test_moe_expert_parallel_matches_one_process(parity_overrides, tmp_path):
+    """MoE with ep 2 (each expert's matrix orthogonalized on its own) at stages 0, 1, 3."""
+    _check(2, parity_overrides + MUON + MOE, MOE_2, tmp_path)
+
+
+@pytest.mark.slow
+def test_four_ranks_match_one_process(parity_overrides, tmp_path):
+    """ZeRO-1 x tp 2 with sp, hierarchical ZeRO-3, pp 2 x tp 2 x ZeRO-2; MoE ep 2 with
+    ZeRO-2 and with tp 2."""
+    _check(4, parity_overrides + MUON, DENSE_4, tmp_path / "dense")
+    _check(4, parity_overrides + MUON + MOE, MOE_4, tmp_path / "moe")
+
+
+def test_stacked_muon_is_muon_per_expert():
+    """StackedMuon on (E, A, B) equals torch.optim.Muon on each A x B slice, bit for bit."""
+    torch.manual_seed(0)
+    stacked = torch.nn.Parameter(torch.randn(3, 8, 12))
+    slices = [torch.nn.Parameter(stacked.detach()[e].clone()) for e in range(3)]
+    ours = StackedMuon([stacked], lr=1e-2, weight_decay=0.1, momentum=0.9)
+    theirs = torch.optim.Muon(slices, lr=1e-2, weight_decay=0.1, momentum=0.9,
+                              adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        grad = torch.randn(3, 8, 12)
+        stacked.grad = grad.clone()
+        for e, p in enumerate(slices):
+            p.grad = grad[e].clone()
+        ours.step()
+        theirs.step()
+    for e, p in enumerate(slices):
+        assert torch.equal(stacked.detach()[e], p.detach()), e
+    assert torch.equal(orthogonalize(torch.ones(2, 4, 4))[0], orthogonalize(torch.ones(4, 4)))
+
+
+def test_owners_balance_newton_schulz_work():
+    """The longest-processing-time rule: two 64 x 256 matrices and four 64 x 64 ones over two
+    ranks give each rank one large and two small; every matrix has exactly one owner."""
+    shapes = [(64, 64), (64, 256), (64, 64), (256, 64), (64, 64), (64, 64)]
+    owners = assign_owners(shapes, 2)
+    load = [sum(newton_schulz_flops(*s) for s, o in zip(shapes, owners) if o == r)
+            for r in range(2)]
+    assert load[0] == load[1]
+    assert sorted(owners) == [0, 0, 0, 1, 1, 1]
