@@ -6,70 +6,87 @@ AdamW elsewhere). Tolerance: losses rel 2e-5, parameters atol 1e-4 + rtol 1e-4. 
 orthogonalizes in bf16, so the layouts' other float-sum order of the gradients (1e-7
 relative) can flip a bf16 rounding of the orthogonalized update: about 4e-3 relative of an
 update of lr 1e-3 times 0.2 sqrt(max(A, B)), a few 1e-5 after five steps (the same bound
-tests/test_data_parallel.py states for DDP with Muon). One process start per world size;
-the 4-rank layouts are marked slow.
+tests/test_data_parallel.py states for DDP with Muon). MoE parameters get atol 3e-4: the
+router's top-k turns the same float noise into larger update differences, 1.2e-4 measured
+on the router with ep 1 on plain DDP, the path that existed before sharded Muon (AdamW:
+6e-7). One process start per test; all but three layouts are marked slow.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from parity import CPU, STEPS, assert_params_close, train_steps
+from parity import CPU, STEPS, assert_params_close, full_parameters, train_steps
 
 from fivefold.config import load_config
 from fivefold.muon import StackedMuon, orthogonalize
+from fivefold.parallel.expert import gather_experts
 from fivefold.parallel.muon_owners import assign_owners, newton_schulz_flops
 from fivefold.testing import run_on_ranks
+from fivefold.train.trainer import Trainer
 
 MUON = ["train.optimizer=muon", f"train.steps={STEPS}"]
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
-       "model.moe.aux_loss_weight=0.01"]
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-DENSE_2 = [["parallel.zero_stage=1"], ["parallel.zero_stage=2", "parallel.micro_batch=2"],
-           ["parallel.zero_stage=3"], ["parallel.tp=2"], SP,
-           ["parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batch=1"]]
-MOE_2 = [["parallel.ep=2"], ["parallel.ep=2", "parallel.zero_stage=1"],
-         ["parallel.ep=2", "parallel.zero_stage=3"]]
-DENSE_4 = [["parallel.zero_stage=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
-           ["parallel.zero_stage=3", "parallel.zero_group=2"],
-           ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.micro_batch=2"]]
-MOE_4 = [["parallel.ep=2", "parallel.zero_stage=2"], ["parallel.ep=2", "parallel.tp=2"]]
+FAST_2 = [([], ["parallel.zero_stage=3"]), ([], SP), (MOE, ["parallel.ep=2", "parallel.zero_stage=1"])]
+SLOW_2 = [([], ["parallel.zero_stage=1"]), ([], ["parallel.zero_stage=2", "parallel.micro_batch=2"]),
+          ([], ["parallel.tp=2"]),
+          ([], ["parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batch=1"]),
+          (MOE, ["parallel.ep=2"]), (MOE, ["parallel.ep=2", "parallel.zero_stage=3"])]
+SLOW_4 = [([], ["parallel.zero_stage=1"] + SP), ([], ["parallel.zero_stage=3", "parallel.zero_group=2"]),
+          ([], ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.micro_batch=2"]),
+          (MOE, ["parallel.ep=2", "parallel.zero_stage=2"]), (MOE, ["parallel.ep=2", "parallel.tp=2"])]
 
 
-def _runs(rt, overrides, layouts, tmp):
-    """Every layout in turn; each rank's run (pipeline stages hold different parameters)."""
-    return [train_steps(rt, load_config(None, overrides + sets), f"{tmp}/{k}")
-            for k, sets in enumerate(layouts)]
-
-
-def _check(world, base, layouts, tmp_path):
-    ref = train_steps(CPU, load_config(None, base), tmp_path / "ref")
-    runs = run_on_ranks(_runs, world, base, layouts, str(tmp_path / "runs"), timeout_s=600)
+def _runs(rt, layouts, tmp):
+    """Every layout in turn: this rank's losses and whole parameters (the experts gathered
+    over ep; pipeline stages hold different parameters)."""
+    out = []
     for k, sets in enumerate(layouts):
-        label = f"world {world} {sets}"
+        trainer = Trainer(load_config(None, sets), rt, f"{tmp}/{k}")
+        losses = [trainer.train_step(s).loss for s in range(STEPS)]
+        params = full_parameters(trainer)
+        if trainer.expert_axes:
+            params = gather_experts(params, trainer.expert_axes[0])
+        out.append((losses, params))
+    return out
+
+
+def _check(world, overrides, layouts, tmp_path):
+    """Each (model overrides, layout) on `world` ranks, in one start, against one process."""
+    refs = {}
+    for model, _ in layouts:
+        if tuple(model) not in refs:
+            refs[tuple(model)] = train_steps(CPU, load_config(None, overrides + MUON + model),
+                                             tmp_path / f"ref{len(refs)}")
+    runs = run_on_ranks(_runs, world, [overrides + MUON + model + sets for model, sets in layouts],
+                        str(tmp_path / "runs"), timeout_s=600)
+    for k, (model, sets) in enumerate(layouts):
+        label, ref = f"world {world} {model + sets}", refs[tuple(model)]
         params = {}
         for rank_runs in runs:
-            params.update(rank_runs[k].params)
-        assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
-        assert_params_close(params, ref.params, label, atol=1e-4, rtol=1e-4)
+            params.update(rank_runs[k][1])
+        assert runs[0][k][0] == pytest.approx(ref.losses, rel=2e-5), label
+        assert_params_close(params, ref.params, label, atol=3e-4 if model else 1e-4, rtol=1e-4)
 
 
-def test_zero_tp_pp_match_one_process(parity_overrides, tmp_path):
-    """ZeRO-1/2/3, tp 2, tp 2 with sequence parallelism and pp 2 x ZeRO-1 on 2 ranks."""
-    _check(2, parity_overrides + MUON, DENSE_2, tmp_path)
+def test_zero3_sp_and_expert_parallel_match_one_process(parity_overrides, tmp_path):
+    """2 ranks: ZeRO-3, tp 2 with sequence parallelism, MoE with ep 2 x ZeRO-1."""
+    _check(2, parity_overrides, FAST_2, tmp_path)
 
 
-def test_moe_expert_parallel_matches_one_process(parity_overrides, tmp_path):
-    """MoE with ep 2 (each expert's matrix orthogonalized on its own) at stages 0, 1, 3."""
-    _check(2, parity_overrides + MUON + MOE, MOE_2, tmp_path)
+@pytest.mark.slow
+def test_every_layout_on_two_ranks_matches_one_process(parity_overrides, tmp_path):
+    """ZeRO-1, ZeRO-2 with accumulation, tp 2, pp 2 x ZeRO-1; MoE ep 2 at stages 0 and 3."""
+    _check(2, parity_overrides, SLOW_2, tmp_path)
 
 
 @pytest.mark.slow
 def test_four_ranks_match_one_process(parity_overrides, tmp_path):
     """ZeRO-1 x tp 2 with sp, hierarchical ZeRO-3, pp 2 x tp 2 x ZeRO-2; MoE ep 2 with
     ZeRO-2 and with tp 2."""
-    _check(4, parity_overrides + MUON, DENSE_4, tmp_path / "dense")
-    _check(4, parity_overrides + MUON + MOE, MOE_4, tmp_path / "moe")
+    _check(4, parity_overrides, SLOW_4, tmp_path)
 
 
 def test_stacked_muon_is_muon_per_expert():
