@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import CPU, STEPS, assert_params_close, full_parameters, train_steps
+from parity import (CPU, STEPS, assert_params_close, full_parameters, resumed_losses,
+                    train_steps)
 
 from fivefold.config import load_config
 from fivefold.muon import StackedMuon, orthogonalize
@@ -118,3 +119,28 @@ def test_owners_balance_newton_schulz_work():
             for r in range(2)]
     assert load[0] == load[1]
     assert sorted(owners) == [0, 0, 0, 1, 1, 1]
+
+
+def _straight_and_resumed(rt, layouts, tmp):
+    """Per layout: the losses of 4 straight steps, and of 2 steps, a checkpoint and a new
+    Trainer resumed from it for steps 3-4."""
+    out = []
+    for k, sets in enumerate(layouts):
+        cfg = load_config(None, sets)
+        trainer = Trainer(cfg, rt, f"{tmp}/s{k}")
+        straight = [trainer.train_step(s).loss for s in range(4)]
+        resumed, start, _ = resumed_losses(rt, cfg, f"{tmp}/r{k}", 2, 4)
+        out.append((straight, resumed, start))
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_bit_identical(parity_overrides, tmp_path):
+    """The momenta and AdamW states of sharded Muon (ZeRO-2, tp 2 with sp) save and load in
+    place: the resumed run's losses equal the straight run's exactly."""
+    layouts = [parity_overrides + MUON + sets
+               for sets in (["parallel.zero_stage=2"], SP)]
+    for straight, resumed, start in run_on_ranks(_straight_and_resumed, 2, layouts,
+                                                 str(tmp_path), timeout_s=600)[0]:
+        assert start == 2
+        assert resumed == straight

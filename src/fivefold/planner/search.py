@@ -35,6 +35,7 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
+from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
@@ -150,8 +151,10 @@ class FastScorer:
                            for n, moe in kinds) / pp
             low_rank = sum(n * galore_state_bytes(m, sm.first_layer(moe), lay.tp)
                            for n, moe in kinds) / pp
-        if lay.optimizer == "muon":  # and Muon's orthogonalization
-            opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp
+        if lay.optimizer == "muon":  # and Muon's orthogonalization, divided over its owners
+            owners = muon_axis(lay, False)[1] if sharded_muon(lay) else 1
+            opt_s += sum(n * sm.newton_schulz_s(sm.first_layer(moe)) for n, moe in kinds) / pp \
+                / owners
         kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
