@@ -89,7 +89,8 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
     resharded) or with expert parallelism (its per-ep-rank expert units are not) or with
-    sharded Muon (ZeRO or tp: its per-piece states are not), or with another optimizer than AdamW or Muon, or than the checkpoint's."""
+    sharded Muon (ZeRO or tp: its per-piece states are not), or with another optimizer
+    than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
