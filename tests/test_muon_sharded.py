@@ -30,14 +30,18 @@ MUON = ["train.optimizer=muon", f"train.steps={STEPS}"]
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-FAST_2 = [([], ["parallel.zero_stage=3"]), ([], SP), (MOE, ["parallel.ep=2", "parallel.zero_stage=1"])]
-SLOW_2 = [([], ["parallel.zero_stage=1"]), ([], ["parallel.zero_stage=2", "parallel.micro_batch=2"]),
-          ([], ["parallel.tp=2"]),
+FAST_2 = [([], ["parallel.zero_stage=3"]), ([], SP),
+          (MOE, ["parallel.ep=2", "parallel.zero_stage=1"])]
+SLOW_2 = [([], ["parallel.zero_stage=1"]),
+          ([], ["parallel.zero_stage=2", "parallel.micro_batch=2"]), ([], ["parallel.tp=2"]),
           ([], ["parallel.pp=2", "parallel.zero_stage=1", "parallel.micro_batch=1"]),
           (MOE, ["parallel.ep=2"]), (MOE, ["parallel.ep=2", "parallel.zero_stage=3"])]
-SLOW_4 = [([], ["parallel.zero_stage=1"] + SP), ([], ["parallel.zero_stage=3", "parallel.zero_group=2"]),
-          ([], ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2", "parallel.micro_batch=2"]),
-          (MOE, ["parallel.ep=2", "parallel.zero_stage=2"]), (MOE, ["parallel.ep=2", "parallel.tp=2"])]
+SLOW_4 = [([], ["parallel.zero_stage=1"] + SP),
+          ([], ["parallel.zero_stage=3", "parallel.zero_group=2"]),
+          ([], ["parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=2",
+                "parallel.micro_batch=2"]),
+          (MOE, ["parallel.ep=2", "parallel.zero_stage=2"]),
+          (MOE, ["parallel.ep=2", "parallel.tp=2"])]
 
 
 def _runs(rt, layouts, tmp):

@@ -2,9 +2,9 @@
 
 Sharded Muon (fivefold.parallel.muon_sharded) gathers every matrix whole to one owner rank,
 which runs its Newton-Schulz iteration; the owners are spread so that the iterations divide
-over the ranks ("Muon is Scalable", arXiv 2502.16982, Sec. 2.3, does the orthogonalization
-redundantly on every data-parallel rank; spreading it is the owner-based variant of the
-distributed Muon designs). The assignment is the longest-processing-time rule: matrices by
+over the ranks (the Distributed Muon of "Muon is Scalable", arXiv 2502.16982, Sec. 2.3,
+orthogonalizes redundantly on every data-parallel rank; spreading it is the owner-based
+variant). The assignment is the longest-processing-time rule: matrices by
 falling cost, each to the least loaded rank (the lowest on a tie). Torch-free, so that the
 planner (fivefold.planner.muon_cost) assigns exactly as the runtime does.
 """

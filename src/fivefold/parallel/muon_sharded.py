@@ -5,7 +5,7 @@ engine's flat shards (fivefold.parallel.data_parallel) like AdamW's moments; its
 Newton-Schulz orthogonalization (fivefold.muon) is not: it needs each weight matrix whole,
 and ZeRO's shards (stages 1-3) and tensor parallelism's splits hold parts of it. The
 engine's step for `train.optimizer = "muon"` under ZeRO or tp > 1 therefore runs, per flat
-unit ("Muon is Scalable", arXiv 2502.16982, Sec. 2.3, Algorithm 1: gather the update,
+unit ("Muon is Scalable", arXiv 2502.16982, Sec. 2.3, "Distributed Muon": gather the update,
 orthogonalize, keep one's part; here the owners are spread, fivefold.parallel.muon_owners):
 
   1. momentum    on this rank's shard, each matrix element: m <- mu m + (1 - mu) g and the

@@ -59,7 +59,8 @@ def block_unit_params(model: ModelConfig, lay: ParallelPlan, layer: int
     return [dense, experts] if experts else [dense]
 
 
-def block_matrices(model: ModelConfig, lay: ParallelPlan, layer: int) -> list[list[tuple[int, int]]]:
+def block_matrices(model: ModelConfig, lay: ParallelPlan, layer: int
+                   ) -> list[list[tuple[int, int]]]:
     """The whole (rows, cols) matrices block `layer`'s units orthogonalize on this rank's
     stage: each 2-D weight, each local expert of a stacked (E, A, B) one."""
     dense, experts = [], []
