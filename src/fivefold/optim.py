@@ -11,7 +11,8 @@ orthogonalize); a mixture-of-experts layer's stacked experts (E, A, B) are E mat
 orthogonalized on its own (fivefold.muon.StackedMuon). Muon's step is scaled to AdamW's
 update RMS (0.2 sqrt(max(A, B)), Liu et al. Sec. 2.2), so both take `train.lr` and
 `train.weight_decay`. Why fivefold has it: under one step of gradient staleness
-(PipeDream-2BW) AdamW loses ~12% on the default run and Muon under 1% (docs/pipeline.md; Zmushko et al., arXiv 2606.30634, find the same).
+(PipeDream-2BW) AdamW loses ~12% on the default run and Muon under 1% (docs/pipeline.md;
+Zmushko et al., arXiv 2606.30634, find the same).
 
 GaLore (`train.optimizer = "galore"`, fivefold.memory.galore) takes the same split: low-rank
 Adam on the blocks' matrices, AdamW on the rest.
