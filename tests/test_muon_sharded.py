@@ -148,3 +148,26 @@ def test_sharded_checkpoint_resumes_bit_identical(parity_overrides, tmp_path):
                                                  str(tmp_path), timeout_s=600)[0]:
         assert start == 2
         assert resumed == straight
+
+
+def test_planner_prices_owners_and_gathers():
+    """The simulator's Muon term on 4 H100s: under ZeRO-1 the busiest owner's Newton-Schulz
+    (a quarter of DDP's, to within the assignment's imbalance) plus the gather and scatter,
+    which DDP (every rank orthogonalizes everything, nothing gathered) does not pay."""
+    from fivefold.parallel.plan import plan_from_config
+    from fivefold.planner.compute import newton_schulz_time
+    from fivefold.planner.muon_cost import block_matrices, muon_step_s
+    from fivefold.planner.simulate import StepModel, default_precision, profile_of, shared_machine
+
+    seconds = {}
+    for stage in (0, 1):
+        cfg = load_config(None, [MUON[0], "cluster.gpus=4", "cluster.gpu='H100-SXM'",
+                                 f"parallel.zero_stage={stage}"])
+        prof = shared_machine(profile_of(cfg), 4)
+        sim = StepModel(cfg, prof, plan_from_config(cfg, 4, default_precision(prof)))
+        seconds[stage] = muon_step_s(sim, 0)
+    whole = newton_schulz_time([m for i in range(cfg.model.layers)
+                                for ms in block_matrices(cfg.model, sim.lay, i) for m in ms],
+                               sim.prof)
+    assert seconds[0] == pytest.approx(whole, rel=1e-12)
+    assert whole / 4 < seconds[1] < whole / 2
