@@ -58,6 +58,7 @@ NVME_OFFLOAD = ["parallel.offload=nvme", "parallel.offload_path=/tmp"]
 # test -> the (world size, overrides) it trains; representative layouts of each parity test
 FP8 = "parallel.precision=fp8"
 GALORE, LOMO, SGD = "train.optimizer=galore", "train.optimizer=lomo", "train.optimizer=sgd"
+MUON = "train.optimizer=muon"
 TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_data_parallel.py::test_parity_with_one_process": [
         (2, [z(0), micro(1)]), (2, [z(1), micro(1)]), (2, [z(2), micro(1)]),
@@ -66,6 +67,18 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [z(3), "parallel.hpz=true", "cluster.gpus_per_node=2", micro(1)])],
     "tests/test_data_parallel.py::test_muon_matches_one_process": [
         (2, ["train.optimizer=muon", micro(1)]), (4, ["train.optimizer=muon", PP2])],
+    "tests/test_muon_sharded.py::test_zero3_sp_and_expert_parallel_match_one_process": [
+        (2, [MUON, z(3)]), (2, [MUON, TP2, SP]),
+        (2, [MUON, *MOE, "parallel.ep=2", z(1), micro(2)])],
+    "tests/test_muon_sharded.py::test_every_layout_on_two_ranks_matches_one_process": [
+        (2, [MUON, z(1)]), (2, [MUON, z(2), micro(2)]), (2, [MUON, TP2]),
+        (2, [MUON, PP2, z(1), micro(1)]), (2, [MUON, *MOE, "parallel.ep=2", micro(2)]),
+        (2, [MUON, *MOE, "parallel.ep=2", z(3), micro(2)])],
+    "tests/test_muon_sharded.py::test_four_ranks_match_one_process": [
+        (4, [MUON, z(1), TP2, SP]), (4, [MUON, z(3), "parallel.zero_group=2"]),
+        (4, [MUON, PP2, TP2, z(2), micro(2)]),
+        (4, [MUON, *MOE, "parallel.ep=2", z(2), micro(2)]),
+        (4, [MUON, *MOE, "parallel.ep=2", TP2, micro(2)])],
     "tests/test_data_parallel.py::test_recompute_matches_one_process": [
         (world, [f"parallel.recompute={mode}", *sets]) for mode in ("full", "selective")
         for world, sets in [(2, [micro(1)]), (2, [z(2)]), (2, [z(3), micro(1)]),

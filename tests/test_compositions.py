@@ -62,7 +62,6 @@ REFUSED = [
          "parallel.global_batch=4"]),
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb"]),
     (1, ["parallel.precision=fp16", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
-    (1, ["train.optimizer=muon", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=1", "parallel.zero_group=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.qwz=true",
          "cluster.gpus_per_node=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
@@ -98,8 +97,6 @@ REFUSED = [
     (1, ["train.optimizer=lomo", "parallel.micro_batch=2"]),
     (1, ["train.optimizer=lomo", "parallel.precision=fp16"]),
     (2, ["parallel.precision=fp16"]),
-    (1, ["train.optimizer=muon", "parallel.zero_stage=2"]),
-    (2, ["train.optimizer=muon", "parallel.tp=2"]),
 ]
 
 

@@ -519,11 +519,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "LOMO with fp16 loss scaling"),
     (["train.optimizer=galore", "parallel.cp=2"], 2, "train.optimizer",
      "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3"),
-    (["train.optimizer=muon", "parallel.zero_stage=1"], 2, "parallel.zero_stage",
-     "Muon orthogonalizes whole matrices"),
-    (["train.optimizer=muon", "parallel.tp=2"], 2, "parallel.tp", "tensor-parallel splits"),
-    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "train.optimizer=muon"], 1,
-     "train.optimizer", "experts are 3-D"),
     (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.precision=fp16"], 1,
      "parallel.precision", "not loss-scaled"),
     (["parallel.ep=2"], 2, "parallel.ep", "needs model.moe"),
@@ -553,6 +548,10 @@ def test_validate_for_training_accepts_runnable_configs():
                                "parallel.schedule=interleaved", "parallel.vpp=2",
                                "parallel.micro_batch=2"), 2)
     validate_for_training(load("train.optimizer=muon", "parallel.pp=2"), 4)  # DDP engine
+    validate_for_training(load("train.optimizer=muon", "parallel.zero_stage=3",
+                               "parallel.tp=2", "parallel.sequence_parallel=true"), 4)
+    validate_for_training(load("train.optimizer=muon", "model.moe.experts=4",
+                               "model.moe.expert_ffn_hidden=64", "parallel.ep=2"), 2)
     validate_for_training(load("train.optimizer=muon", "parallel.pp=2",
                                "parallel.schedule=pipedream-2bw", "parallel.micro_batch=2"),
                           4)  # pp 2 x dp 2

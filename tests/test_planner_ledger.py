@@ -8,7 +8,7 @@ backward, per block and for the root, are predicted by fivefold.planner.activati
 counted with saved_tensors_hooks on the plain model (fivefold.memory.activation_count);
 tolerance 5% (the issue's bound; today they agree to the byte).
 
-The table (55 configurations) spans what the runtime executes today: DDP (with AdamW and
+The table (64 configurations) spans what the runtime executes today: DDP (with AdamW and
 with Muon), full recomputation (ZeRO-2, ZeRO-3, tp, pp x tp with sp), ZeRO-1/2/3,
 hierarchical sharding, micro-batch accumulation, bf16 with fp32 masters, reduce dtypes,
 ZeRO++, tensor parallelism with and without sequence parallelism (with vocabulary padding),
@@ -16,7 +16,8 @@ pipeline parallelism (every synchronous schedule: GPipe, 1F1B, interleaved, ZB-H
 TeraPipe; uneven stages; tied embeddings lent to the last stage; pp x DDP/ZeRO-1/2/3),
 and tensor parallelism inside pipeline stages (pp2 x tp2 on 4 ranks with and without
 sequence parallelism, tied and untied, four schedules, padded vocabulary; pp2 x dp2 x tp2 on
-8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3). `MOE_CASES` holds expert parallelism (and MoE
+8 ranks with ZeRO-1, ZeRO-2 and ZeRO-3), and sharded Muon (ZeRO-1/3, hierarchical, tp with
+sp, tp x ZeRO-2, pp x ZeRO-1). `MOE_CASES` holds expert parallelism (and MoE
 without it, and MoE with sequence and context parallelism) on 4 ranks, at the balanced
 routing the prediction assumes.
 Every rank's ledger is compared, since pipeline stages send, receive and hold different
@@ -48,6 +49,7 @@ ODD = ["model.hidden=30", "model.heads=3", "model.kv_heads=1", "model.ffn_hidden
        "model.vocab=510"]  # unit sizes not divisible by 4: flat buffers need padding
 VOCAB_509 = ["model.vocab=509"]  # not divisible by tp = 2: padded to 510 rows
 TIED = "model.tied_embeddings=true"  # the test model (every shape key set) is untied
+MUON = "train.optimizer=muon"
 
 CASES = [  # (world size, overrides, label)
     (2, ["parallel.zero_stage=0"], "ddp"),
@@ -160,6 +162,15 @@ CASES = [  # (world size, overrides, label)
      "pp2 x dp2 x tp2 zero2 zb tied, padded vocabulary"),
     (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
          "parallel.zero_stage=3", "parallel.micro_batch=2", TIED], "pp2 x dp2 x tp2 sp zero3"),
+    # sharded Muon (fivefold.parallel.muon_sharded): each matrix gathered to its owner
+    (2, ["parallel.zero_stage=1", MUON, "model.qkv_bias=true"] + ODD, "zero1 muon, padded"),
+    (2, ["parallel.zero_stage=3", MUON, "parallel.micro_batch=2"], "zero3 muon"),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", MUON], "tp2 sp muon"),
+    (4, ["parallel.tp=2", "parallel.zero_stage=2", MUON, "model.tied_embeddings=false"],
+     "tp2 x zero2 muon, untied"),
+    (4, ["parallel.pp=2", "parallel.zero_stage=1", MUON, "parallel.micro_batch=2", TIED],
+     "pp2 x zero1 muon tied"),
+    (4, ["parallel.zero_stage=3", "parallel.zero_group=2", MUON], "zero3 hierarchical muon"),
 ]
 
 
@@ -200,7 +211,7 @@ def test_ledger_prediction_equals_runtime(world, overrides):
 
 
 def test_cases_span_the_implemented_dimensions(overrides):
-    assert len(CASES) == 58
+    assert len(CASES) == 64
     assert any("parallel.tp=2" in sets for _, sets, _ in CASES)
     schedules = {"1f1b"} | {s.split("=")[1].strip("'") for _, sets, _ in CASES for s in sets
                             if s.startswith("parallel.schedule=")}
@@ -241,6 +252,10 @@ MOE_CASES = [  # (overrides, label), on 4 ranks
     (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
      "cp2 x tp2 sp: the balancing counts over cp+tp"),
     (["train.optimizer='lomo'"], "MoE under LOMO, whose update path has its own ledger"),
+    (["parallel.ep=2", "parallel.zero_stage=1", MUON], "ep 2 zero1 muon: experts over edp"),
+    (["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", MUON],
+     "tp2 sp x ep 2 muon"),
+    ([MUON, "parallel.zero_stage=2"], "MoE without ep, zero2 muon: experts in the block"),
 ]
 ROUTED = ("moe_combine", "moe_dispatch_backward")  # the rows a rank's experts received
 

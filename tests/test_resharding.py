@@ -198,11 +198,13 @@ def _meta(base, sets):
     (["train.optimizer='sgd'"], ["train.optimizer='sgd'", "parallel.pp=2"],
      "train.optimizer"),
     ([], ["train.optimizer='muon'", "parallel.pp=2"], "train.optimizer"),
+    (["train.optimizer='muon'"], ["train.optimizer='muon'", "parallel.zero_stage=1"],
+     "parallel.zero_stage"),
     ([], ["parallel.global_batch=16"], "parallel.global_batch"),
 ])
 def test_what_cannot_be_resharded_is_refused(base, old, new, key):
-    """PipeDream-2BW's weight versions, SGD's state, a change of optimizer and a changed
-    global batch: refused with the key, the two values and what to do; a plain change of
+    """PipeDream-2BW's weight versions, SGD's state, sharded Muon's, a change of optimizer
+    and a changed global batch: refused with the key, the two values and what to do; a plain change of
     layout is not."""
     new_plan = plan_from_config(load_config(None, base + new), 4, "fp32")
     path = Path("run/checkpoints/step_00000002")

@@ -154,9 +154,6 @@ REFUSALS: list[Refusal] = [
     Refusal("moe", ("fp16",), "parallel.precision",
             "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
             "with model.moe"),
-    Refusal("moe", ("optimizer=muon",), "train.optimizer",
-            "Muon orthogonalizes 2-D matrices; the stacked experts are 3-D: use 'adamw' with "
-            "model.moe"),
     Refusal("ep>1", ("zero_group",), "parallel.zero_group",
             "expert parallelism shards the experts over the whole expert-data-parallel "
             "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
@@ -239,14 +236,6 @@ REFUSALS: list[Refusal] = [
     Refusal("fp16", ("dp>1", "tp>1", "cp>1", *SHARDED), "parallel.precision",
             "fp16 loss scaling runs on one rank only for now; use bf16 or fp32 with data "
             "parallelism"),
-    Refusal("optimizer=muon", SHARDED, "parallel.zero_stage",
-            "Muon orthogonalizes whole matrices; ZeRO shards hold parts of them (gathering "
-            "each matrix for it is not built): use zero_stage = 0 with train.optimizer = "
-            "'muon', or 'adamw'"),
-    Refusal("optimizer=muon", ("tp>1",), "parallel.tp",
-            "Muon orthogonalizes whole matrices; tensor-parallel splits hold parts of them "
-            "(gathering each matrix for it is not built): use tp = 1 with train.optimizer = "
-            "'muon', or 'adamw'"),
 ]
 
 

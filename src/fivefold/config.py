@@ -162,8 +162,9 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices, AdamW on the '
-                          'rest) | "galore" (low-rank Adam on the blocks\' matrices; data, '
+    optimizer: str = _doc('"adamw" | "muon" (Muon on the blocks\' matrices and stacked '
+                          'experts, AdamW on the rest; every data, tensor, pipeline and expert '
+                          'layout) | "galore" (low-rank Adam on the blocks\' matrices; data, '
                           'tensor and pipeline parallel, ZeRO 0-3) | "sgd" | "lomo" (SGD '
                           'fused into backward; data parallel, zero_stage 0-2)', "adamw")
     seed: int = _doc("seed for initialization, data order and sampling", 0)

@@ -7,10 +7,12 @@ Muon (`train.optimizer = "muon"`; Jordan et al. 2024, at scale Liu et al., arXiv
 replaces each weight matrix's update by the orthogonalized momentum (Newton-Schulz), with
 torch.optim.Muon. It applies to the blocks' matrices; the embedding, the head and the norm
 gains keep AdamW (rows of a lookup table and vectors have no matrix structure to
-orthogonalize). Muon's step is scaled to AdamW's update RMS (0.2 sqrt(max(A, B)), Liu et al.
-Sec. 2.2), so both take `train.lr` and `train.weight_decay`. Why fivefold has it: under one
-step of gradient staleness (PipeDream-2BW) AdamW loses ~12% on the default run and Muon
-under 1% (docs/pipeline.md; Zmushko et al., arXiv 2606.30634, find the same).
+orthogonalize); a mixture-of-experts layer's stacked experts (E, A, B) are E matrices, each
+orthogonalized on its own (fivefold.muon.StackedMuon). Muon's step is scaled to AdamW's
+update RMS (0.2 sqrt(max(A, B)), Liu et al. Sec. 2.2), so both take `train.lr` and
+`train.weight_decay`. Why fivefold has it: under one step of gradient staleness
+(PipeDream-2BW) AdamW loses ~12% on the default run and Muon under 1% (docs/pipeline.md;
+Zmushko et al., arXiv 2606.30634, find the same).
 
 GaLore (`train.optimizer = "galore"`, fivefold.memory.galore) takes the same split: low-rank
 Adam on the blocks' matrices, AdamW on the rest.
@@ -28,6 +30,7 @@ from torch import nn
 
 from fivefold.config import TrainConfig
 from fivefold.memory.galore import GaLoreAdamW
+from fivefold.muon import StackedMuon
 
 
 def param_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
@@ -71,6 +74,12 @@ def is_block_matrix(name: str, param: torch.Tensor) -> bool:
     return name.startswith("layers.") and param.dim() == 2
 
 
+def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
+    """What Muon updates: a block's weight matrix, or a block's stacked expert matrices
+    (E, A, B), E matrices of A x B."""
+    return name.startswith("layers.") and param.dim() in (2, 3)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device):
     """torch's AdamW or SGD, or an `OptimizerPair` (Muon or GaLore, and AdamW), over the
     model's trainable parameters."""
@@ -85,13 +94,16 @@ def optimizer_for(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig,
     adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                  fused=device.type == "cuda")
     if cfg.optimizer in ("muon", "galore"):
-        matrices = [q for n, q in named if is_block_matrix(n, q)]
-        rest = param_groups([q for n, q in named if not is_block_matrix(n, q)], cfg.weight_decay)
+        chosen = is_muon_matrix if cfg.optimizer == "muon" else is_block_matrix
+        matrices = [q for n, q in named if chosen(n, q)]
+        rest = param_groups([q for n, q in named if not chosen(n, q)], cfg.weight_decay)
         optimizers = []
         if matrices and cfg.optimizer == "muon":
-            optimizers.append(torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                               momentum=cfg.muon_momentum,
-                                               adjust_lr_fn="match_rms_adamw"))
+            muon = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum)
+            if flat := [q for q in matrices if q.dim() == 2]:
+                optimizers.append(torch.optim.Muon(flat, adjust_lr_fn="match_rms_adamw", **muon))
+            if stacked := [q for q in matrices if q.dim() == 3]:
+                optimizers.append(StackedMuon(stacked, **muon))
         elif matrices:
             optimizers.append(GaLoreAdamW(matrices, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                           eps=cfg.eps, weight_decay=cfg.weight_decay,

@@ -37,9 +37,11 @@ stage-3 weight all-gathers over the shard group, hpZ keeps a node-local secondar
 backward all-gather stays inside the node, qgZ reduce-scatters gradients as int8 through two
 all-to-all hops. Quantized units are padded so every shard holds whole quantization blocks.
 
-Muon (`train.optimizer = "muon"`, stage 0 without tensor parallelism, where every rank holds
-whole matrices): the optimizers of fivefold.optim step per-parameter views of the flat
-master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere.
+Muon (`train.optimizer = "muon"`): at stage 0 without tensor parallelism, where every rank
+holds whole matrices, the optimizers of fivefold.optim step per-parameter views of the flat
+master, Muon's momentum (4 bytes) on the blocks' matrices and AdamW's moments elsewhere;
+under ZeRO or tp, fivefold.parallel.muon_sharded steps the shards, each matrix gathered
+whole to the rank that orthogonalizes it.
 
 SGD (`train.optimizer = "sgd"`, every stage): torch's SGD on the flat masters, its momentum
 buffer (4 bytes per parameter, K = 4 or 8) sharded like AdamW's moments.
@@ -78,6 +80,7 @@ from fivefold.parallel.engine_checkpoint import EngineCheckpoint
 from fivefold.parallel.flat_unit import FlatUnit, split_expert_units, split_units
 from fivefold.parallel.grad_sync import ZeroPP, grad_sync_for
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.muon_sharded import ShardedMuon, muon_axes
 from fivefold.parallel.plan import offloaded_unit_count
 
 __all__ = ["DataParallelEngine", "ZeroPP", "split_units"]
@@ -145,10 +148,13 @@ class DataParallelEngine(EngineCheckpoint):
         self.host = self._offload(offload) if offload else None
         self.offloaded = len(self.host.units) if self.host else 0
         self.views: list[tuple[str, torch.Tensor]] = []  # Muon: each parameter's master
-        if train.optimizer == "muon":  # stage 0 only (config validation): whole matrices
+        if train.optimizer == "muon" and stage == 0 and mesh.shape["tp"] == 1:  # whole matrices
             self.views = [(name, view) for unit, master in zip(self.units, self.masters)
                           for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
+        elif train.optimizer == "muon":  # matrices split over shards or tp ranks
+            self.optimizer = ShardedMuon(self.units, self.masters, muon_axes(
+                mesh, stage, shard_axes, self.unit_shard, self.is_expert), train)
         elif train.optimizer == "sgd":  # L2 weight decay added to the gradient by `step`
             self.optimizer = torch.optim.SGD(self.masters, lr=train.lr, momentum=train.beta1)
         elif self.offloaded < len(self.masters):  # units kept on the device (the first
@@ -285,7 +291,8 @@ class DataParallelEngine(EngineCheckpoint):
     def step(self, lr: float) -> None:
         """Decoupled weight decay on matrices, AdamW on the master, then re-publish params.
         With Muon its optimizers step per-parameter views of the (whole, stage 0) master,
-        weight decay included, as fivefold.optim does for a plain model. SGD steps the
+        weight decay included, as fivefold.optim does for a plain model, or ShardedMuon
+        steps the shards. SGD steps the
         master (its momentum sharded like it) after adding the matrices' L2 weight decay to
         the gradient, as torch's SGD does with `weight_decay`."""
         wd = self.train_cfg.weight_decay
@@ -303,7 +310,7 @@ class DataParallelEngine(EngineCheckpoint):
         if wd and isinstance(self.optimizer, torch.optim.SGD):
             for m, mask in zip(self.masters, self.decay_masks):
                 m.grad.add_(torch.where(mask, m, 0.0), alpha=wd)
-        elif wd and not self.views:
+        elif wd and self.train_cfg.optimizer != "muon":  # Muon decays in its own step
             factor = 1.0 - lr * wd
             for m, mask in list(zip(self.masters, self.decay_masks))[self.offloaded:]:
                 m.mul_(torch.where(mask, factor, 1.0))

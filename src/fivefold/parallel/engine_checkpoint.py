@@ -33,6 +33,11 @@ class EngineCheckpoint:
         states are per parameter: Muon's momentum, or AdamW's moments and step.
         """
         n, r = self.shard_axis.size, self.shard_axis.rank  # Muon: stage 0, no experts apart
+        if hasattr(self.optimizer, "checkpoint_state"):  # ShardedMuon: per parameter piece
+            tags = [f"{unit.name}.shard{axis.rank}of{axis.size}"
+                    for unit, axis in zip(self.units, self.unit_shard)]
+            return {**{f"master.{tag}": master.data for tag, master in zip(tags, self.masters)},
+                    **self.optimizer.checkpoint_state(tags)}
         if self.views:
             return {**{f"master.{unit.name}.shard{r}of{n}": master.data
                        for unit, master in zip(self.units, self.masters)},
@@ -80,6 +85,9 @@ class EngineCheckpoint:
         of the buffer, AdamW's moments (SGD's momentum) exactly like the weights they belong
         to, and every unit's step count is `step`. With Muon (stage 0, no tp: whole matrices) each
         parameter's state is copied whole."""
+        if hasattr(self.optimizer, "checkpoint_state"):
+            raise ValueError("a checkpoint of another layout is not resharded into sharded "
+                             "Muon's state yet: resume with the layout it was written under")
         unit_states = None if self.views else self._unit_states()
         for i, (unit, master) in enumerate(zip(self.units, self.masters)):
             place_flat(unit, master.data, weights, local, self.stage)

@@ -39,6 +39,8 @@ the runtime does):
             ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size
             zero_group * cp) and the all-reduces over every data rank on
             "dp_replicate+dp_shard+cp"
+  Muon      under ZeRO or tp, per unit with a matrix an fp32 all-gather and reduce-scatter
+            over its Muon axis, and the exact optimizer state (fivefold.planner.muon_cost)
   MoE       after the step, one float64 all-reduce over every data rank of the stage's MoE
             layers' load statistics (experts + 2 numbers each: fivefold.train.moe_stats);
             with ep > 1 each block's routed experts are a unit of their own, synced over
@@ -78,6 +80,7 @@ from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.moe_ledger import token_split_records
+from fivefold.planner.muon_cost import muon_records, sharded_muon, with_muon_state
 
 # fp8 training communicates in bf16 outside its linears, as on a GPU (on the CPU the
 # runtime's base dtype is fp32: fivefold.parallel.plan.compute_precision)
@@ -107,6 +110,11 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
         ledger.model_state_bytes = model_state_bytes(units, lay)
         if lay.optimizer == "galore":  # the engine's optimizer: fivefold.memory.galore_units
             galore_engine_ledger(ledger, cfg, lay, units, layers, rank, galore_refresh)
+        if sharded_muon(lay):  # each matrix gathered to its owner and scattered back
+            for record in muon_records(cfg, lay, units, layers):
+                ledger.record(*record)
+            ledger.model_state_bytes = with_muon_state(ledger.model_state_bytes, cfg, lay,
+                                                       units, layers, rank)
     routing = lay.dp * lay.cp * (lay.tp if "tp" in lay.routing_axes else 1)
     if moe_layers and routing > 1:  # the load statistics (fivefold.train.moe_stats)
         ledger.record("all_reduce", "+".join(lay.routing_axes), routing, "float64",

@@ -147,13 +147,14 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
     for i in layers:
         dense, expert = block_params(model, i, lay.tp, lay.ep, moe_tp_replicated)
         matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
+        muon_experts = expert if lay.optimizer == "muon" else 0  # Muon: E matrices each
         if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
-            dense, expert = dense + expert, 0
+            dense, expert, matrices = dense + expert, 0, matrices + muon_experts
         units.append(Unit(dense, shard, multiple, matrices,
                           galore_state_bytes(model, i, lay.tp) if lay.optimizer == "galore"
                           else 0))
         if expert:
-            units.append(Unit(expert, expert_shard, multiple, expert=True))
+            units.append(Unit(expert, expert_shard, multiple, muon_experts, expert=True))
     return units
 
 

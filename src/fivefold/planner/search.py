@@ -35,6 +35,7 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
+from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
@@ -162,7 +163,9 @@ class FastScorer:
         tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
         opt_s = numel / shard * 40 / (self.prof.hbm_GBps * 1e9 * self.prof.eff.mem_eff)
         if lay.optimizer in ("muon", "galore"):  # Muon's orthogonalization, GaLore's projections
-            opt_s += sum(n * sm.matrix_update_s(sm.first_layer(moe)) for n, moe in kinds) / pp
+            owners = muon_axis(lay, False)[1] if sharded_muon(lay) else 1  # Muon's, divided
+            opt_s += sum(n * sm.matrix_update_s(sm.first_layer(moe)) for n, moe in kinds) / pp \
+                / owners
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
         if lay.offload != "none":

@@ -77,7 +77,8 @@ from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, bloc
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.matrix_update import matrix_update_time
-from fivefold.planner.params import block_params, local_numel, root_params
+from fivefold.planner.muon_cost import muon_step_s
+from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
 from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.fitted import FITTED, Fitted, in_training
@@ -675,16 +676,17 @@ class StepModel:
     def optimizer_s(self, rank: int) -> float:
         """The optimizer step over this rank's shard of parameters: memory bound (fp32
         master, moments); Muon reads one momentum instead of two moments on the blocks'
-        matrices and adds their Newton-Schulz orthogonalization (compute bound). A stack
-        with `eager_adamw` runs AdamW as torch's unfused passes (fivefold.planner.
-        update_bytes)."""
+        matrices and adds their Newton-Schulz orthogonalization (compute bound; sharded, the
+        busiest owner's and the gathers: fivefold.planner.muon_cost). A stack with
+        `eager_adamw` runs AdamW as torch's unfused passes (planner.update_bytes)."""
         lay, e = self.lay, self.prof.eff
         units = offload.device_units(self.rank_units(rank), lay)  # the rest steps on the CPU
         if self.stack.eager_adamw and lay.optimizer == "adamw":
             traffic, launches = eager_adamw_traffic(units, lay, self.cfg.train.weight_decay)
         else:
             traffic, launches = self.fused_update_traffic(units), 4
-        ns = sum(self.matrix_update_s(i) for i in self.rank_layers(rank))  # Muon, GaLore
+        ns = (muon_step_s(self, rank) if lay.optimizer == "muon"  # and its gathers
+              else sum(self.matrix_update_s(i) for i in self.rank_layers(rank)))  # GaLore
         return (traffic / (self.prof.hbm_GBps * 1e9 * e.mem_eff) + launches * e.kernel_overhead_s
                 + ns)
 

@@ -88,7 +88,8 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded), or with another optimizer than AdamW or Muon, or than the checkpoint's."""
+    resharded), or with sharded Muon (ZeRO or tp: its per-piece states are not), or with
+    another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
@@ -105,6 +106,14 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
         raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
+                               "with the layout that wrote it or use another --run-dir")
+    if plan.optimizer == "muon" and any(layout.get("parallel.zero_stage", 0) or
+                                        layout.get("parallel.tp", 1) > 1
+                                        for layout in (saved, now)):
+        key = changed[0]
+        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
+                               f"{now[key]!r}; sharded Muon's states (under ZeRO or tp, "
+                               "fivefold.parallel.muon_sharded) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
