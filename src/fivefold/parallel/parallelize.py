@@ -78,7 +78,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
             attend = functools.partial(context_attention, mode=plan.cp_mode, cp_axis=cp_axis)
         for block in model.layers:
             block.attention.attend = attend
-        model.token_positions = rank_token_positions(plan, mesh, model.cfg.seq_len).to(model.rope_cos.device)
+        positions = rank_token_positions(plan, mesh, model.cfg.seq_len)
+        model.token_positions = positions.to(model.rope_cos.device)
     if plan.ep > 1:
         apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
     if model.cfg.moe is not None and plan.token_split_axes:

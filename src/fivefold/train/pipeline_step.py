@@ -10,8 +10,9 @@ synchronous schedule (GPipe, 1F1B, interleaved, ZB-H1, TeraPipe) as the single-p
 trainer's micro-batch loop does, only spread over the stages: the executor
 (`PipelineEngine.train_step`) runs the rank's action list with the data-parallel engine as
 its gradient synchronization and scales each micro-batch's summed cross-entropy by
-1 / (tokens of the global batch), times fp16's loss scale (fivefold.train.loss_scale). The update that follows is the trainer's one synchronous
-update (clipping over the plan's axes, then the engine's step). The step's summed
+1 / (tokens of the global batch), times fp16's loss scale (fivefold.train.loss_scale). The
+update that follows is the trainer's one synchronous update (the engine's updater:
+clipping over the plan's axes, then the engine's step). The step's summed
 cross-entropy comes back the same on every pp rank. PipeDream-2BW
 (fivefold.parallel.pipeline.pipedream_2bw) updates each stage itself, right after the
 stage's last backward of the step, with its own optimizer, data-parallel all-reduce and

@@ -6,46 +6,34 @@ and logs. The loss of a micro-batch is its summed token cross-entropy divided by
 of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
 over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
 
-One rank with `zero_stage = 0` and no offload trains the plain model with torch's AdamW: the
-reference every parallel layout is compared with. Otherwise fivefold's data-parallel engine
-(fivefold.parallel.data_parallel: DDP, ZeRO-1/2/3, hierarchical sharding) owns parameters,
-gradients and optimizer (with `parallel.offload`, the offloaded units' optimizer on the host
-tier, fivefold.memory.offload); its collectives sum, so every rank scales its loss by the
-global token count only. The step's collectives and model-state bytes land in the ledger, whose
-summary goes into each metrics record.
+Who owns gradients, optimizer state and the step is the updater of the plan's update rule
+(`plan.update`, fivefold.train.updaters), chosen once: torch's optimizer on one plain rank
+(the reference every parallel layout is compared with), the data-parallel engine (DDP,
+ZeRO-1/2/3, hierarchical sharding, ZeRO++, expert units, offload; its collectives sum, so
+every rank scales its loss by the global token count only), data-parallel GaLore, LOMO, or
+PipeDream-2BW's stages. The step is the same loop for all of them: each micro-batch's passes
+between the updater's `prepare_backward`, `backward` and `after_backward`, the loss summed
+over the token axes, then the updater's `update`, which clips the global norm, asks the
+non-finite guard and steps; fp16's dynamic loss scale (fivefold.train.loss_scale) is the
+updater's too. The step's collectives and model-state bytes land in the ledger, whose summary
+goes into each metrics record, and each entry in the flight recorder
+(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
-(fivefold.parallel.tensor) before the engine takes it: the engine flattens each rank's
-shards and is data-parallel over the dp axes only, the ranks of one tp group draw the same
-batch (the sampler takes the data-parallel rank), the loss is the vocabulary-parallel
-cross-entropy, and the clipped gradient norm sums the shards over tp as well.
-
-With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
-with the data-parallel engine over the stage; a step and a validation batch are one run of
-the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
-(every stage has a "root" unit); a checkpoint written under another layout is resharded on
-resume (fivefold.train.reshard). PipeDream-2BW's checkpoints add the stage's older weight
-version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
-was in flight, and continues exactly as the uninterrupted run. The closing text sample is
-skipped with pp > 1.
+(fivefold.parallel.tensor): the ranks of one tp group draw the same batch (the sampler takes
+the data-parallel rank) and the loss is the vocabulary-parallel cross-entropy. With
+`parallel.cp > 1` the samplers hand each rank its tokens of every sequence
+(`rank_token_positions`, fivefold.parallel.parallelize). With `parallel.pp > 1` the rank holds
+one pipeline stage and a step and a validation batch are one run of the schedule's action
+lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp and tp ranks; a checkpoint
+written under another layout is resharded on resume (fivefold.train.reshard); a resumed
+PipeDream-2BW run restarts its schedule at the checkpoint's step and continues exactly as the
+uninterrupted run. The closing text sample is skipped with pp > 1.
 
 A step whose loss or gradient norm is not finite is skipped or stops the run
 (`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
-every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
+every update rule; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
-
-GaLore with more than one rank or a ZeRO stage (`plan.update == "galore-dp"`) keeps the plain
-model on every rank and hands gradients, clipping's view of them and the step to
-fivefold.memory.galore_dp; LOMO with data parallelism all-reduces each gradient inside its
-fused update (fivefold.memory.lomo), the step's loss summed before backward so that the
-non-finite guard reads the global one.
-
-With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
-experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
-stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
-0 only (each ep rank holds other experts, all hold the same dense gradients). Every
-collective's ledger entry also lands in the flight recorder
-(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
 `train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
@@ -72,7 +60,7 @@ from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
-from fivefold.lr_schedule import lr_at, resumed_length
+from fivefold.lr_schedule import lr_at
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.parallel.mesh import Mesh
@@ -81,9 +69,7 @@ from fivefold.parallel.plan import (ParallelPlan, compute_precision, device_prec
                                     plan_from_config)
 from fivefold.parallel.parallelize import parallelize, rank_token_positions
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
-from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
-                                       remove_partials, save_checkpoint, shard_tag,
-                                       step_dir)
+from fivefold.train.checkpoint import layout_record, save_checkpoint, shard_tag, step_dir
 from fivefold.train.data import BatchSampler, TokenData, prepare_data, write_run_tokenizer
 from fivefold.train.dist import Runtime
 from fivefold.train.interrupt import StopSignals, interrupted
@@ -95,8 +81,8 @@ from fivefold.train.model_source import describe_source, load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
 from fivefold.train.nonfinite import keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
-from fivefold.train.reshard import describe_change, load_resharded
-from fivefold.train.resume_data import DataOrder, data_record, data_start
+from fivefold.train.resume import resume_run
+from fivefold.train.resume_data import DataOrder, data_record
 from fivefold.train.run_end import finish_run
 from fivefold.train.run_header import balance_note, pipeline_note, start_line
 from fivefold.train.save_schedule import SaveSchedule
@@ -318,38 +304,8 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def _resume(self) -> int:
-        if self.rt.is_main:
-            remove_partials(self.run_dir)
-        found = check_resume(self.run_dir, self.cfg, self.plan)
-        if found is None:
-            return 0
-        path, saved_meta, changed = found
-        if changed:  # written under another layout (fivefold.train.reshard)
-            meta = saved_meta
-            extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
-                                   self.optimizer, self.tp_axis.size, self.tp_axis.rank)
-            change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
-                                     changed)
-            self.say(f"resharded {path} from {change}")
-        else:
-            state = self._checkpoint_state()
-            meta, extra = load_checkpoint(self.rt, path, state)
-            self.updater.after_load(state, self._shard_tag(), meta["step"])
-        if self.updater.loss_scale and extra.get("scaler"):
-            self.updater.loss_scale.load_state_dict(extra["scaler"])
-        self.skipped_steps = meta.get("skipped_steps", 0)
-        self.train_sampler.start, reset = data_start(meta, self.cfg)
-        if reset:
-            self.say(f"train.reset_data: {', '.join(reset)} changed since {path}; the weights "
-                     "and optimizer state resume, the data order starts afresh at step "
-                     f"{self.train_sampler.start}")
-        self.say(f"resumed from {path} (step {meta['step']})")
-        self.schedule_steps, note = resumed_length(  # absent in older checkpoints
-            meta.get("schedule_steps", meta["config"]["train"]["steps"]), self.cfg.train,
-            meta["step"])
-        if note:
-            self.say(note)
-        return meta["step"]
+        """Load RUN_DIR's latest checkpoint, if any (fivefold.train.resume); its step."""
+        return resume_run(self)
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         """This rank's own torch optimizers, one by one (none under LOMO or the engine)."""
