@@ -52,8 +52,9 @@ def _layouts(rt, overrides, layouts, tmp):
         trainer = Trainer(cfg, rt, f"{tmp}/{k}")
         results = [trainer.train_step(s) for s in range(STEPS)]
         predicted = predict_ledger(cfg, plan_from_config(cfg, rt.world_size, "fp32"), rt.rank)
+        comm = trainer.ledger.totals()  # before the parameters' gather adds its own
         runs[name] = ([r.loss for r in results], [r.grad_norm for r in results],
-                      full_parameters(trainer), trainer.ledger.totals(), predicted.totals())
+                      full_parameters(trainer), comm, predicted.totals())
     return runs, _overflow(rt, overrides + FP16 + ["parallel.zero_stage=1"], f"{tmp}/o")
 
 

@@ -36,7 +36,7 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.data import BatchSampler
 from fivefold.train.model_source import load_weights_into
-from fivefold.train.updaters import Updater
+from fivefold.train.updaters.base import Updater
 
 
 def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, device: torch.device,

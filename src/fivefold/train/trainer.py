@@ -86,7 +86,8 @@ from fivefold.train.resume_data import DataOrder, data_record
 from fivefold.train.run_end import finish_run
 from fivefold.train.run_header import balance_note, pipeline_note, start_line
 from fivefold.train.save_schedule import SaveSchedule
-from fivefold.train.updaters import Updater, build_updater
+from fivefold.train.updaters.base import Updater
+from fivefold.train.updaters.choose import build_updater
 from fivefold.train.updaters.engine import DTYPES
 
 @dataclass
