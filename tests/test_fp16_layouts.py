@@ -1,7 +1,8 @@
 """fp16 dynamic loss scaling on every layout (fivefold.train.loss_scale,
-fivefold.train.updaters): data parallelism with ZeRO 0/2/3, tensor, context and pipeline
-parallelism and offload train as the one-process fp16 run does, their ledgers are as
-`predict_ledger` says, and an overflow is skipped on every rank at once.
+fivefold.train.updaters): data parallelism with ZeRO 0/1/2/3, tensor, context and pipeline
+parallelism and offload train as the one-process fp16 run does (ZeRO-2/3 and cp in the slow
+suite), their ledgers are as `predict_ledger` says, and an overflow (on dp 2, ZeRO-1) is
+skipped on every rank at once.
 
 Tolerance. The one-process fp16 run keeps fp32 parameters under fp16 autocast; the
 data-parallel engine keeps fp16 compute copies beside fp32 masters and reduces fp16
@@ -34,11 +35,13 @@ from fivefold.train.trainer import Trainer
 FP16 = ["parallel.precision=fp16", f"train.steps={STEPS}"]
 LAYOUTS_2 = {  # name: --set overrides on 2 ranks
     "dp 2": ["parallel.micro_batch=2"],
+    "tp 2": ["parallel.tp=2"],
+    "pp 2 (1f1b)": ["parallel.pp=2", "parallel.micro_batch=2"],
+}
+MORE_LAYOUTS_2 = {  # the slow suite's
     "dp 2, ZeRO-2": ["parallel.zero_stage=2"],
     "dp 2, ZeRO-3": ["parallel.zero_stage=3", "parallel.micro_batch=2"],
-    "tp 2": ["parallel.tp=2"],
     "cp 2": ["parallel.cp=2"],
-    "pp 2 (1f1b)": ["parallel.pp=2", "parallel.micro_batch=2"],
 }
 LOSS_REL, NORM_REL, CHANGE_FRACTION = 2e-5, 1e-3, 0.1
 
@@ -91,12 +94,15 @@ def _assert_close_to_reference(losses, norms, params, reference, label):
         assert off <= CHANGE_FRACTION * moved, (label, name, off, moved)
 
 
-def test_fp16_layouts_match_one_process(parity_overrides, reference, tmp_path):
+@pytest.mark.parametrize("layouts", [
+    LAYOUTS_2, pytest.param(MORE_LAYOUTS_2, marks=pytest.mark.slow)],
+    ids=["dp-tp-pp", "zero-cp"])
+def test_fp16_layouts_match_one_process(layouts, parity_overrides, reference, tmp_path):
     """Module docstring's tolerances; the ledger as predicted on every rank; one process
-    start for every layout and the overflow."""
-    results = run_on_ranks(_layouts, 2, parity_overrides, LAYOUTS_2, str(tmp_path),
+    start for every layout of the group and the overflow."""
+    results = run_on_ranks(_layouts, 2, parity_overrides, layouts, str(tmp_path),
                            timeout_s=900)
-    for name in LAYOUTS_2:
+    for name in layouts:
         whole = {}
         for rank, (runs, _) in enumerate(results):
             losses, norms, params, comm, predicted = runs[name]
