@@ -90,6 +90,7 @@ from fivefold.train.updaters.base import Updater
 from fivefold.train.updaters.choose import build_updater
 from fivefold.train.updaters.engine import DTYPES
 
+
 @dataclass
 class StepResult:
     loss: float
