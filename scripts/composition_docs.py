@@ -31,6 +31,7 @@ MODEL = ["model.layers=4", "model.hidden=64", "model.heads=4", "model.kv_heads=2
          "parallel.global_batch=8"]
 
 PP2, TP2, SP = "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"
+FP16 = "parallel.precision=fp16"
 
 
 def z(stage: int) -> str:
@@ -149,6 +150,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [z(1), micro(2), "train.on_nonfinite=skip"]),
         (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"]),
         (2, [GALORE, z(2), micro(2), "train.on_nonfinite=skip"])],
+    "tests/test_fp16_layouts.py::test_fp16_layouts_match_one_process": [
+        (2, [FP16, micro(2)]), (2, [FP16, z(1)]), (2, [FP16, z(2)]),
+        (2, [FP16, z(3), micro(2)]), (2, [FP16, TP2]), (2, [FP16, "parallel.cp=2"]),
+        (2, [FP16, PP2, micro(2)])],
+    "tests/test_fp16_layouts.py::test_fp16_offload_matches_one_process": [
+        (1, [FP16, z(1), "parallel.offload=cpu"])],
     "tests/test_restart.py::test_sigkilled_rank_restarts_and_ends_bit_identical": [
         (2, [z(0)])],
     "tests/test_expert_parallel.py::test_ep4_and_ep2_with_zero_stages_match_one_process": [

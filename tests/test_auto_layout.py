@@ -76,10 +76,11 @@ def test_keys_set_alongside_auto_are_held_fixed(tiny_overrides):
     (["parallel.stage_layers=[1, 1]"], 2, "parallel.stage_layers", "cuts the blocks"),
     (["parallel.tp=3"], 2, "parallel.auto", "parallel.tp = 3"),  # 3 divides no head count
     ([], 3, "parallel.auto", "no layout for 3 rank(s)"),  # 8 sequences split over no dp
-    # fp16 loss scaling runs on no searched layout of 2 ranks: the reason named is the
-    # user's own key, not the recompute modes most candidates are refused for
-    (["parallel.precision=fp16"], 2, "parallel.auto",
-     "(e.g. config error in `parallel.precision`"),
+    # LOMO with fp16 loss scaling runs on no searched layout of 2 ranks (LOMO on none but
+    # data-parallel ones, fp16 on none of those): the reason named is one of the user's own
+    # keys, not the recompute modes most candidates are refused for
+    (["parallel.precision=fp16", "train.optimizer=lomo"], 2, "parallel.auto",
+     "(e.g. config error in `train.optimizer`"),
 ])
 def test_impossible_auto_configs_are_config_errors(extra, world, key, words, tiny_overrides):
     cfg = load_config(None, tiny_overrides + ["parallel.global_batch=8", "parallel=auto"]

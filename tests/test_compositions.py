@@ -52,8 +52,6 @@ REFUSED = [
     (2, ["parallel.qgz=true"]),
     (1, ["parallel.offload=cpu", "train.optimizer=muon"]),
     (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "train.optimizer=galore"]),
-    (1, ["parallel.offload=cpu", "parallel.precision=fp16"]),
-    (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "parallel.precision=fp16"]),
     (1, ["parallel.precision=fp8", "train.optimizer=lomo"]),
     (1, ["parallel.precision=fp8", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -70,7 +68,8 @@ REFUSED = [
     (4, ["parallel.pp=2", "parallel.dp_batch_shares=[3, 1]"]),
     (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",
          "cluster.gpus_per_node=2"]),
-    (2, ["parallel.pp=2", "parallel.precision=fp16"]),
+    (2, ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=1",
+         "parallel.precision=fp16"]),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=terapipe"]),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
          "parallel.schedule=zb"]),
@@ -96,7 +95,6 @@ REFUSED = [
     (2, ["train.optimizer=lomo", "parallel.zero_stage=3"]),
     (1, ["train.optimizer=lomo", "parallel.micro_batch=2"]),
     (1, ["train.optimizer=lomo", "parallel.precision=fp16"]),
-    (2, ["parallel.precision=fp16"]),
 ]
 
 

@@ -127,10 +127,6 @@ REFUSALS: list[Refusal] = [
               "the offloaded optimizer step is AdamW's on the data-parallel engine's flat "
               "master weights; use train.optimizer = 'adamw' (and a synchronous schedule) with "
               "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
-    *(Refusal(f"offload={o}", ("fp16",), "parallel.precision",
-              "fp16 loss scaling runs on the plain one-rank path only, and offload trains "
-              "through the data-parallel engine; use 'bf16' (GPU) or 'fp32' with "
-              "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
     Refusal("fp8", ("optimizer=lomo",), "train.optimizer",
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
@@ -172,9 +168,10 @@ REFUSALS: list[Refusal] = [
             "hpZ keeps a block's node-local shard from its forward to its backward, which a "
             "pipeline schedule interleaves across micro-batches; turn hpZ off with "
             "parallel.pp > 1"),
-    Refusal("pp>1", ("fp16",), "parallel.precision",
-            "fp16 loss scaling is not wired into the pipeline schedules; use 'bf16' (GPU) or "
-            "'fp32' with parallel.pp > 1"),
+    Refusal("schedule=pipedream-2bw", ("fp16",), "parallel.precision",
+            "PipeDream-2BW steps each stage's optimizer inside its schedule, outside the "
+            "loss-scaled update (fivefold.train.updaters); use 'bf16' (GPU) or 'fp32' with "
+            "it, or a synchronous schedule with fp16"),
     Refusal("schedule=terapipe", ("tp>1",), "parallel.schedule",
             "TeraPipe's sliced attention runs outside the tensor-parallel regions; use "
             "parallel.tp = 1 or another schedule"),
@@ -233,9 +230,6 @@ REFUSALS: list[Refusal] = [
             "leave micro_batch unset or set it to {parallel.global_batch}"),
     Refusal("optimizer=lomo", ("fp16",), "parallel.precision",
             "LOMO with fp16 loss scaling is not implemented; use bf16 or fp32"),
-    Refusal("fp16", ("dp>1", "tp>1", "cp>1", *SHARDED), "parallel.precision",
-            "fp16 loss scaling runs on one rank only for now; use bf16 or fp32 with data "
-            "parallelism"),
 ]
 
 

@@ -9,8 +9,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      with sequence parallelism; a stage through fivefold.parallel.pipeline.tensor_stage),
   2. context parallelism over the "cp" axis (fivefold.parallel.context): every block's
      attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
-     positions are this rank's (its zigzag or contiguous part of every sequence), which the
-     trainer's samplers read to hand the rank those tokens,
+     positions are this rank's (its zigzag or contiguous part of every sequence,
+     `rank_token_positions`, which the trainer's samplers take from the plan as well),
   3. expert parallelism over the mesh's expert axes (`plan.ep > 1`, fivefold.parallel.expert):
      every MoE layer keeps its ep rank's experts and dispatches tokens by all-to-all,
   4. MoE layers on a rank's share of the tokens, where sequence or context parallelism splits
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
@@ -46,6 +47,16 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.parallel.tensor import apply_tensor_parallel
+
+
+def rank_token_positions(plan: ParallelPlan, mesh: Mesh, seq_len: int) -> torch.Tensor | None:
+    """The positions of the tokens this rank computes on under context parallelism (its
+    part of every `seq_len`-token sequence, fivefold.parallel.context.layout); None without
+    cp."""
+    if plan.cp == 1:
+        return None
+    return context_positions(seq_len, plan.cp_mode, plan.cp,
+                             mesh.axis("cp").rank, plan.cp_ulysses)
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
@@ -67,9 +78,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
             attend = functools.partial(context_attention, mode=plan.cp_mode, cp_axis=cp_axis)
         for block in model.layers:
             block.attention.attend = attend
-        model.token_positions = context_positions(model.cfg.seq_len, plan.cp_mode, plan.cp,
-                                                  cp_axis.rank, plan.cp_ulysses
-                                                  ).to(model.rope_cos.device)
+        positions = rank_token_positions(plan, mesh, model.cfg.seq_len)
+        model.token_positions = positions.to(model.rope_cos.device)
     if plan.ep > 1:
         apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
     if model.cfg.moe is not None and plan.token_split_axes:

@@ -12,8 +12,8 @@ before any parameter or optimizer state changes:
   "skip" never runs the pass that applies the update. LOMO without clipping applies each
   gradient inside its only backward: "stop" then raises after that update, and "skip" is
   refused at config time (fivefold.validate);
-- with the fp16 gradient scaler only the loss is checked: an overflowing gradient is the
-  scaler's to skip (it lowers its scale), not a fault;
+- with fp16's loss scale (fivefold.train.loss_scale) only the loss is checked: an
+  overflowing gradient is the loss scale's to skip (it halves), not a fault;
 - PipeDream-2BW updates each stage inside its schedule, with per-stage clipping and no
   global norm: "skip" is refused at config time and "stop" checks nothing there.
 

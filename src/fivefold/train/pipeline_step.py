@@ -10,8 +10,9 @@ synchronous schedule (GPipe, 1F1B, interleaved, ZB-H1, TeraPipe) as the single-p
 trainer's micro-batch loop does, only spread over the stages: the executor
 (`PipelineEngine.train_step`) runs the rank's action list with the data-parallel engine as
 its gradient synchronization and scales each micro-batch's summed cross-entropy by
-1 / (tokens of the global batch). The update that follows is the trainer's one synchronous
-update (clipping over the plan's axes, then the engine's step). The step's summed
+1 / (tokens of the global batch), times fp16's loss scale (fivefold.train.loss_scale). The
+update that follows is the trainer's one synchronous update (the engine's updater:
+clipping over the plan's axes, then the engine's step). The step's summed
 cross-entropy comes back the same on every pp rank. PipeDream-2BW
 (fivefold.parallel.pipeline.pipedream_2bw) updates each stage itself, right after the
 stage's last backward of the step, with its own optimizer, data-parallel all-reduce and
@@ -28,7 +29,6 @@ import torch
 from fivefold.comm.collectives import Axis
 from fivefold.config import Config
 from fivefold.models.llama import build_model
-from fivefold.parallel.data_parallel import DataParallelEngine
 from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
@@ -36,6 +36,7 @@ from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.train.data import BatchSampler
 from fivefold.train.model_source import load_weights_into
+from fivefold.train.updaters.base import Updater
 
 
 def build_stage(cfg: Config, plan: ParallelPlan, pp_axis: Axis, device: torch.device,
@@ -54,27 +55,38 @@ class PipelineStep:
     """One optimizer step (and validation) of a pipeline-parallel rank."""
 
     def __init__(self, cfg: Config, plan: ParallelPlan, stage: PipelineStage,
-                 axes: dict[str, Axis], engine: DataParallelEngine | None,
-                 optimizer: torch.optim.Optimizer | None, sampler: BatchSampler,
+                 axes: dict[str, Axis], updater: Updater, sampler: BatchSampler,
                  global_tokens: int, max_norm: float, autocast):
         self.sampler = sampler
         self.pp_axis = axes["pp"]
         self.loss_scale = 1.0 / global_tokens
-        if plan.asynchronous:
+        self.asynchronous = plan.asynchronous
+        if plan.asynchronous:  # the stage's optimizer steps inside the schedule
             self.pipe = PipeDream2BWEngine(stage, self.pp_axis, plan.micro_batches,
-                                           cfg.train.steps, optimizer, sampler.rank_batch,
-                                           self.loss_scale, max_norm, axes["dp"], autocast,
+                                           cfg.train.steps, updater.optimizer,
+                                           sampler.rank_batch, self.loss_scale, max_norm,
+                                           axes["dp"], autocast,
                                            predict=plan.weight_prediction)
-        else:
+            updater.versions = self.pipe  # its checkpoints hold the older weight version
+        else:  # the data-parallel engine is the executor's gradient sync
             train, evaluation = plan.pipeline_schedules(cfg.model.tied_embeddings)
             self.pipe = PipelineEngine(stage, train, self.pp_axis, evaluation,
-                                       grad_sync=engine, autocast=autocast)
+                                       grad_sync=updater.engine, autocast=autocast)
 
-    def forward_backward(self, step: int) -> torch.Tensor:
+    def passes(self, step: int, lr: float, loss_factor: float = 1.0) -> torch.Tensor:
+        """The passes of `step`: a synchronous schedule's (`forward_backward`, each loss
+        also multiplied by `loss_factor`, fp16's loss scale) or PipeDream-2BW's, which
+        update the stage too (`asynchronous_step`)."""
+        if self.asynchronous:
+            return self.asynchronous_step(step, lr)
+        return self.forward_backward(step, loss_factor)
+
+    def forward_backward(self, step: int, loss_factor: float = 1.0) -> torch.Tensor:
         """A synchronous schedule's passes of `step`: the summed token cross-entropy of this
         dp rank's share, with the gradients reduced by the engine and not yet applied."""
         inputs, targets = self.sampler.rank_batch(step)
-        return self.pipe.train_step(inputs, targets, self.loss_scale)
+        scale = self.loss_scale if loss_factor == 1.0 else self.loss_scale * loss_factor
+        return self.pipe.train_step(inputs, targets, scale)
 
     def asynchronous_step(self, step: int, lr: float) -> torch.Tensor:
         """PipeDream-2BW's step, each stage updated by itself: the summed cross-entropy."""

@@ -6,46 +6,34 @@ and logs. The loss of a micro-batch is its summed token cross-entropy divided by
 of the whole global batch, so the accumulated gradient, and the logged `loss`, are the mean
 over every token of the global batch whatever the layout (1 rank, N ranks, any micro-batch).
 
-One rank with `zero_stage = 0` and no offload trains the plain model with torch's AdamW: the
-reference every parallel layout is compared with. Otherwise fivefold's data-parallel engine
-(fivefold.parallel.data_parallel: DDP, ZeRO-1/2/3, hierarchical sharding) owns parameters,
-gradients and optimizer (with `parallel.offload`, the offloaded units' optimizer on the host
-tier, fivefold.memory.offload); its collectives sum, so every rank scales its loss by the
-global token count only. The step's collectives and model-state bytes land in the ledger, whose
-summary goes into each metrics record.
+Who owns gradients, optimizer state and the step is the updater of the plan's update rule
+(`plan.update`, fivefold.train.updaters), chosen once: torch's optimizer on one plain rank
+(the reference every parallel layout is compared with), the data-parallel engine (DDP,
+ZeRO-1/2/3, hierarchical sharding, ZeRO++, expert units, offload; its collectives sum, so
+every rank scales its loss by the global token count only), data-parallel GaLore, LOMO, or
+PipeDream-2BW's stages. The step is the same loop for all of them: each micro-batch's passes
+between the updater's `prepare_backward`, `backward` and `after_backward`, the loss summed
+over the token axes, then the updater's `update`, which clips the global norm, asks the
+non-finite guard and steps; fp16's dynamic loss scale (fivefold.train.loss_scale) is the
+updater's too. The step's collectives and model-state bytes land in the ledger, whose summary
+goes into each metrics record, and each entry in the flight recorder
+(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
-(fivefold.parallel.tensor) before the engine takes it: the engine flattens each rank's
-shards and is data-parallel over the dp axes only, the ranks of one tp group draw the same
-batch (the sampler takes the data-parallel rank), the loss is the vocabulary-parallel
-cross-entropy, and the clipped gradient norm sums the shards over tp as well.
-
-With `parallel.pp > 1` the rank holds one pipeline stage, split over tp like the whole model,
-with the data-parallel engine over the stage; a step and a validation batch are one run of
-the schedule's action lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp rank
-(every stage has a "root" unit); a checkpoint written under another layout is resharded on
-resume (fivefold.train.reshard). PipeDream-2BW's checkpoints add the stage's older weight
-version; a resumed 2BW run restarts its schedule at the checkpoint's step, recomputing what
-was in flight, and continues exactly as the uninterrupted run. The closing text sample is
-skipped with pp > 1.
+(fivefold.parallel.tensor): the ranks of one tp group draw the same batch (the sampler takes
+the data-parallel rank) and the loss is the vocabulary-parallel cross-entropy. With
+`parallel.cp > 1` the samplers hand each rank its tokens of every sequence
+(`rank_token_positions`, fivefold.parallel.parallelize). With `parallel.pp > 1` the rank holds
+one pipeline stage and a step and a validation batch are one run of the schedule's action
+lists (fivefold.train.pipeline_step). Checkpoint keys carry the pp and tp ranks; a checkpoint
+written under another layout is resharded on resume (fivefold.train.reshard); a resumed
+PipeDream-2BW run restarts its schedule at the checkpoint's step and continues exactly as the
+uninterrupted run. The closing text sample is skipped with pp > 1.
 
 A step whose loss or gradient norm is not finite is skipped or stops the run
 (`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
-every update path; skipped steps are counted in the metrics (`skipped_steps`) and the
+every update rule; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
-
-GaLore on data-parallel ranks at ZeRO 0-2 (`plan.update == "galore-dp"`) keeps the plain
-model on every rank, handing gradients, clipping's view of them and the step to
-fivefold.memory.galore_dp (tp, pp, ZeRO-3: the engine steps it, memory.galore_engine); LOMO
-with data parallelism all-reduces each gradient inside its fused update (memory.lomo), the
-step's loss summed before backward so that the non-finite guard reads the global one.
-
-With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
-experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
-stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
-0 only (each ep rank holds other experts, all hold the same dense gradients). Every
-collective's ledger entry also lands in the flight recorder
-(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
 `train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
@@ -66,7 +54,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fivefold.batch_shares import replica_batch
 from fivefold.comm import collectives as C
@@ -74,27 +61,16 @@ from fivefold.comm.choice import CommAlgorithms
 from fivefold.comm.collectives import Axis
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config, ConfigError
-from fivefold.lr_schedule import lr_at, resumed_length
+from fivefold.lr_schedule import lr_at
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
-from fivefold.optim import OptimizerPair, build_optimizer
-from fivefold.parallel.data_parallel import ZeroPP
-from fivefold.parallel.expert import expert_counted_masks
-from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.plan import (ParallelPlan, compute_precision, device_precision,
                                     plan_from_config)
-from fivefold.parallel.parallelize import parallelize
-from fivefold.parallel.tensor import counted_masks
+from fivefold.parallel.parallelize import parallelize, rank_token_positions
 from fivefold.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
-from fivefold.memory.galore_dp import GaLoreDataParallel
-from fivefold.memory.galore_engine import engine_class
-from fivefold.memory.lomo import FusedSGD
-from fivefold.memory.offload import Offload
-from fivefold.train.checkpoint import (check_resume, layout_record, load_checkpoint,
-                                       remove_partials, save_checkpoint, shard_tag,
-                                       step_dir)
+from fivefold.train.checkpoint import layout_record, save_checkpoint, shard_tag, step_dir
 from fivefold.train.data import BatchSampler, TokenData, prepare_data, write_run_tokenizer
 from fivefold.train.dist import Runtime
 from fivefold.train.interrupt import StopSignals, interrupted
@@ -104,15 +80,16 @@ from fivefold.train.metrics import MetricsLog, peak_memory_bytes
 from fivefold.train.mfu import mfu_note, mfu_peak
 from fivefold.train.model_source import describe_source, load_weights_into
 from fivefold.train.moe_stats import moe_layers, moe_step
-from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads, keep_step
+from fivefold.train.nonfinite import keep_step
 from fivefold.train.pipeline_step import PipelineStep, build_stage
-from fivefold.train.reshard import describe_change, load_resharded
-from fivefold.train.resume_data import DataOrder, data_record, data_start
+from fivefold.train.resume import resume_run
+from fivefold.train.resume_data import DataOrder, data_record
 from fivefold.train.run_end import finish_run
 from fivefold.train.run_header import balance_note, pipeline_note, start_line
 from fivefold.train.save_schedule import SaveSchedule
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from fivefold.train.updaters.base import Updater
+from fivefold.train.updaters.choose import build_updater
+from fivefold.train.updaters.engine import DTYPES
 
 
 @dataclass
@@ -155,10 +132,7 @@ class Trainer:
         self.routing_axis = (self.mesh.joint_axis(*plan.routing_axes)  # MoE load statistics
                              if m.moe and plan.routing_axes != plan.token_axes
                              else self.token_axis)
-        self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
         self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
-        if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
-            self.norm_axes.append(self.expert_axes[0])
         # every rank, the default group: checkpoint_minutes' broadcast, the stop flags
         self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
@@ -177,7 +151,7 @@ class Trainer:
             self.say(f"loaded {param_count(m) / 1e6:.2f}M parameters {self.model_name}")
         for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
             moe.aux_grad_scale = 1.0 / self.global_tokens
-        positions = getattr(self.model, "token_positions", None)  # cp: this rank's tokens
+        positions = rank_token_positions(plan, self.mesh, m.seq_len)  # cp: this rank's tokens
         self.train_sampler = DataOrder(BatchSampler(self.data.train, m.seq_len,
                                                     plan.global_batch, cfg.train.seed, 0,
                                                     self.dp_axis.rank, self.dp, positions,
@@ -185,42 +159,30 @@ class Trainer:
         self.val_sampler = BatchSampler(self.data.val, m.seq_len, plan.global_batch,
                                         cfg.train.seed, 1, self.dp_axis.rank, self.dp,
                                         positions, plan.dp_batch_shares)
-        self.engine, self.optimizer, self.lomo, self.galore = None, None, None, None
-        self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
-        if plan.update == "engine":
-            zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
-            self.engine = engine_class(cfg.train)(self.model, plan.zero_stage, self.mesh,
-                                                   cfg.train, rt.device, DTYPES[self.compute],
-                                                   DTYPES[plan.reduce_dtype], zero_pp,
-                                                   plan.shard_axes, self.expert_axes,
-                                                   self._offload())
-        elif plan.update == "lomo":  # no optimizer object: SGD fused into backward
-            self.lomo = FusedSGD(self.model, cfg.train, self.dp_axis if plan.dp > 1 else None,
-                                 plan.zero_stage >= 1)
-        elif plan.update == "galore-dp":  # whole matrices on every rank, states sharded
-            self.galore = GaLoreDataParallel(self.model, cfg.train, plan.zero_stage,
-                                             self.dp_axis, self.ledger)
-        else:  # plain, or each PipeDream-2BW stage's own
-            self.optimizer = build_optimizer(self.model, cfg.train, rt.device)
+        # who owns gradients, optimizer state and the step (fivefold.train.updaters)
+        self.updater: Updater = build_updater(self.model, plan, self.mesh, cfg.train,
+                                              rt.device, self.compute, rt.rank, self.memory)
         self.pipeline = None
         if plan.pp > 1:
             axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.dp_axis}
-            self.pipeline = PipelineStep(cfg, plan, self.model, axes, self.engine,
-                                         self.optimizer, self.train_sampler,
-                                         self.global_tokens, cfg.train.grad_clip or math.inf,
-                                         self.autocast)
+            self.pipeline = PipelineStep(cfg, plan, self.model, axes, self.updater,
+                                         self.train_sampler, self.global_tokens,
+                                         cfg.train.grad_clip or math.inf, self.autocast)
         self.peak = mfu_peak(rt.device, cfg.cluster.gpu, self.precision, rt.world_size)
         self.flops_per_token = flops_per_token(m)
         # one GPU rank: the head and loss a chunk of tokens at a time (fivefold.train.loss)
-        self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda" and not self.engine
-                           else 0)
+        self.loss_chunk = (chunk_tokens(m.vocab) if rt.device.type == "cuda"
+                           and plan.update != "engine" else 0)
 
-    def _offload(self) -> Offload | None:
-        """The engine's offload tier (fivefold.memory.offload), or None."""
-        p = self.plan
-        return (None if p.offload == "none" else
-                Offload(p.offload, p.offload_path, p.offload_fraction, self.rt.rank,
-                        p.offload_kernel))
+    @property
+    def engine(self):
+        """The data-parallel engine when the plan's update rule is it, else None."""
+        return self.updater.engine
+
+    @property
+    def optimizer(self):
+        """The torch optimizer of the plain model (one rank, a 2BW stage), else None."""
+        return self.updater.optimizer
 
     def _build_model(self, init_from: Path | str | None) -> Transformer | PipelineStage:
         """The plain model, or this rank's pipeline stage, with pretrained weights in
@@ -260,33 +222,28 @@ class Trainer:
                                reduction="sum")
 
     def train_step(self, step: int) -> StepResult:
+        """One optimizer step: every micro-batch's passes, the loss summed over the token
+        axes (before the update, so the non-finite guard reads the global one), then the
+        updater's update (fivefold.train.updaters)."""
         start = time.perf_counter()
         self.ledger.start_step(step)
         self.model.train()
         lr = lr_at(step, self.cfg.train, self.schedule_steps)
-        clip = self.cfg.train.grad_clip or math.inf
-        if self.plan.update == "pipedream-2bw":  # each stage updates itself, no global norm
-            loss_sum = self.pipeline.asynchronous_step(step, lr)
-            grad_norm = torch.tensor(math.nan)
-        elif self.lomo:  # one micro-batch (validation), updated during its backward
-            inputs, targets = self.train_sampler.rank_batch(step)
-            local_sum = self.micro_batch_loss(inputs.to(self.rt.device),
-                                              targets.to(self.rt.device))
-            loss_sum = local_sum.detach().clone()  # the global loss, before the guard reads it
-            C.all_reduce(loss_sum, self.token_axis, "loss")
-            grad_norm = self.lomo.step(local_sum / self.global_tokens, lr, clip,
-                                       lambda norm: self._keep_update(step, loss_sum, norm))
-        else:  # the synchronous step: every micro-batch's passes, then one update
-            loss_sum = (self.pipeline.forward_backward(step) if self.pipeline else
-                        self._accumulate(*self.train_sampler.rank_batch(step)))
-            C.all_reduce(loss_sum, self.token_axis, "loss")  # before the update: guarded
-            grad_norm = self._update(lr, clip, step, loss_sum)
-        if self.plan.update == "pipedream-2bw":
-            C.all_reduce(loss_sum, self.token_axis, "loss")
+        if self.pipeline:
+            loss_sum = self.pipeline.passes(step, lr, self._loss_factor())
+        else:
+            loss_sum = self._accumulate(*self.train_sampler.rank_batch(step))
+        C.all_reduce(loss_sum, self.token_axis, "loss")
+        grad_norm = self._update(lr, self.cfg.train.grad_clip or math.inf, step, loss_sum)
         loss = loss_sum.item() / self.global_tokens
         moe = (moe_step(self.model, self.routing_axis, self.cfg.model.moe.bias_update_rate,
                         self.global_tokens) if self.cfg.model.moe else None)
         return StepResult(loss, grad_norm.item(), time.perf_counter() - start, moe)
+
+    def _loss_factor(self) -> float:
+        """What each micro-batch's loss is multiplied by before backward: fp16's loss scale."""
+        scale = self.updater.loss_scale
+        return scale.factor if scale else 1.0
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch in turn; the summed token cross-entropy."""
@@ -299,86 +256,36 @@ class Trainer:
             x = inputs[rows].to(self.rt.device, copy=True)
             y = targets[rows].to(self.rt.device, copy=True)
             self.ledger.recorder.micro_batch = j
-            if self.engine:
-                self.engine.prepare_backward(last=j == n_micro - 1)
+            last = j == n_micro - 1
+            self.updater.prepare_backward(last)
             with self.memory.count_activations(self.model):  # the run's first micro-batch
                 ce_sum = self.micro_batch_loss(x, y)
-            loss = ce_sum / self.global_tokens
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            if self.engine:
-                self.engine.after_backward()
-            if self.galore:
-                self.galore.after_backward(last=j == n_micro - 1)
+            self.updater.backward(ce_sum / self.global_tokens)
+            self.updater.after_backward(last)
             loss_sum += ce_sum.detach()
         return loss_sum
 
     def _update(self, lr: float, clip: float, step: int, loss_sum: torch.Tensor
                 ) -> torch.Tensor:
-        """The synchronous update of every layout: clip the global gradient norm over the
-        plan's axes (fivefold.parallel.grad_clip), then, unless the non-finite guard drops
-        the update, step the data-parallel engine, data-parallel GaLore or, on one plain
-        rank, torch's optimizer (with the fp16 scaler); return the norm."""
-        if self.engine:
-            grads = [master.grad for master in self.engine.masters]
-            counted = counted_masks(self.engine.units, self.tp_axis.rank)
-            if self.expert_axes and self.plan.zero_stage == 0:
-                counted = expert_counted_masks(self.engine, self.expert_axes[0].rank)
-        elif self.galore:
-            grads, counted = self.galore.norm_grads()
-        else:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            if self.scaler:
-                self.scaler.unscale_(self.optimizer)
-            grads = [q.grad for q in self.model.parameters() if q.grad is not None]
-            self.memory.note_grads(grads)
-            counted = None
-        grad_norm = clip_grad_norm_(grads, clip, self.norm_axes, counted)
-        owner = self.engine or self.galore  # gradients and step not torch's optimizer's
-        if not self._keep_update(step, loss_sum, grad_norm):
-            if owner:
-                owner.zero_grad()
-            else:
-                if self.scaler:  # it has unscaled this step's gradients: close the step
-                    self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm
-        if owner:
-            owner.step(lr)
-            owner.zero_grad()
-        elif self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        """The updater's update: clip the global gradient norm over the plan's axes
+        (fivefold.parallel.grad_clip), then step unless the non-finite guard drops the
+        update; the norm."""
+        return self.updater.update(lr, clip, lambda norm: self._keep_update(step, loss_sum,
+                                                                            norm))
 
     def _keep_update(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """The non-finite guard (fivefold.train.nonfinite), one decision for every update
         path from values all ranks share: False (and counted) when the update is skipped;
-        NonFiniteError under "stop". With the fp16 scaler only the loss is checked."""
+        NonFiniteError under "stop". With fp16 loss scaling only the loss is checked: an
+        overflowing gradient is the loss scale's to skip (fivefold.train.loss_scale)."""
         keep = keep_step(self.cfg.train.on_nonfinite, step, loss_sum.item(), grad_norm.item(),
-                         self.rt.rank, self._first_nonfinite_grad, check_norm=not self.scaler)
+                         self.rt.rank, self.updater.first_nonfinite,
+                         check_norm=not self.updater.loss_scale)
         if not keep:
             self.skipped_steps += 1
             self.say(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
                      f"({self.skipped_steps} skipped so far)")
         return keep
-
-    def _first_nonfinite_grad(self) -> str | None:
-        """The name of this rank's first parameter whose gradient is not finite."""
-        if self.engine:
-            return first_nonfinite(flat_unit_grads(self.engine.units,
-                                                   [m.grad for m in self.engine.masters]))
-        if self.galore:
-            return first_nonfinite(self.galore.named_grads())
-        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-        if self.lomo:  # gradients are gone: their norms, measured in backward, remain
-            return first_nonfinite((named[i][0], norm) for i, norm in
-                                   sorted(self.lomo.norms.items()))
-        return first_nonfinite((n, q.grad) for n, q in named)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -400,55 +307,12 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def _resume(self) -> int:
-        if self.rt.is_main:
-            remove_partials(self.run_dir)
-        found = check_resume(self.run_dir, self.cfg, self.plan)
-        if found is None:
-            return 0
-        path, saved_meta, changed = found
-        if changed:  # written under another layout (fivefold.train.reshard)
-            meta = saved_meta
-            extra = load_resharded(self.rt, path, self.cfg.model, self.model, self.engine,
-                                   self.optimizer, self.tp_axis, self.expert_axes)
-            change = describe_change(saved_meta["layout"], layout_record(self.plan)["layout"],
-                                     changed)
-            self.say(f"resharded {path} from {change}")
-        else:
-            state = self._checkpoint_state()
-            meta, extra = load_checkpoint(self.rt, path, state)
-            if self.engine:
-                self.engine.after_checkpoint_load()
-            elif not self.galore:  # GaLore's state loaded in place with the model
-                set_state_dict(self.model, self._optimizers(), model_state_dict=state["model"],
-                               optim_state_dict=state["optim" + self._shard_tag()])
-                if self.pipeline and meta["step"] < self.cfg.train.steps:  # PipeDream-2BW
-                    self.pipeline.pipe.resume_at(meta["step"])
-        if self.scaler and extra.get("scaler"):
-            self.scaler.load_state_dict(extra["scaler"])
-        self.skipped_steps = meta.get("skipped_steps", 0)
-        self.train_sampler.start, reset = data_start(meta, self.cfg)
-        if reset:
-            self.say(f"train.reset_data: {', '.join(reset)} changed since {path}; the weights "
-                     "and optimizer state resume, the data order starts afresh at step "
-                     f"{self.train_sampler.start}")
-        self.say(f"resumed from {path} (step {meta['step']})")
-        self.schedule_steps, note = resumed_length(  # absent in older checkpoints
-            meta.get("schedule_steps", meta["config"]["train"]["steps"]), self.cfg.train,
-            meta["step"])
-        if note:
-            self.say(note)
-        return meta["step"]
-
-    def _optimizers(self):
-        """The torch optimizer(s) DCP saves with the model: none under LOMO."""
-        return [] if self.lomo else self.optimizer
+        """Load RUN_DIR's latest checkpoint, if any (fivefold.train.resume); its step."""
+        return resume_run(self)
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         """This rank's own torch optimizers, one by one (none under LOMO or the engine)."""
-        if self.optimizer is None:
-            return []
-        return list(self.optimizer if isinstance(self.optimizer, OptimizerPair)
-                    else [self.optimizer])
+        return self.updater.torch_optimizers()
 
     def _shard_tag(self) -> str:
         return shard_tag(self.pp_axis.rank, self.pp_axis.size, self.tp_axis.rank,
@@ -461,26 +325,15 @@ class Trainer:
         "root" unit, tp ranks hold different shards, and each 2BW stage's optimizer has its
         own parameter groups (its parameters and versions keep the whole model's names, so
         the stages' "model" entries together are the whole model's state)."""
-        tag = self._shard_tag()
-        if self.galore:
-            return self.galore.checkpoint_state()
-        if self.engine:  # with the MoE balancing biases, the same on every rank of a stage
-            biases = {f"expert_bias.{name}": moe.expert_bias
-                      for name, moe in moe_layers(self.model) if moe.balance_bias}
-            return {**{key + tag: value for key, value in self.engine.checkpoint_state().items()},
-                    **biases}
-        model_sd, optim_sd = get_state_dict(self.model, self._optimizers())
-        state = {"model": model_sd, "optim" + tag: optim_sd}
-        if self.pipeline:  # PipeDream-2BW
-            state["versions"] = self.pipeline.pipe.checkpoint_state()
-        return state
+        return self.updater.checkpoint_state(self._shard_tag())
 
     def _save(self, step: int) -> None:
         meta = {"data_position": step - self.train_sampler.start, "config": self.cfg.to_dict(),
                 "data": data_record(self.cfg), "data_start": self.train_sampler.start,
                 "skipped_steps": self.skipped_steps, "schedule_steps": self.schedule_steps,
                 **layout_record(self.plan)}
-        extra = {"scaler": self.scaler.state_dict() if self.scaler else None}
+        scale = self.updater.loss_scale
+        extra = {"scaler": scale.state_dict() if scale else None}
         save_checkpoint(self.rt, self.run_dir, step, self._checkpoint_state(), meta, extra,
                         self.cfg.train.keep_checkpoints)
 

@@ -1,0 +1,83 @@
+"""The data-parallel engine's update rule (`plan.update == "engine"`): DDP, ZeRO-1/2/3,
+hierarchical sharding, ZeRO++, expert units and offload, all in
+fivefold.parallel.data_parallel.DataParallelEngine, which this wraps: it owns the flat
+parameter units, their gradient sync, fp32 masters and optimizer, and its collectives sum,
+so the trainer scales each loss by the global batch's tokens only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.comm.collectives import Axis
+from fivefold.config import TrainConfig
+from fivefold.memory.galore_engine import engine_class
+from fivefold.memory.offload import Offload
+from fivefold.parallel.data_parallel import ZeroPP
+from fivefold.parallel.expert import expert_counted_masks
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.plan import ParallelPlan
+from fivefold.parallel.tensor import counted_masks
+from fivefold.train.moe_stats import moe_layers
+from fivefold.train.nonfinite import first_nonfinite, flat_unit_grads
+from fivefold.train.updaters.base import ClippedUpdater
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def plan_offload(plan: ParallelPlan, rank: int) -> Offload | None:
+    """The engine's offload tier (fivefold.memory.offload), or None."""
+    return (None if plan.offload == "none" else
+            Offload(plan.offload, plan.offload_path, plan.offload_fraction, rank,
+                    plan.offload_kernel))
+
+
+class EngineUpdater(ClippedUpdater):
+    """DataParallelEngine on `model` as `plan` lays it out over `mesh`; `compute` is the
+    dtype of the compute copies (fivefold.parallel.plan.compute_precision)."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh, train: TrainConfig,
+                 device: torch.device, compute: str, rank: int, norm_axes: list[Axis]):
+        super().__init__(norm_axes, plan.precision == "fp16")
+        self.expert_axes = mesh.expert_axes(plan.ep) if plan.ep > 1 else None
+        # stage 0 under ep: the norm counts each ep rank's experts, the dense part once
+        self.ep_counted = self.expert_axes is not None and plan.zero_stage == 0
+        self.tp_rank = mesh.axis("tp").rank
+        zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
+        self.engine = engine_class(train)(model, plan.zero_stage, mesh, train, device,
+                                           DTYPES[compute], DTYPES[plan.reduce_dtype], zero_pp,
+                                           plan.shard_axes, self.expert_axes,
+                                           plan_offload(plan, rank))
+
+    def prepare_backward(self, last: bool) -> None:
+        self.engine.prepare_backward(last)
+
+    def after_backward(self, last: bool) -> None:
+        self.engine.after_backward()
+
+    def grads_for_norm(self):
+        grads = [master.grad for master in self.engine.masters]
+        counted = (expert_counted_masks(self.engine, self.expert_axes[0].rank)
+                   if self.ep_counted else counted_masks(self.engine.units, self.tp_rank))
+        return grads, counted
+
+    def step(self, lr: float) -> None:
+        self.engine.step(lr)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def first_nonfinite(self) -> str | None:
+        return first_nonfinite(flat_unit_grads(self.engine.units,
+                                               [m.grad for m in self.engine.masters]))
+
+    def checkpoint_state(self, tag: str) -> dict:
+        """The engine's shards, keyed with the pp and tp ranks (`tag`), and the MoE
+        balancing biases (the same on every rank of a stage)."""
+        biases = {f"expert_bias.{name}": moe.expert_bias
+                  for name, moe in moe_layers(self.engine.model) if moe.balance_bias}
+        return {**{key + tag: value for key, value in self.engine.checkpoint_state().items()},
+                **biases}
+
+    def after_load(self, state: dict, tag: str, step: int) -> None:
+        self.engine.after_checkpoint_load()
