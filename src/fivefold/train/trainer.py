@@ -40,10 +40,10 @@ fivefold.memory.galore_dp; LOMO with data parallelism all-reduces each gradient 
 fused update (fivefold.memory.lomo), the step's loss summed before backward so that the
 non-finite guard reads the global one.
 
-With `parallel.ep > 1` (fivefold.parallel.expert) every MoE layer keeps its ep rank's
-experts and the engine reduces their units over the expert-data-parallel ranks; at ZeRO
-stage 0 the gradient norm also sums over the ep axis, the dense parameters counted on ep rank
-0 only (each ep rank holds other experts, all hold the same dense gradients). Every
+On the experts' grid (ep, etp or tp > 1 with an MoE model; fivefold.expert_grid) every
+MoE layer keeps its share of the experts (fivefold.parallel.expert) and the engine reduces
+their units over the expert-data-parallel ranks; the gradient norm then sums over all of a
+stage's ranks, each element counted on one of them (`grid_counted_masks`). Every
 collective's ledger entry also lands in the flight recorder
 (fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
 
@@ -78,7 +78,7 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import OptimizerPair, build_optimizer
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
-from fivefold.parallel.expert import expert_counted_masks
+from fivefold.parallel.expert import STAGE_AXES, grid_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
@@ -154,9 +154,10 @@ class Trainer:
                              if m.moe and plan.routing_axes != plan.token_axes
                              else self.token_axis)
         self.norm_axes = [self.mesh.joint_axis(*names) for names in plan.grad_norm_axes]
-        self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
-        if self.expert_axes and plan.zero_stage == 0:  # each ep rank: its experts' gradients
-            self.norm_axes.append(self.expert_axes[0])
+        self.expert_axes = (self.mesh.expert_axes(plan.ep, plan.etp)  # fivefold.expert_grid
+                            if m.moe and plan.expert_grid else None)
+        if self.expert_axes:  # the norm over every rank of the stage (grid_counted_masks)
+            self.norm_axes = [self.mesh.joint_axis(*STAGE_AXES), self.pp_axis]
         # every rank, the default group: checkpoint_minutes' broadcast, the stop flags
         self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
@@ -318,9 +319,9 @@ class Trainer:
         rank, torch's optimizer (with the fp16 scaler); return the norm."""
         if self.engine:
             grads = [master.grad for master in self.engine.masters]
-            counted = counted_masks(self.engine.units, self.tp_axis.rank)
-            if self.expert_axes and self.plan.zero_stage == 0:
-                counted = expert_counted_masks(self.engine, self.expert_axes[0].rank)
+            counted = (grid_counted_masks(self.engine, self.mesh, self.expert_axes)
+                       if self.expert_axes else counted_masks(self.engine.units,
+                                                              self.tp_axis.rank))
         elif self.galore:
             grads, counted = self.galore.norm_grads()
         else:
