@@ -23,6 +23,9 @@ from fivefold.config import Config, ConfigError
 from fivefold.models.validate_model import divisors
 
 
+STAGE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")  # a pp stage's mesh axes, in order
+
+
 def stage_ranks(dp: int, cp: int, tp: int) -> int:
     """The ranks of one pipeline stage, which both grids cover."""
     return dp * cp * tp

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import collectives as C
+from fivefold.expert_grid import STAGE_AXES
 from fivefold.models.moe import MoE
 from fivefold.parallel.expert_rows import AllToAll, expert_major
 from fivefold.parallel.expert_tensor import INNER_DIM, etp_swiglu, expert_slice
@@ -114,9 +115,6 @@ def gather_experts(state: dict[str, torch.Tensor], axes: ExpertAxes) -> dict[str
             tensor = torch.cat(gather_stacked(tensor, axes.ep, "state_dict").unbind(0), 0)
         out[name] = tensor
     return out
-
-
-STAGE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")  # a pp stage's ranks, in mesh order
 
 
 def grid_counted_masks(engine, mesh: Mesh, axes: ExpertAxes) -> list[torch.Tensor | None]:

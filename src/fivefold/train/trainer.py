@@ -78,7 +78,8 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.models.llama import Transformer, build_model
 from fivefold.optim import OptimizerPair, build_optimizer
 from fivefold.parallel.data_parallel import DataParallelEngine, ZeroPP
-from fivefold.parallel.expert import STAGE_AXES, grid_counted_masks
+from fivefold.expert_grid import STAGE_AXES
+from fivefold.parallel.expert import grid_counted_masks
 from fivefold.parallel.grad_clip import clip_grad_norm_
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage import PipelineStage
