@@ -246,8 +246,8 @@ MOE_CASES = [  # (overrides, label), on 4 ranks
     (["parallel.etp=2", "parallel.ep=2", "parallel.zero_stage=1"], "etp 2 x ep 2 over dp 4"),
     (["parallel.tp=2", "parallel.ep=4", "parallel.zero_stage=2", "parallel.recompute='full'"],
      "tp 2 folded into ep 4 zero2, full recompute"),
-    (["parallel.etp=4", "parallel.recompute='selective'", "model.moe.shared_experts=1"],
-     "etp 4 over dp 4, selective recompute"),
+    (["parallel.tp=2", "parallel.etp=4", "parallel.recompute='selective'",
+      "model.moe.shared_experts=1"], "etp 4 over tp 2 x dp 2, selective recompute"),
     (["parallel.pp=2", "parallel.etp=2", "parallel.zero_stage=3", "parallel.micro_batch=1"],
      "pp2 x etp 2 zero3"),
 ]

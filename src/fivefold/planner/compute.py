@@ -334,20 +334,15 @@ def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], l
             Gemm("wv", n, D, kv), Gemm("wo", n, model.heads * d // tp, D)]
     if not moe:
         return attn, mlp_gemms(model.ffn_type, n, D, model.ffn_hidden // tp, "")
-    m, mt = model.moe, sh.stack.expert_width_split(tp, sh.etp)
-    # an external stack splits the layer over tp, on every token; fivefold's experts' grid
-    # routes the rank's 1/tp of the tokens, its etp group's rows through 1/etp of each
-    # expert, the shared experts whole (fivefold.planner.stack experts_follow_tp)
-    follow = sh.stack.experts_follow_tp
-    n_moe = n if follow else n / tp
-    mlp = [Gemm("router", n_moe, D, m.experts)]
-    # token-expert pairs the busiest rank computes
-    routed = n_moe * m.top_k * sh.expert_load * (1 if follow else sh.etp)
-    mlp += mlp_gemms(model.ffn_type, routed, D, m.expert_ffn_hidden // mt, "expert.")
+    m, follow = model.moe, sh.stack.experts_follow_tp  # (planner.stack experts_follow_tp)
+    n_moe = n if follow else n / tp  # the experts' grid: the rank's 1/tp of the tokens, its
+    routed = n_moe * m.top_k * sh.expert_load * (1 if follow else sh.etp)  # etp group's rows
+    mlp = [Gemm("router", n_moe, D, m.experts)] + mlp_gemms(
+        model.ffn_type, routed, D, m.expert_ffn_hidden // sh.stack.expert_width_split(
+            tp, sh.etp), "expert.")  # the busiest rank's token-expert pairs
     if m.shared_experts:
-        mlp += mlp_gemms(model.ffn_type, n_moe, D,
-                         m.shared_experts * m.expert_ffn_hidden // (tp if follow else 1),
-                         "shared.")
+        mlp += mlp_gemms(model.ffn_type, n_moe, D, m.shared_experts * m.expert_ffn_hidden
+                         // (tp if follow else 1), "shared.")
     return attn, mlp
 
 
@@ -454,9 +449,9 @@ def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:
         f = model.ffn_hidden / tp
     act = 3 * f if model.ffn_type == "swiglu" else 2 * f
     per_token = 2 * 2 * d_side + 2 * (q + kv) + 2 * q + act + 2 * 3 * d_side
-    if moe:  # (un)permute rows (the experts' grid: the etp group's, on 1/tp of the tokens)
-        rows = 1 if sh.stack.experts_follow_tp else sh.etp / tp
-        per_token += 2 * model.hidden * model.moe.top_k * sh.expert_load * rows
+    if moe:  # (un)permute rows (the experts' grid: the etp group's, of 1/tp of the tokens)
+        per_token += 2 * model.hidden * model.moe.top_k * sh.expert_load * (
+            1 if sh.stack.experts_follow_tp else sh.etp / tp)
     return a * n * per_token
 
 

@@ -47,8 +47,8 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
     `layers`, per MoE layer: with the balancing loss, the all-reduce of the assignments per
     expert over the ranks that split the micro-batch (int64; again in recomputation's
     forward); over tp, the router's and shared experts' gradients all-reduced in `dtype`
-    and, without sequence parallelism, the all-gather of the layer's output shares (again
-    in recomputation's forward) and of its input gradient's."""
+    and, without sequence parallelism, the all-gather of the layer's output shares and of
+    its input gradient's."""
     moe, out = cfg.model.moe, []
     split = 1
     for axis in lay.token_split_axes:
@@ -67,6 +67,8 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
                     for p in block_parameters(cfg.model, layer)
                     if p.part in MOE_PARTS and p.part != "experts"]
         if "tp" in lay.token_split_axes and not lay.sequence_parallel:
-            out += [("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens")] * passes
-            out.append(("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens_grad"))
+            # once: nothing in the block saves the gathered output, so recomputation's
+            # forward stops before it (torch.utils.checkpoint's early stop)
+            out += [("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens"),
+                    ("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens_grad")]
     return out

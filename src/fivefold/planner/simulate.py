@@ -74,6 +74,7 @@ from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, block_times,
                                       embedding_times, head_times, newton_schulz_time)
+from fivefold.planner.expert_cost import expert_groups, moe_comm_s
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
@@ -207,26 +208,11 @@ class StepModel:
         self.stack = stack_of(cfg.train.stack, cfg.train.stack_release)
         self.tp_group = Group.strided(tp, 1, gpn)
         self.cp_group = Group.strided(cp, tp, gpn)
-        # the experts' grid (fivefold.expert_grid): etp neighbours, ep groups of them, then
-        # edp; an external stack's ep group is ep data ranks tp apart, or ep adjacent ranks
-        # under its parallel folding (expert_group_stride_1)
-        folded = not self.stack.experts_follow_tp
-        self.etp = lay.etp if folded else None  # planner.params.block_params' etp
-        self.etp_group = Group.strided(lay.etp, 1, gpn)
-        self.ep_group = Group.strided(lay.ep, lay.etp if folded else
-                                      1 if self.stack.expert_group_stride_1 else tp, gpn)
         shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
         self.shard_group = Group.strided(shard, tp, gpn)
-        # the routed experts are data-parallel over the edp ranks that hold the same experts
-        # (fivefold.parallel.expert; Megatron-Core's expert data parallelism), one per ep
-        # group
-        if folded:
-            self.expert_shard_group = Group.strided(lay.expert_data_parallel,
-                                                    lay.ep * lay.etp, gpn)
-        else:
-            ep_stride = lay.ep * (1 if self.stack.expert_group_stride_1 else tp)
-            self.expert_shard_group = (Group.strided(max(1, shard // lay.ep), ep_stride, gpn)
-                                       if lay.ep > 1 else self.shard_group)
+        # the routed experts' groups: etp, ep and their edp (planner.expert_cost)
+        self.etp, self.etp_group, self.ep_group, self.expert_shard_group = expert_groups(
+            self.stack, lay, self.shard_group, gpn)
         self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
                                              gpn) if lay.zero_stage >= 1 else Group(1, 1)
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
@@ -267,8 +253,7 @@ class StepModel:
     def _shape_key(self) -> tuple:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel, lay.micro_batch,
-                lay.recompute,
-                lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
+                lay.recompute, lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
                 self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load)
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
@@ -293,31 +278,14 @@ class StepModel:
             regather = exposed(2 * ag, t.wgrad, hide)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
-        # on the experts' grid an MoE layer's MLP is no tp region: without sequence
-        # parallelism it all-gathers its output shares forward, its input gradient's backward
-        tp_f = tp_b = 2 * tp_one
-        if moe and self.etp is not None:
-            tp_f = tp_b = tp_one + (self._coll("all_gather", act, self.tp_group)
-                                    if lay.tp > 1 and not lay.sequence_parallel else 0.0)
+        tp_mlp, ep, ep_counts = moe_comm_s(self, act) if moe else (tp_one, 0.0, 0.0)
+        tp_f = tp_b = tp_one + (tp_one if tp_mlp is None else tp_mlp)
         if self.stack.overlaps_tp and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
             hide = self.prof.eff.overlap_eff
             tp_f = exposed(tp_f, t.wgrad, hide)
             tp_b = exposed(tp_b + regather, 2 * t.wgrad, hide)
             regather = 0.0
         cp_f, cp_b = self._cp_exposed(moe)
-        ep = ep_counts = 0.0
-        tokens = sh.tokens / self.stack.moe_token_share(lay.tp, lay.sequence_parallel)
-        routed = tokens * m.moe.top_k * m.hidden * self.a * sh.expert_load if moe else 0.0
-        if moe and lay.ep > 1:
-            ep = 2 * self._coll("all_to_all", routed, self.ep_group)  # the busiest rank's
-            # ahead of each dispatch, the ranks exchange their int64 count per expert
-            # (`moe_counts` in the ledger): a latency-bound all-to-all, forward only
-            ep_counts = self._coll("all_to_all", m.moe.experts * 8, self.ep_group)
-        if moe and self.etp is not None and lay.etp > 1:  # the etp group's rows gathered
-            # and their partial outputs scattered back (fivefold.parallel.expert_tensor)
-            ep += 2 * self._coll("all_to_all", lay.etp * routed, self.etp_group)
-            ep_counts += self._coll("all_gather", lay.etp * m.moe.experts // lay.ep * 8,
-                                    self.etp_group)
         f_comm = tp_f + cp_f + ep + ep_counts
         b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
