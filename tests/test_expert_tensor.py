@@ -96,6 +96,23 @@ def check(per_rank: list, ref: dict, labels: list[str]) -> None:
             assert_same_run(run, ref, f"{label}, rank {rank}")
 
 
+def test_etp_slices_partial_outputs_sum_to_the_expert():
+    """The column slices of w1 and w3 and the matching row slice of w2 (`expert_slice`)
+    give partial SwiGLU outputs that sum over the etp ranks to the whole expert's, for
+    etp 2 and 4, with an expert that gets no row (fp32 sums in another order: atol 1e-5 + rtol 1e-5)."""
+    gen = torch.Generator().manual_seed(0)
+    w1, w3 = (torch.randn(3, 16, 8, generator=gen) for _ in range(2))
+    w2 = torch.randn(3, 8, 16, generator=gen)
+    x, counts = torch.randn(7, 8, generator=gen), [4, 0, 3]
+    whole = expert_tensor.expert_swiglu(x, counts, w1, w3, w2, "loop")
+    for etp in (2, 4):
+        parts = [expert_tensor.expert_swiglu(
+            x, counts, *(expert_tensor.expert_slice(n, w, etp, r)
+                         for n, w in (("w1", w1), ("w3", w3), ("w2", w2))), "loop")
+                 for r in range(etp)]
+        torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_tp2_folds_into_ep_and_etp_on_2_ranks(sets, tmp_path):
     """2 ranks: tp 2 with etp 1 folded into ep 2 (each tp rank routes half the tokens and
