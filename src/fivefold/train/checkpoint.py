@@ -72,7 +72,7 @@ def layout_record(plan: ParallelPlan) -> dict:
     checkpoint's keys and shards as "parallel.key": value (a resume under another one
     reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
-              for key in ("pp", "tp", "cp", "ep", "vpp", "stage_layers", "zero_stage",
+              for key in ("pp", "tp", "cp", "ep", "etp", "vpp", "stage_layers", "zero_stage",
                           "zero_group", "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
@@ -107,13 +107,13 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
-    if max(saved_plan.get("ep", 1), plan.ep) > 1:
+    if max(saved_plan.get("ep", 1), plan.ep, saved_plan.get("etp", 1), plan.etp) > 1:
         key = changed[0]
         raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
-                               f"{now[key]!r}; expert-parallel checkpoints (each ep rank's "
-                               "experts in units of their own, fivefold.parallel.expert) are "
-                               "not resharded: resume with the layout that wrote it or use "
-                               "another --run-dir")
+                               f"{now[key]!r}; expert-parallel checkpoints (each ep and etp "
+                               "rank's experts in units of their own, fivefold.parallel.expert)"
+                               " are not resharded: resume with the layout that wrote it or "
+                               "use another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "
