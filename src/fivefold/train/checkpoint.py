@@ -88,7 +88,8 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded) or with expert parallelism (its per-ep-rank expert units are not), or with
+    resharded) or on the experts' grid (ep, etp, or tp with an MoE model: its expert units
+    are not, fivefold.expert_grid), or with
     another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
@@ -107,7 +108,9 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; PipeDream-2BW checkpoints (each stage's older "
                                "weight version and own optimizer) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
-    if max(saved_plan.get("ep", 1), plan.ep, saved_plan.get("etp", 1), plan.etp) > 1:
+    moe = meta.get("config", {}).get("model", {}).get("moe")  # tp folds into its grid
+    if max(saved_plan.get("ep", 1), plan.ep, saved_plan.get("etp", 1), plan.etp) > 1 or (
+            moe and max(saved_plan.get("tp", 1), plan.tp) > 1):
         key = changed[0]
         raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
                                f"{now[key]!r}; expert-parallel checkpoints (each ep and etp "
