@@ -99,7 +99,8 @@ def check(per_rank: list, ref: dict, labels: list[str]) -> None:
 def test_etp_slices_partial_outputs_sum_to_the_expert():
     """The column slices of w1 and w3 and the matching row slice of w2 (`expert_slice`)
     give partial SwiGLU outputs that sum over the etp ranks to the whole expert's, for
-    etp 2 and 4, with an expert that gets no row (fp32 sums in another order: atol 1e-5 + rtol 1e-5)."""
+    etp 2 and 4, with an expert that gets no row (fp32 sums in another order: atol 1e-5 +
+    rtol 1e-5)."""
     gen = torch.Generator().manual_seed(0)
     w1, w3 = (torch.randn(3, 16, 8, generator=gen) for _ in range(2))
     w2 = torch.randn(3, 8, 16, generator=gen)
