@@ -17,7 +17,8 @@ def layout_text(plan: ParallelPlan) -> str:
     """E.g. "dp 2, tp 1, pp 1, cp 2, ep 1, ZeRO 0, 4 micro-batches of 1"."""
     pipeline = f" ({plan.schedule}, vpp {plan.vpp})" if plan.pp > 1 else ""
     etp = f", etp {plan.etp}" if plan.etp > 1 else ""
-    return (f"dp {plan.dp}, tp {plan.tp}, pp {plan.pp}{pipeline}, cp {plan.cp}, ep {plan.ep}{etp}, "
+    return (f"dp {plan.dp}, tp {plan.tp}, pp {plan.pp}{pipeline}, cp {plan.cp}, "
+            f"ep {plan.ep}{etp}, "
             f"ZeRO {plan.zero_stage}, {plan.micro_batches} micro-batch"
             f"{'es' if plan.micro_batches != 1 else ''} of {plan.micro_batch}")
 
