@@ -165,6 +165,13 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [*MOE, EP(2), micro(2)])],
     "tests/test_expert_parallel.py::test_ep2_with_pp2_and_with_tp2_match_one_process": [
         (4, [*MOE, EP(2), PP2, micro(2)]), (4, [*MOE, EP(2), TP2, micro(2)])],
+    "tests/test_expert_tensor.py::test_tp2_folds_into_ep_and_etp_on_2_ranks": [
+        (2, [*MOE, TP2, EP(2), micro(2)]), (2, [*MOE, TP2, SP, "parallel.etp=2", micro(2)])],
+    "tests/test_expert_tensor.py::test_etp2_by_ep2_on_4_ranks_halves_expert_memory_and_flops": [
+        (4, [*MOE, TP2, z(1), "parallel.etp=2", EP(2), micro(2)]),
+        (4, [*MOE, "parallel.etp=2", EP(2), micro(2)])],
+    "tests/test_expert_tensor.py::test_pp2_by_ep2_by_etp2_on_8_ranks": [
+        (8, [*MOE, PP2, TP2, "parallel.etp=2", EP(2), micro(2)])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
     "tests/test_moe_token_split.py::"
     "test_moe_on_sequence_and_context_shards_matches_one_process": [

@@ -45,7 +45,7 @@ def train(rt: Runtime, sets: list[str], run_dir: str) -> dict:
             a2a[r["purpose"]] = a2a.get(r["purpose"], 0) + r["bytes"]
     params = full_parameters(trainer)
     if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes[0])
+        params = gather_experts(params, trainer.expert_axes)
     return {"losses": [r.loss for r in results], "moe": [r.moe for r in results],
             "params": params, "a2a": a2a}
 
@@ -66,10 +66,10 @@ def empty_expert_rank(rt: Runtime, sets: list[str]) -> tuple[float, float]:
     for p in whole.parameters():
         torch.nn.init.normal_(p, std=0.3)
     mesh = Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}, "cpu", Ledger())
-    axis = mesh.expert_axes(2)[0]
+    axes = mesh.expert_axes(2)
     part = MoE(cfg.model)
     part.load_state_dict(whole.state_dict())
-    apply_expert_parallel(part, axis)
+    apply_expert_parallel(part, axes)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(rt.rank),
                     requires_grad=True)
     counts = [5, 0, 0, 0, 0, 0, 0, 0]

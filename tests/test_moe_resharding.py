@@ -6,7 +6,6 @@ balancing loss on). On 4 gloo ranks, one process start:
 
   ep 2 x edp 2, ZeRO-1, routing biases on -> ep 4, ZeRO-1
                                           -> dp 4 without ep, ZeRO-1
-                                          -> tp 2 x ep 2, ZeRO-1
                                           -> pp 2 x ep 2, 1F1B
   dp 4 without ep, ZeRO-1                 -> ep 2 x edp 2, ZeRO-3
 
@@ -35,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
 from fivefold.train.checkpoint import check_layout, layout_record, step_dir
@@ -56,7 +55,6 @@ OLD = {"ep2": BIAS + EP2, "dp4": DP4}  # old layouts: model keys and layout
 CHANGES = {  # name: (old layout, new layout)
     "ep2 -> ep4": ("ep2", ["parallel.ep=4", "parallel.zero_stage=1"]),
     "ep2 -> dp4 (no ep)": ("ep2", DP4),
-    "ep2 -> tp2 x ep2": ("ep2", EP2 + ["parallel.tp=2"]),
     "ep2 -> pp2 x ep2": ("ep2", ["parallel.ep=2", "parallel.pp=2", "parallel.schedule='1f1b'"]),
     "dp4 (no ep) -> ep2 ZeRO-3": ("dp4", ["parallel.ep=2", "parallel.zero_stage=3"]),
 }
@@ -221,6 +219,10 @@ def test_an_ep_change_of_layout_is_resharded_not_refused(moe_sets):
     assert check_layout(path, meta("parallel.ep=2"), plan()) == ["parallel.ep"]
     assert "parallel.tp" in check_layout(path, meta("parallel.ep=2"),
                                          plan("parallel.ep=2", "parallel.tp=2"))
+    # tp with an MoE model folds tp into the experts' grid, whose units are not resharded
+    moe_meta = {**meta("parallel.ep=2"), "config": {"model": {"moe": {"experts": 4}}}}
+    with pytest.raises(ConfigError, match="experts' tensor-parallel grid"):
+        check_layout(path, moe_meta, plan("parallel.ep=2", "parallel.tp=2"))
 
 
 def test_a_model_mixtral_does_not_compute_is_not_exported():

@@ -256,16 +256,28 @@ MOE_CASES = [  # (overrides, label), on 4 ranks
     (["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", MUON],
      "tp2 sp x ep 2 muon"),
     ([MUON, "parallel.zero_stage=2"], "MoE without ep, zero2 muon: experts in the block"),
+    # the experts' own grid (fivefold.expert_grid)
+    (["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"], "etp 2 x ep 2 over tp 2 x dp 2"),
+    (["parallel.etp=2", "parallel.ep=2", "parallel.zero_stage=1"], "etp 2 x ep 2 over dp 4"),
+    (["parallel.tp=2", "parallel.ep=4", "parallel.zero_stage=2", "parallel.recompute='full'"],
+     "tp 2 folded into ep 4 zero2, full recompute"),
+    (["parallel.tp=2", "parallel.etp=4", "parallel.recompute='selective'",
+      "model.moe.shared_experts=1"], "etp 4 over tp 2 x dp 2, selective recompute"),
+    (["parallel.pp=2", "parallel.etp=2", "parallel.zero_stage=3", "parallel.micro_batch=1"],
+     "pp2 x etp 2 zero3"),
 ]
-ROUTED = ("moe_combine", "moe_dispatch_backward")  # the rows a rank's experts received
+# the rows a rank's experts received, and the etp group's rows
+ROUTED = ("moe_combine", "moe_dispatch_backward", "moe_etp_gather", "moe_etp_scatter",
+          "moe_etp_gather_backward", "moe_etp_scatter_backward")
 
 
 def test_expert_parallel_ledger_prediction_equals_runtime(overrides):
     """Every rank's ledger of an MoE step against `predict_ledger`, which assumes balanced
     routing: exact for every collective but the two whose size the routing decides (the
     rows this rank's experts received, combined back and their gradient dispatched back),
-    and those exact summed over the ranks, since the routing is dropless. The model-state
-    bytes are exact, with tp too (MoE layers whole on every tp rank)."""
+    and those exact summed over the ranks, since the routing is dropless (on the experts'
+    grid also the etp group's gathered rows and their scattered partial outputs). The
+    model-state bytes are exact, on every layout of the experts' grid."""
     cases = [MOE + sets for sets, _ in MOE_CASES]
     recorded = run_on_ranks(_ledgers, 4, overrides, cases, timeout_s=600)
     for i, (sets, label) in enumerate(MOE_CASES):
@@ -286,7 +298,7 @@ def test_expert_parallel_ledger_prediction_equals_runtime(overrides):
                         assert have[k] == nbytes, (where, k)
             assert predicted.model_state_bytes == got[2], where
         assert routed_want == routed_have, label
-        assert routed_want or cfg.parallel.ep == 1, label
+        assert routed_want or cfg.parallel.ep == cfg.parallel.etp == 1, label
 
 
 def _units(sets, world):

@@ -158,25 +158,30 @@ def test_cross_report_names_sources_constants_and_bounds():
     assert "at their bounds (in-sample): overlap_eff" in text
 
 
-def test_fivefold_runs_moe_layers_whole_on_every_tp_rank_megatron_splits_the_experts():
-    """Under tp 2 the fivefold stack holds an MoE block's experts whole on each tp rank and
-    runs their GEMMs at full width, as its runtime does (tests/test_planner_ledger.py holds
-    those bytes against the runtime's); Megatron's expert tensor parallelism splits them."""
+def test_fivefold_runs_moe_layers_on_the_experts_grid_megatron_splits_them_over_tp():
+    """Under tp 2 the fivefold stack holds an MoE block's experts on their own grid, as its
+    runtime does (tests/test_planner_ledger.py holds those bytes against the runtime's):
+    with etp 1 whole on each rank, their GEMMs at full width on the rank's half of the
+    tokens; with etp 2 split like Megatron's, whose expert tensor parallelism follows tp."""
     from fivefold.parallel.plan import plan_from_config
     from fivefold.planner.compute import block_gemms
     from fivefold.planner.simulate import StepModel
 
-    def step_model(stack):
+    def step_model(stack, etp=1):
         spec = {"model": {"preset": "mixtral-8x7B"}, "cluster": {"gpu": "H100-SXM", "gpus": 64},
-                "parallel": {"global_batch": 64, "tp": 2, "ep": 8, "micro_batch": 1,
-                             "zero_stage": 1}, "train": {"stack": stack}}
+                "parallel": {"global_batch": 64, "tp": 2, "ep": 8, "etp": etp,
+                             "micro_batch": 1, "zero_stage": 1}, "train": {"stack": stack}}
         cfg = spec_config(spec)
         return StepModel(cfg, PROFILES["H100-SXM"], plan_from_config(cfg, 64))
 
-    mine, meg = step_model("fivefold"), step_model("megatron")
-    experts = [sm.block_numel(True) - sm.block_numel(True, dense_only=True) for sm in (mine, meg)]
-    assert experts[0] == 2 * experts[1]
+    mine, meg, split = step_model("fivefold"), step_model("megatron"), step_model("fivefold", 2)
+    experts = [sm.block_numel(True) - sm.block_numel(True, dense_only=True)
+               for sm in (mine, meg, split)]
+    assert experts[0] == 2 * experts[1] == 2 * experts[2]
     assert mine.block_numel(True, dense_only=True) == meg.block_numel(True, dense_only=True)
-    widths = [{g.name: g.n for g in block_gemms(sm.model, sm.shard, True)[1]}["expert.w1"]
-              for sm in (mine, meg)]
-    assert widths == [mine.model.moe.expert_ffn_hidden, mine.model.moe.expert_ffn_hidden // 2]
+    gemms = [{g.name: g for g in block_gemms(sm.model, sm.shard, True)[1]}["expert.w1"]
+             for sm in (mine, meg, split)]
+    F = mine.model.moe.expert_ffn_hidden
+    assert [g.n for g in gemms] == [F, F // 2, F // 2]
+    # the rank routes half the tokens; with etp 2 it computes its etp pair's rows
+    assert gemms[0].m * 2 == gemms[1].m == gemms[2].m

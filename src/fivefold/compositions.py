@@ -86,6 +86,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
     Feature("ep>1", "model", lambda c, dp: c.parallel.ep > 1),
+    Feature("etp>1", "model", lambda c, dp: c.parallel.etp > 1),
 ]}
 
 SPLITS = ("dp>1", "tp>1", "pp>1", "cp>1")  # more than one rank
@@ -156,6 +157,10 @@ REFUSALS: list[Refusal] = [
     Refusal("ep>1", ("qwz", "hpz", "qgz"), "parallel.ep",
             "ZeRO++'s node groups are not laid out over the expert groups; turn qwz, hpz "
             "and qgz off with ep > 1"),
+    Refusal("etp>1", ("zero_group", "qwz", "hpz", "qgz"), "parallel.etp",
+            "expert tensor parallelism shards the experts over their whole expert-data "
+            "group, which neither hierarchical sharding nor ZeRO++'s node groups are laid "
+            "out over; drop zero_group and turn qwz, hpz and qgz off with etp > 1"),
     Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "
@@ -200,7 +205,7 @@ REFUSALS: list[Refusal] = [
               "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
               "or weight versions) that recomputation would bypass; use recompute = 'none' "
               "with it, or 1f1b") for r in ("full", "selective")),
-    Refusal("optimizer=galore", ("cp>1", "ep>1", "zero_group", "qwz", "hpz", "qgz"),
+    Refusal("optimizer=galore", ("cp>1", "ep>1", "etp>1", "zero_group", "qwz", "hpz", "qgz"),
             "train.optimizer",
             "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3 "
             "(fivefold.memory.galore_dp, fivefold.memory.galore_units); context and expert "
@@ -219,7 +224,8 @@ REFUSALS: list[Refusal] = [
             "LOMO without clipping applies each gradient inside its only backward, before "
             "the norm is known: set train.grad_clip > 0 (two passes, the first measures) or "
             "use 'stop'", when=("grad_clip=0",)),
-    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", "zero=3", "zero_group", "qgz"),
+    Refusal("optimizer=lomo", ("tp>1", "pp>1", "cp>1", "ep>1", "etp>1", "zero=3", "zero_group",
+                               "qgz"),
             "train.optimizer",
             "LOMO updates each parameter inside backward, right after its gradient's "
             "all-reduce (ZeRO-1/2: reduce-scatter) over the data-parallel ranks: it runs with "

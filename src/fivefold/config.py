@@ -100,6 +100,9 @@ class ParallelConfig:
     pp: int = _doc("pipeline-parallel degree", 1)
     cp: int = _doc("context-parallel degree", 1)
     ep: int = _doc("expert-parallel degree", 1)
+    etp: int = _doc("expert tensor-parallel degree: each routed expert's MLP split over etp "
+                   "ranks (column then row parallel); the experts' grid etp x ep x "
+                   "expert-data folds onto the tp x cp x dp ranks of a stage (docs/moe.md)", 1)
     zero_group: int | None = _doc("shard within groups of this many dp ranks (MiCS/HSDP)", None)
     cp_mode: str = _doc('"ulysses" | "ring" | "hybrid" (Ulysses inside groups of cp_ulysses '
                         'ranks, ring across them)', "ring")

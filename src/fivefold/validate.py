@@ -17,6 +17,7 @@ from fivefold.batch_shares import check_batch_split
 from fivefold.cluster_groups import validate_groups
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
+from fivefold.expert_grid import validate_expert_grid
 from fivefold.data_sources import DATA_FORMATS, TOKEN_DTYPES, validate_sources
 from fivefold.lr_schedule import validate_schedule
 from fivefold.models.validate_model import FFN_TYPES  # noqa: F401 (the config fuzz reads it here)
@@ -43,7 +44,7 @@ def validate_model(cfg: Config) -> None:
 
 def validate_parallel(cfg: Config, world_size: int | None) -> None:
     p = cfg.parallel
-    for key in ("tp", "pp", "cp", "ep", "vpp", "global_batch"):
+    for key in ("tp", "pp", "cp", "ep", "etp", "vpp", "global_batch"):
         _positive(f"parallel.{key}", getattr(p, key))
     _positive("parallel.dp", p.dp)
     _positive("parallel.micro_batch", p.micro_batch)
@@ -92,10 +93,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                                        f" do not divide the shard group of "
                                                        f"{shard}; choose gpus_per_node so they "
                                                        "do")
-    if p.ep > 1 and (dp * p.cp) % p.ep:
-        raise ConfigError("parallel.ep", f"{p.ep} does not divide the dp x cp = {dp * p.cp} "
-                                         "ranks it folds onto (each expert is data-parallel "
-                                         f"over the rest); choose one of {_divisors(dp * p.cp)}")
+    validate_expert_grid(cfg, dp)
     moe = cfg.model.moe
     if moe is not None and moe.experts % p.ep:
         raise ConfigError("parallel.ep", f"{p.ep} does not divide model.moe.experts = "

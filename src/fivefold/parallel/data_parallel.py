@@ -98,7 +98,7 @@ class DataParallelEngine(EngineCheckpoint):
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, zero_pp: ZeroPP = ZeroPP(),
                  shard_axes: tuple[str, ...] = ("dp_shard",),
-                 expert_axes: tuple[C.Axis, C.Axis] | None = None,
+                 expert_axes: tuple[C.Axis, C.Axis, C.Axis] | None = None,
                  offload: Offload | None = None):
         self.model, self.stage, self.train_cfg, self.zero_pp = model, stage, train, zero_pp
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype or param_dtype
@@ -117,8 +117,10 @@ class DataParallelEngine(EngineCheckpoint):
         split = [(*unit, False) for unit in split_units(model)]
         unit_axes = {False: (self.shard_axis, self.replicate_axis)}
         if expert_axes is not None:
-            ep_axis, edp_axis = expert_axes
-            split = split_expert_units(split_units(model), f"{ep_axis.rank}of{ep_axis.size}")
+            ep_axis, edp_axis, etp_axis = expert_axes
+            tag = f"{ep_axis.rank}of{ep_axis.size}" + (
+                f"x{etp_axis.rank}of{etp_axis.size}" if etp_axis.size > 1 else "")
+            split = split_expert_units(split_units(model), tag)
             none = C.Axis("none", None, 1, 0, mesh.ledger)
             unit_axes[True] = (none, edp_axis) if stage == 0 else (edp_axis, none)
         self.unit_shard = [unit_axes[expert][0] for *_, expert in split]

@@ -2,13 +2,15 @@
 them and back by all-to-all with variable split sizes (GShard, arXiv 2006.16668, Sec. 3;
 Megatron-Core's all-to-all token dispatcher).
 
-Placement. The ep ranks are neighbours among the data-parallel ranks (Megatron-Core's
-parallel folding: ep folds onto dp x cp, fivefold.parallel.mesh `expert_axes`); ep rank r
-holds experts [r L, (r+1) L), L = experts / ep, as the slices of the stacked (X, ., .)
-weights. Every other parameter stays whole (or as tensor/pipeline parallelism splits it), and
-each expert is data-parallel over the dp x cp / ep ranks of its "edp" group: the
-data-parallel engine reduces (and with ZeRO shards) the expert units over edp, the dense ones
-over all data ranks (fivefold.parallel.data_parallel).
+Placement. The experts have a grid of their own over a stage's dp x cp x tp ranks
+(Megatron-Core's parallel folding, fivefold.expert_grid; fivefold.parallel.mesh
+`expert_axes`): ep rank r holds experts [r L, (r+1) L), L = experts / ep, as the slices of
+the stacked (X, ., .) weights, and within them its etp rank's columns of each expert's MLP
+(fivefold.parallel.expert_tensor, which runs step 3 below over the etp ranks). Every other
+parameter stays whole (or as tensor/pipeline parallelism splits it), and each expert shard
+is data-parallel over the ranks of its "edp" group: the data-parallel engine reduces (and
+with ZeRO shards) the expert units over edp, the dense ones over the data ranks
+(fivefold.parallel.data_parallel).
 
 One MoE layer's forward on a rank (the `MoE.expert_compute` seam, tokens already routed and
 sorted by expert on the rank that owns them, fivefold.models.moe):
@@ -36,9 +38,13 @@ import torch
 from torch import nn
 
 from fivefold.comm import collectives as C
-from fivefold.comm.collectives import Axis
-from fivefold.models.expert_matmul import expert_swiglu
+from fivefold.expert_grid import STAGE_AXES
 from fivefold.models.moe import MoE
+from fivefold.parallel.expert_rows import AllToAll, expert_major
+from fivefold.parallel.expert_tensor import INNER_DIM, etp_swiglu, expert_slice
+from fivefold.parallel.mesh import ExpertAxes, Mesh
+from fivefold.parallel.tensor import counted_masks
+from fivefold.parallel.tensor_comm import gather_stacked
 
 EXPERT_NAMES = ("mlp.w1", "mlp.w3", "mlp.w2")  # fivefold.models.description MOE_PLACEMENTS
 
@@ -48,44 +54,19 @@ def is_expert_param(name_in_block: str) -> bool:
     return name_in_block in EXPERT_NAMES
 
 
-class AllToAll(torch.autograd.Function):
-    """Rows of `x` to the axis's ranks by `send` counts, `recv` rows back from each; backward
-    sends the gradients the reverse way."""
-
-    @staticmethod
-    def forward(ctx, x_MD: torch.Tensor, send: list[int], recv: list[int], axis: Axis,
-                purpose: str) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.axis, ctx.purpose = send, recv, axis, purpose
-        return _rows_all_to_all(x_MD, send, recv, axis, purpose)
-
-    @staticmethod
-    def backward(ctx, grad_MD: torch.Tensor):
-        return (_rows_all_to_all(grad_MD, ctx.recv, ctx.send, ctx.axis,
-                                 ctx.purpose + "_backward"), None, None, None, None)
-
-
-def _rows_all_to_all(x_MD: torch.Tensor, send: list[int], recv: list[int], axis: Axis,
-                     purpose: str) -> torch.Tensor:
-    """The all-to-all of rows, issued on the flat buffers with splits in elements, which the
-    builtin collective and the scheduled algorithms (fivefold.comm.executor: `[comm]`, e.g.
-    the hierarchical two-step all-to-all) both take."""
-    D = x_MD.shape[1]
-    out = x_MD.new_empty(sum(recv), D)
-    C.all_to_all(out.view(-1), x_MD.contiguous().view(-1), axis, purpose,
-                 [n * D for n in recv], [n * D for n in send])
-    return out
-
-
 class ExpertDispatcher:
-    """`MoE.expert_compute` under expert parallelism: rows sorted by global expert in, their
-    expert outputs in the same order out (the module docstring's four steps)."""
+    """`MoE.expert_compute` on the experts' grid: rows sorted by global expert in, their
+    expert outputs in the same order out (the module docstring's four steps; step 3 split
+    over etp by fivefold.parallel.expert_tensor)."""
 
-    def __init__(self, moe: MoE, axis: Axis):
-        self.moe, self.axis = moe, axis
-        self.local = moe.experts // axis.size
+    def __init__(self, moe: MoE, axes: ExpertAxes):
+        self.moe, self.axis, self.etp_axis = moe, axes.ep, axes.etp
+        self.local = moe.experts // axes.ep.size
 
     def __call__(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ep, L = self.axis.size, self.local
+        if ep == 1:
+            return etp_swiglu(self.moe, x_MD, counts, self.etp_axis)
         send = [sum(counts[r * L:(r + 1) * L]) for r in range(ep)]
         recv_counts = torch.empty(ep * L, dtype=torch.int64)
         C.all_to_all(recv_counts, torch.tensor(counts, dtype=torch.int64), self.axis,
@@ -95,60 +76,64 @@ class ExpertDispatcher:
         x_recv = AllToAll.apply(x_MD, send, recv, self.axis, "moe_dispatch")
         order = expert_major(by_source)
         local_counts = [sum(row[e] for row in by_source) for e in range(L)]
-        m = self.moe
-        y = expert_swiglu(x_recv[order], local_counts, m.w1, m.w3, m.w2, m.matmul)
+        y = etp_swiglu(self.moe, x_recv[order], local_counts, self.etp_axis)
         y_recv = torch.empty_like(y).index_copy_(0, order, y) if len(order) else y
         return AllToAll.apply(y_recv, recv, send, self.axis, "moe_combine")
 
 
-def expert_major(by_source: list[list[int]]) -> torch.Tensor:
-    """The permutation of received rows (source-major, then local expert) into expert-major
-    order (local expert, then source)."""
-    starts, offset = [], 0
-    for row in by_source:
-        starts.append([])
-        for n in row:
-            starts[-1].append(offset)
-            offset += n
-    index = [torch.arange(starts[s][e], starts[s][e] + by_source[s][e])
-             for e in range(len(by_source[0])) for s in range(len(by_source))]
-    return torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-
-
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, axis: Axis) -> None:
-    """Keep this ep rank's experts of every MoE layer and install the dispatcher."""
+def apply_expert_parallel(model: nn.Module, axes: ExpertAxes) -> None:
+    """Keep this rank's share of every MoE layer's experts (its ep rank's experts, its etp
+    rank's columns of them) and install the dispatcher."""
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        L = module.experts // axis.size
-        rows = slice(axis.rank * L, (axis.rank + 1) * L)
+        L = module.experts // axes.ep.size
+        rows = slice(axes.ep.rank * L, (axes.ep.rank + 1) * L)
         for name in ("w1", "w3", "w2"):
-            setattr(module, name, nn.Parameter(getattr(module, name)[rows].clone()))
-        module.expert_compute = ExpertDispatcher(module, axis)
+            part = expert_slice(name, getattr(module, name)[rows], axes.etp.size,
+                                axes.etp.rank)
+            setattr(module, name, nn.Parameter(part.clone()))
+        module.expert_compute = ExpertDispatcher(module, axes)
 
 
 @torch.no_grad()
-def gather_experts(state: dict[str, torch.Tensor], axis: Axis) -> dict[str, torch.Tensor]:
-    """Full parameters by name from this rank's: the expert slices all-gathered over the ep
-    axis (a collective: every ep rank calls it), the rest as they are."""
+def gather_experts(state: dict[str, torch.Tensor], axes: ExpertAxes) -> dict[str, torch.Tensor]:
+    """Full parameters by name from this rank's: the expert slices all-gathered over the etp
+    axis (their inner dim) and then the ep axis (a collective: every rank of the grid calls
+    it), the rest as they are."""
     out = {}
     for name, tensor in state.items():
-        if name.startswith("layers.") and is_expert_param(name.split(".", 2)[2]) \
-                and axis.size > 1:
-            full = tensor.new_empty(axis.size * tensor.numel())
-            C.all_gather(full, tensor.contiguous().view(-1), axis, "state_dict")
-            out[name] = full.view(axis.size * tensor.shape[0], *tensor.shape[1:])
-        else:
+        matrix = name.split(".", 2)[2] if name.startswith("layers.") else ""
+        if not is_expert_param(matrix):
             out[name] = tensor
+            continue
+        if axes.etp.size > 1:
+            dim = INNER_DIM[matrix.removeprefix("mlp.")]
+            tensor = torch.cat(gather_stacked(tensor, axes.etp, "state_dict").unbind(0), dim)
+        if axes.ep.size > 1:
+            tensor = torch.cat(gather_stacked(tensor, axes.ep, "state_dict").unbind(0), 0)
+        out[name] = tensor
     return out
 
 
-def expert_counted_masks(engine, ep_rank: int) -> list[torch.Tensor | None]:
-    """Stage 0 under expert parallelism: over each flat unit, True where this rank adds the
-    element to the gradient norm summed over the ep axis (fivefold.parallel.grad_clip):
-    expert units on every ep rank (each holds other experts), dense ones on ep rank 0 only
-    (every ep rank holds the same all-reduced dense gradients)."""
-    return [None if expert or ep_rank == 0 else
-            torch.zeros(unit.padded, dtype=torch.bool, device=unit.device)
-            for unit, expert in zip(engine.units, engine.is_expert)]
+def grid_counted_masks(engine, mesh: Mesh, axes: ExpertAxes) -> list[torch.Tensor | None]:
+    """Over each flat unit's shard, True where this rank adds the element to the gradient
+    norm, which is then summed over all of a stage's ranks (`STAGE_AXES`, and pp;
+    fivefold.parallel.grad_clip), so that every element of the plain model counts once:
+    a dense unit on its first data-parallel copy (stage 0: data, cp rank 0; ZeRO: the
+    dp_replicate rank 0 of the shard group), with tensor parallelism's rule within it
+    (fivefold.parallel.tensor.counted_masks: replicated ones, the MoE router and shared
+    experts included, on tp rank 0); an expert unit on its first edp copy (ZeRO: every
+    edp rank holds its own shard), on every ep and etp rank."""
+    first = mesh.axis("dp_replicate").rank == 0
+    if engine.stage == 0:
+        first = first and mesh.axis("dp_shard").rank == 0 and mesh.axis("cp").rank == 0
+    expert_first = engine.stage >= 1 or axes.edp.rank == 0
+    out = []
+    for unit, expert, mask in zip(engine.units, engine.is_expert,
+                                  counted_masks(engine.units, mesh.axis("tp").rank)):
+        counted = expert_first if expert else first
+        out.append((None if expert else mask) if counted else
+                   torch.zeros(unit.shard_numel, dtype=torch.bool, device=unit.device))
+    return out

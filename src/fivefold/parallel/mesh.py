@@ -6,7 +6,7 @@ so that its ranks are neighbours (the same node); the data-parallel degree split
 (copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
 torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
 
-`expert_axes(ep)` cuts the data ranks into expert-parallel groups (fivefold.parallel.expert).
+`expert_axes(ep, etp)` cuts a stage's ranks into the experts' grid (fivefold.expert_grid).
 
 `use_algorithms(choice, gpus_per_node)` (the `[comm]` config section, see
 fivefold.comm.choice) makes every axis handed out afterwards carry the chosen collective
@@ -16,6 +16,7 @@ algorithms and its ranks per node; without it axes run the builtin collectives.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +37,7 @@ class Mesh:
         self.device_mesh = None
         self.collectives: ScheduledCollectives | None = None
         self.gpus_per_node = 1
-        self._expert_axes: dict[int, tuple[Axis, Axis]] = {}
+        self._expert_axes: dict[tuple[int, int], ExpertAxes] = {}
         if self.world_size > 1:
             self.device_mesh = init_device_mesh(device_type, tuple(shape[a] for a in MESH_AXES),
                                                 mesh_dim_names=MESH_AXES)
@@ -94,26 +95,36 @@ class Mesh:
         return tuple(Axis(n, sub.get_group(n), size, dist.get_rank(sub.get_group(n)),
                           self.ledger) for n, size in zip(names, (outer, inner)))
 
-    def expert_axes(self, ep: int) -> tuple[Axis, Axis]:
-        """(ep, edp) axes of expert parallelism folded onto the data ranks (Megatron-Core's
-        parallel folding): the dp x cp ranks of one pp stage and tp rank, in mesh order, cut
-        into groups of `ep` neighbours ("ep": they hold different experts) and the ranks
-        at the same place in every group ("edp": copies of the same experts). Built once per
-        degree, from a second DeviceMesh over the same ranks."""
-        if ep in self._expert_axes:
-            return self._expert_axes[ep]
-        data = self.shape["dp_replicate"] * self.shape["dp_shard"] * self.shape["cp"]
-        if self.device_mesh is None or ep == 1:
-            axes = (Axis("ep", None, 1, 0, self.ledger),
-                    self.joint_axis("dp_replicate", "dp_shard", "cp"))
+    def expert_axes(self, ep: int, etp: int = 1) -> ExpertAxes:
+        """The experts' grid (fivefold.expert_grid, Megatron-Core's parallel folding): the
+        dp x cp x tp ranks of one pp stage, in mesh order, cut into groups of `etp`
+        neighbours ("etp": they hold slices of the same experts), `ep` of those groups
+        ("ep": they hold different experts), and the ranks at the same place in every such
+        block ("edp": copies of the same expert shards). Built once per degree, from a
+        second DeviceMesh over the same ranks."""
+        if (ep, etp) in self._expert_axes:
+            return self._expert_axes[ep, etp]
+        stage = self.shape["dp_replicate"] * self.shape["dp_shard"] * self.shape["cp"] \
+            * self.shape["tp"]
+        sizes = {"edp": stage // (ep * etp), "ep": ep, "etp": etp}
+        if self.device_mesh is None or stage == 1:
+            axes = ExpertAxes(*(Axis(n, None, 1, 0, self.ledger) for n in ("ep", "edp", "etp")))
         else:
-            sizes = (self.shape["pp"], data // ep, ep, self.shape["tp"])
-            sub = init_device_mesh(self.device_mesh.device_type, sizes,
-                                   mesh_dim_names=("pp", "edp", "ep", "tp"))
-            axes = tuple(self._with_algorithms(Axis(n, sub.get_group(n), size,
-                                                    dist.get_rank(sub.get_group(n)),
-                                                    self.ledger))
-                         if size > 1 else Axis(n, None, 1, 0, self.ledger)
-                         for n, size in (("ep", ep), ("edp", data // ep)))
-        self._expert_axes[ep] = axes
+            sub = init_device_mesh(self.device_mesh.device_type,
+                                   (self.shape["pp"], *sizes.values()),
+                                   mesh_dim_names=("pp", *sizes))
+            axes = ExpertAxes(*(self._with_algorithms(Axis(n, sub.get_group(n), sizes[n],
+                                                           dist.get_rank(sub.get_group(n)),
+                                                           self.ledger))
+                                if sizes[n] > 1 else Axis(n, None, 1, 0, self.ledger)
+                                for n in ("ep", "edp", "etp")))
+        self._expert_axes[ep, etp] = axes
         return axes
+
+
+class ExpertAxes(NamedTuple):
+    """The experts' grid axes of a rank (`Mesh.expert_axes`)."""
+
+    ep: Axis
+    edp: Axis
+    etp: Axis

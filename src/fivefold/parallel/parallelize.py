@@ -11,11 +11,13 @@ model's own modules happens here, from outside and in this order (torchtitan's
      attention core becomes `context_attention` in `plan.cp_mode`, and the model's token
      positions are this rank's (its zigzag or contiguous part of every sequence,
      `rank_token_positions`, which the trainer's samplers take from the plan as well),
-  3. expert parallelism over the mesh's expert axes (`plan.ep > 1`, fivefold.parallel.expert):
-     every MoE layer keeps its ep rank's experts and dispatches tokens by all-to-all,
-  4. MoE layers on a rank's share of the tokens, where sequence or context parallelism splits
-     a micro-batch (`plan.token_split_axes`, fivefold.parallel.moe_tokens): their balancing
-     statistics are summed over those ranks (and, over tp, their gradients),
+  3. expert parallelism over the experts' grid (`plan.ep > 1` or `plan.etp > 1`,
+     fivefold.parallel.expert, fivefold.expert_grid): every MoE layer keeps its ep rank's
+     experts, split over etp, and dispatches tokens by all-to-all,
+  4. MoE layers on a rank's share of the tokens, where tensor, sequence or context
+     parallelism splits a micro-batch (`plan.token_split_axes`, fivefold.parallel.moe_tokens):
+     their balancing statistics are summed over those ranks (and, over tp, the router's and
+     shared experts' gradients),
   5. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
      and MLP linear, plain or tensor-parallel, becomes an `Fp8Linear` of the plan's recipe,
      emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says),
@@ -80,11 +82,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
             block.attention.attend = attend
         positions = rank_token_positions(plan, mesh, model.cfg.seq_len)
         model.token_positions = positions.to(model.rope_cos.device)
-    if plan.ep > 1:
-        apply_expert_parallel(model, mesh.expert_axes(plan.ep)[0])
+    if plan.ep > 1 or plan.etp > 1:
+        apply_expert_parallel(model, mesh.expert_axes(plan.ep, plan.etp))
     if model.cfg.moe is not None and plan.token_split_axes:
         apply_moe_token_split(model, mesh.joint_axis(*plan.token_split_axes),
-                              tp_axis if plan.sequence_parallel and tp_axis.size > 1 else None)
+                              tp_axis if tp_axis.size > 1 else None, plan.sequence_parallel)
     if plan.precision == "fp8":
         emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
                    else not has_fp8_units(mesh.device_type))

@@ -12,9 +12,10 @@ a run trained with against the one the planner scored.
 Rank order (the mesh's axes, outermost first): pp, dp_replicate, dp_shard, cp, tp; tp ranks
 are neighbours on a node, then cp, then the data-parallel ranks. The data-parallel degree
 splits into `dp_shard = zero_group` (ZeRO / FSDP sharding, MiCS's partition group) and
-`dp_replicate = dp / zero_group`. Expert parallelism folds onto the dp x cp ranks
-(Megatron-Core's parallel folding, run_spec.md): `ep` ranks of those hold different
-experts, and each expert is data-parallel over the other dp * cp / ep.
+`dp_replicate = dp / zero_group`. The routed experts have a grid of their own over a stage's
+dp x cp x tp ranks (Megatron-Core's parallel folding, fivefold.expert_grid): `etp` ranks
+split each expert's MLP, `ep` groups of those hold different experts, and each expert shard
+is data-parallel over the other dp * cp * tp / (ep * etp).
 
 `training_plan` validates first (fivefold.validate.validate_for_training: the messages users
 see), so a plan that reaches the runtime is one it executes; `plan_from_config` is the
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from fivefold.batch_shares import replica_rows
 from fivefold.config import Config, ParallelConfig
+from fivefold.expert_grid import expert_data_degree
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
 from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
@@ -46,6 +48,7 @@ class ParallelPlan:
     pp: int
     cp: int
     ep: int
+    etp: int  # expert tensor parallelism (fivefold.expert_grid)
     dp: int
     zero_group: int  # dp ranks that shard one copy of the model state (dp_shard)
     zero_stage: int
@@ -99,8 +102,16 @@ class ParallelPlan:
 
     @property
     def expert_data_parallel(self) -> int:
-        """Copies of each expert: the dp x cp ranks that ep does not split."""
-        return self.dp * self.cp // self.ep
+        """Copies of each expert shard: the dp x cp x tp ranks of a stage that ep and etp do
+        not split (fivefold.expert_grid)."""
+        return expert_data_degree(self.dp, self.cp, self.tp, self.ep, self.etp)
+
+    @property
+    def expert_grid(self) -> bool:
+        """Whether an MoE model's experts get their own etp x ep x edp grid (every layout
+        that splits a stage's MoE work: ep, etp, or tp, which the experts fold into); else
+        they are data-parallel with everything else."""
+        return self.ep > 1 or self.etp > 1 or self.tp > 1
 
     @property
     def ranks_per_node(self) -> int:
@@ -155,7 +166,8 @@ class ParallelPlan:
         if self.asynchronous:
             return "pipedream-2bw"
         # what these two run on (offload with either is refused: fivefold.compositions)
-        data_only = self.tp == self.pp == self.cp == self.ep == 1 and self.offload == "none"
+        data_only = (self.tp == self.pp == self.cp == self.ep == self.etp == 1
+                     and self.offload == "none")
         if self.optimizer == "lomo" and data_only and self.zero_stage <= 2:
             return "lomo"
         if self.optimizer == "galore" and data_only and self.zero_stage <= 2 and (
@@ -194,16 +206,16 @@ class ParallelPlan:
 
     @property
     def token_split_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split one micro-batch's tokens: cp and, with sequence
-        parallelism, tp (an MoE layer runs on its rank's share, fivefold.parallel.moe_tokens)."""
-        return (("cp",) * (self.cp > 1)
-                + ("tp",) * (self.sequence_parallel and self.tp > 1))
+        """The mesh axes that split one micro-batch's tokens for an MoE layer: cp and tp (an
+        MoE layer runs on its rank's share, fivefold.parallel.moe_tokens; without sequence
+        parallelism the layer takes the rank's 1/tp of its tp group's tokens)."""
+        return ("cp",) * (self.cp > 1) + ("tp",) * (self.tp > 1)
 
     @property
     def routing_axes(self) -> tuple[str, ...]:
         """The mesh axes whose ranks route different tokens through an MoE layer: the token
-        axes and, with sequence parallelism, tp (fivefold.train.moe_stats sums over them)."""
-        if self.sequence_parallel and self.tp > 1:
+        axes and tp (fivefold.train.moe_stats sums over them)."""
+        if self.tp > 1:
             return ("dp_replicate", "dp_shard", "cp", "tp")
         return self.token_axes
 
@@ -297,7 +309,7 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
     dp = p.dp or world_size // (p.tp * p.pp * p.cp)
     precision = p.precision or default_precision
     return ParallelPlan(
-        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=dp, zero_group=p.zero_group or dp,
+        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, dp=dp, zero_group=p.zero_group or dp,
         zero_stage=p.zero_stage, vpp=p.vpp, schedule=p.schedule,
         stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
         token_slices=p.token_slices, weight_prediction=p.weight_prediction,

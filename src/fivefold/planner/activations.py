@@ -83,15 +83,15 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
     if recompute == "full":
         per_token = a * D
     elif recompute == "selective":
-        f_saved = _expert_width(model, stack.moe_tp(tp)) if moe else model.ffn_hidden / tp
+        f_saved = _expert_width(model, tp) if moe else model.ffn_hidden / tp  # (per token)
         w2_saved = a * D if moe or model.ffn_type == "swiglu" else 0.0  # 7th matmul, not 6th
         per_token = a * D + a * (hd + kv) + a * hd + 4 * heads + a * f_saved + w2_saved
     else:
         norms = 2 * ((4 + a) * D + (4 / tp if sp else 4))  # SP: rsqrt of 1/tp of the tokens
         qkv_out = 4 * a * hd if kv_heads is None else 2 * a * hd + 2 * a * kv_heads * model.d_head
         attention = a * D + qkv_out + 4 * heads + a * hd
-        if moe:  # with sequence parallelism the layer routes the rank's tokens / tp
-            routed = tokens / tp if sp else tokens
+        if moe:  # the layer routes the rank's tokens / tp with sp or on the experts' grid
+            routed = tokens / tp if sp or not stack.experts_follow_tp else tokens
             return tokens * (norms + attention) + routed * moe_saved_per_token(model, a) + \
                 moe_saved_constant(model)
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp)

@@ -81,6 +81,7 @@ def layout_config(cfg: Config, lay: ParallelPlan) -> Config:
     stages = lay.pp * lay.vpp
     p = dataclasses.replace(
         cfg.parallel, auto=False, dp=None, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep,
+        etp=lay.etp,
         vpp=lay.vpp, schedule=lay.schedule,
         stage_layers=list(lay.stage_layers) if stages > 1 and lay.stage_layers else None,
         zero_stage=lay.zero_stage,

@@ -306,6 +306,7 @@ class Shard:
     fp8_recipe: str = "tensorwise"  # precision fp8: the scaling (fivefold.parallel.fp8)
     fp8_tensors: tuple[str, ...] = FP8_TENSORS  # precision fp8: the classes in fp8
     expert_load: float = 1.0  # ep > 1: the busiest rank's routed rows over the mean
+    etp: int = 1  # expert tensor parallelism (fivefold.expert_grid)
 
     def passes(self, prof: HardwareProfile) -> float:
         return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
@@ -333,13 +334,15 @@ def block_gemms(model: ModelConfig, sh: Shard, moe: bool) -> tuple[list[Gemm], l
             Gemm("wv", n, D, kv), Gemm("wo", n, model.heads * d // tp, D)]
     if not moe:
         return attn, mlp_gemms(model.ffn_type, n, D, model.ffn_hidden // tp, "")
-    m, mt = model.moe, sh.stack.moe_tp(tp)
-    mlp = [Gemm("router", n, D, m.experts)]
-    routed = n * m.top_k * sh.expert_load  # token-expert pairs the busiest rank computes
-    mlp += mlp_gemms(model.ffn_type, routed, D, m.expert_ffn_hidden // mt, "expert.")
+    m, follow = model.moe, sh.stack.experts_follow_tp  # (planner.stack experts_follow_tp)
+    n_moe = n if follow else n / tp  # the experts' grid: the rank's 1/tp of the tokens, its
+    routed = n_moe * m.top_k * sh.expert_load * (1 if follow else sh.etp)  # etp group's rows
+    mlp = [Gemm("router", n_moe, D, m.experts)] + mlp_gemms(
+        model.ffn_type, routed, D, m.expert_ffn_hidden // sh.stack.expert_width_split(
+            tp, sh.etp), "expert.")  # the busiest rank's token-expert pairs
     if m.shared_experts:
-        mlp += mlp_gemms(model.ffn_type, n, D, m.shared_experts * m.expert_ffn_hidden // mt,
-                         "shared.")
+        mlp += mlp_gemms(model.ffn_type, n_moe, D, m.shared_experts * m.expert_ffn_hidden
+                         // (tp if follow else 1), "shared.")
     return attn, mlp
 
 
@@ -441,13 +444,14 @@ def block_eltwise_bytes(model: ModelConfig, sh: Shard, moe: bool) -> float:
     if moe:
         m = model.moe
         width = (m.top_k * sh.expert_load + m.shared_experts) * m.expert_ffn_hidden
-        f = width / sh.stack.moe_tp(tp)
+        f = width / tp  # split over tp, or (experts' grid) on the rank's 1/tp of the tokens
     else:
         f = model.ffn_hidden / tp
     act = 3 * f if model.ffn_type == "swiglu" else 2 * f
     per_token = 2 * 2 * d_side + 2 * (q + kv) + 2 * q + act + 2 * 3 * d_side
-    if moe:
-        per_token += 2 * model.hidden * model.moe.top_k * sh.expert_load  # (un)permute rows
+    if moe:  # (un)permute rows (the experts' grid: the etp group's, of 1/tp of the tokens)
+        per_token += 2 * model.hidden * model.moe.top_k * sh.expert_load * (
+            1 if sh.stack.experts_follow_tp else sh.etp / tp)
     return a * n * per_token
 
 

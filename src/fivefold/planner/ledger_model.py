@@ -41,17 +41,20 @@ the runtime does):
             "dp_replicate+dp_shard+cp"
   Muon      under ZeRO or tp, per unit with a matrix an fp32 all-gather and reduce-scatter
             over its Muon axis, and the exact optimizer state (fivefold.planner.muon_cost)
-  MoE       after the step, one float64 all-reduce over every data rank of the stage's MoE
-            layers' load statistics (experts + 2 numbers each: fivefold.train.moe_stats);
-            with ep > 1 each block's routed experts are a unit of their own, synced over
-            the edp ranks (all-reduced at stage 0, sharded over edp at stages 1-3), a 4-byte
-            all-reduce of the gradient norm over ep at stage 0, and per micro-batch the
-            all-to-alls of `_Step.expert_parallel`, at balanced routing; an MoE block has no
-            tensor-parallel MLP region (its MLP runs whole on every tp rank). Where sequence
-            or context parallelism splits a micro-batch, the load statistics are reduced over
-            the routing axes (tp too with sp), the expert rows are a rank's shard's, and
-            fivefold.planner.moe_ledger's `token_split_records` adds the balancing counts'
-            all-reduce and, with sp, the MoE parameters' gradient all-reduces over tp
+  MoE       after the step, one float64 all-reduce over every rank of the stage that routes
+            other tokens of the stage's MoE layers' load statistics (experts + 2 numbers
+            each: fivefold.train.moe_stats). On the experts' grid (ep, etp or tp > 1;
+            fivefold.expert_grid) each block's routed experts are a unit of their own,
+            synced over the edp ranks (all-reduced at stage 0, sharded over edp at stages
+            1-3), the gradient norm is one 4-byte all-reduce over all of the stage's ranks,
+            and per micro-batch come the all-to-alls of `_Step.expert_parallel`, at balanced
+            routing; an MoE block has no tensor-parallel MLP region (it runs on the rank's
+            1/tp of the tokens). Where tensor, sequence or context parallelism splits a
+            micro-batch, the load statistics are reduced over the routing axes, the expert
+            rows are a rank's share's, and fivefold.planner.moe_ledger's
+            `token_split_records` adds the balancing counts' all-reduce, over tp the router's
+            and shared experts' gradient all-reduces and, without sequence parallelism, the
+            all-gathers of the layer's output and input gradient
 
 GaLore on the engine (tp, pp or ZeRO-3; fivefold.memory.galore_units) adds its gradient
 all-gathers and tp projections, and refreshes with `galore_refresh`
@@ -71,6 +74,7 @@ import math
 
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
+from fivefold.expert_grid import STAGE_AXES
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
@@ -96,7 +100,7 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
     pp_rank = lay.pp_rank_of(rank)
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
     units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1,
-                        moe_tp_replicated=True)
+                        etp=lay.etp)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     moe_layers = sum(is_moe_layer(cfg.model, i) for i in layers)
@@ -147,7 +151,7 @@ class _Step:
         self.tokens_dim = "+".join(lay.token_axes)  # every rank of other tokens
         self.tokens_size = lay.dp * lay.cp
         self.node = lay.ranks_per_node if (self.hpz or self.qgz) else 1
-        self.edp = self.tokens_size // lay.ep  # the ranks holding copies of the same experts
+        self.edp = lay.expert_data_parallel  # the ranks holding copies of the same experts
 
     def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
         if size > 1:
@@ -286,30 +290,46 @@ class _Step:
                         self.record(op, dim, ring, acc, kv * acc_bytes, "cp_dkv")
 
     def expert_parallel(self) -> None:
-        """One micro-batch's all-to-alls on the ep axis, per MoE layer of the stage
-        (fivefold.parallel.expert), at balanced routing: the count exchange (one int64 per
-        expert), the dispatch of this rank's kept assignments (a row of `hidden` each) and
-        their combine back, and backward's two in reverse. Dispatch and the combine's
-        backward carry this rank's own rows, so with dropless routing their bytes are exact;
-        the combine and the dispatch's backward carry the rows this rank's experts received,
-        which the routing decides: balanced, as many (summed over the ranks, exact when
-        dropless; fivefold.planner.moe_ledger predicts them from a recorded routing).
-        Recomputation (full or selective) runs the forward's three again in backward."""
+        """One micro-batch's all-to-alls on the experts' grid, per MoE layer of the stage
+        (fivefold.parallel.expert, fivefold.parallel.expert_tensor), at balanced routing. On
+        the ep axis: the count exchange (one int64 per expert), the dispatch of this rank's
+        kept assignments (a row of `hidden` each; the rank's 1/tp of its tokens) and their
+        combine back, and backward's two in reverse. On the etp axis: the all-gather of the
+        rows per local expert (int64), the gather of the etp ranks' rows (each rank's
+        received rows once per peer) and the scatter of their partial outputs back, and
+        backward's two in reverse. Dispatch and the combine's backward carry this rank's own
+        rows, so with dropless routing their bytes are exact; the others carry rows the
+        routing decides: balanced, as many (summed over the ranks, exact when dropless;
+        fivefold.planner.moe_ledger predicts them from a recorded routing). Recomputation
+        (full or selective) runs the forward's collectives again in backward."""
         lay, m = self.lay, self.cfg.model
-        sp = lay.tp if lay.sequence_parallel else 1  # MoE layers route a rank's shard
-        rows = lay.micro_batch * m.seq_len // lay.cp // sp * m.moe.top_k
+        rows = lay.micro_batch * m.seq_len // lay.cp // lay.tp * m.moe.top_k
         if m.moe.capacity_factor is not None:  # each expert takes at most its capacity
             per_expert = math.ceil(m.moe.capacity_factor * rows / m.moe.experts)
             rows = min(rows, m.moe.experts * per_expert)
         row_bytes = rows * m.hidden * self.pb
-        forward = [("int64", m.moe.experts * 8, "moe_counts"),
-                   (self.param, row_bytes, "moe_dispatch"), (self.param, row_bytes, "moe_combine")]
-        backward = [(self.param, row_bytes, "moe_dispatch_backward"),
-                    (self.param, row_bytes, "moe_combine_backward")]
+        grid = []  # (dim, size, forward, backward)
+        if lay.ep > 1:
+            grid.append(("ep", lay.ep,
+                         [("int64", m.moe.experts * 8, "moe_counts"),
+                          (self.param, row_bytes, "moe_dispatch"),
+                          (self.param, row_bytes, "moe_combine")],
+                         [(self.param, row_bytes, "moe_dispatch_backward"),
+                          (self.param, row_bytes, "moe_combine_backward")]))
+        if lay.etp > 1:
+            etp_bytes = lay.etp * row_bytes
+            grid.append(("etp", lay.etp,
+                         [("int64", lay.etp * m.moe.experts // lay.ep * 8, "moe_etp_counts"),
+                          (self.param, etp_bytes, "moe_etp_gather"),
+                          (self.param, etp_bytes, "moe_etp_scatter")],
+                         [(self.param, etp_bytes, "moe_etp_scatter_backward"),
+                          (self.param, etp_bytes, "moe_etp_gather_backward")]))
         passes = 2 if lay.recompute != "none" else 1
         for _ in range(self.moe_layers):
-            for dtype, nbytes, purpose in forward * passes + backward:
-                self.record("all_to_all", "ep", lay.ep, dtype, nbytes, purpose)
+            for dim, size, forward, backward in grid:
+                for dtype, nbytes, purpose in forward * passes + backward:
+                    op = "all_gather" if purpose == "moe_etp_counts" else "all_to_all"
+                    self.record(op, dim, size, dtype, nbytes, purpose)
 
     def pipeline(self) -> None:
         """The step's point-to-point messages on the pp axis (ledger_pipeline) and the
@@ -343,7 +363,7 @@ class _Step:
                 self.tensor_parallel()
             if lay.cp > 1:
                 self.context_parallel()
-            if lay.ep > 1 and self.moe_layers:
+            if (lay.ep > 1 or lay.etp > 1) and self.moe_layers:
                 self.expert_parallel()
             for record in token_split_records(self.cfg, lay, self.layers, self.param, self.pb):
                 self.record(*record)
@@ -365,11 +385,14 @@ class _Step:
                 for u in (u for u in units if not u.expert):  # experts: edp holds them all
                     self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
                                 u.shard_numel * self.gb, "grads")
-        if stage >= 1:
-            self.record("all_reduce", self.shard_dim, self.shard, "float32", 4, "grad_norm")
-        else:  # with ep > 1 each ep rank holds other experts' whole gradients
-            self.record("all_reduce", "ep", lay.ep, "float32", 4, "grad_norm")
-        self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
+        if self.cfg.model.moe is not None and lay.expert_grid:  # every rank of the stage
+            self.record("all_reduce", "+".join(STAGE_AXES), self.tokens_size * lay.tp,
+                        "float32", 4, "grad_norm")
+        else:
+            if stage >= 1:
+                self.record("all_reduce", self.shard_dim, self.shard, "float32", 4,
+                            "grad_norm")
+            self.record("all_reduce", "tp", lay.tp, "float32", 4, "grad_norm")
         self.record("all_reduce", "pp", lay.pp, "float32", 4, "grad_norm")
         if stage in (1, 2):
             for u in units:

@@ -133,22 +133,29 @@ def galore_dp_state_bytes(model: ModelConfig, lay: ParallelPlan, projected: bool
 
 
 def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first: bool, last: bool,
-                multiple: int = 1, moe_tp_replicated: bool = False) -> list[Unit]:
+                multiple: int = 1, etp: int | None = None) -> list[Unit]:
     """The units of one pipeline stage on one rank: root (if any), then each block's dense
     and expert parts. The shard degree is the ZeRO group (times cp, whose ranks also replicate
-    the model) for stages >= 1, and 1 for plain data parallelism. `moe_tp_replicated`: MoE
-    layers whole on every tp rank, as fivefold's runtime holds them (planner.stack)."""
+    the model) for stages >= 1, and 1 for plain data parallelism. `etp`: fivefold's experts'
+    grid (fivefold.expert_grid: the experts a unit of their own wherever the grid splits a
+    stage, sharded over its edp ranks; planner.params.block_params); None: an external
+    stack's MoE layer, split over tp, its experts apart under ep > 1 only."""
     shard = lay.zero_group * lay.cp if lay.zero_stage >= 1 else 1
-    expert_shard = max(1, shard // lay.ep) if lay.zero_stage >= 1 else 1
+    if etp is None:
+        apart = lay.ep > 1
+        expert_shard = max(1, shard // lay.ep) if lay.zero_stage >= 1 else 1
+    else:
+        apart = lay.expert_grid
+        expert_shard = lay.expert_data_parallel if lay.zero_stage >= 1 else 1
     units = []
     root = root_params(model, lay.tp, first, last)
     if root:
         units.append(Unit(root, shard, multiple))
     for i in layers:
-        dense, expert = block_params(model, i, lay.tp, lay.ep, moe_tp_replicated)
+        dense, expert = block_params(model, i, lay.tp, lay.ep, etp)
         matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
         muon_experts = expert if lay.optimizer == "muon" else 0  # Muon: E matrices each
-        if lay.ep == 1:  # the experts live in the block's unit, as every other parameter
+        if not apart:  # the experts live in the block's unit, as every other parameter
             dense, expert, matrices = dense + expert, 0, matrices + muon_experts
         units.append(Unit(dense, shard, multiple, matrices,
                           galore_state_bytes(model, i, lay.tp) if lay.optimizer == "galore"

@@ -13,8 +13,8 @@ which the step's metrics record (`moe`: tokens_per_expert, dropped_fraction per 
 fivefold.train.moe_stats) holds. The count exchange before each dispatch (`moe_counts`) is
 one int64 per expert per rank, per layer and micro-batch.
 
-`token_split_records` gives the collectives an MoE layer adds where sequence or context
-parallelism splits a micro-batch's tokens (fivefold.parallel.moe_tokens), for
+`token_split_records` gives the collectives an MoE layer adds where tensor, sequence or
+context parallelism splits a micro-batch's tokens (fivefold.parallel.moe_tokens), for
 fivefold.planner.ledger_model.
 """
 
@@ -46,8 +46,9 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
     """(op, mesh dim, size, dtype, bytes, purpose) of one micro-batch on a rank holding blocks
     `layers`, per MoE layer: with the balancing loss, the all-reduce of the assignments per
     expert over the ranks that split the micro-batch (int64; again in recomputation's
-    forward); with sequence parallelism, each MoE parameter's gradient all-reduced over tp in
-    `dtype` (the router, this ep rank's experts, the shared experts)."""
+    forward); over tp, the router's and shared experts' gradients all-reduced in `dtype`
+    and, without sequence parallelism, the all-gather of the layer's output shares and of
+    its input gradient's."""
     moe, out = cfg.model.moe, []
     split = 1
     for axis in lay.token_split_axes:
@@ -55,6 +56,7 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
     if moe is None or split == 1:
         return out
     passes = 2 if lay.recompute != "none" else 1
+    act = lay.micro_batch * cfg.model.seq_len // lay.cp * cfg.model.hidden * elem_bytes
     for layer in (i for i in layers if is_moe_layer(cfg.model, i)):
         if moe.aux_loss_weight:
             out += [("all_reduce", "+".join(lay.token_split_axes), split, "int64",
@@ -62,5 +64,11 @@ def token_split_records(cfg: Config, lay: ParallelPlan, layers: list[int], dtype
         if "tp" in lay.token_split_axes:
             out += [("all_reduce", "tp", lay.tp, dtype,
                      local_numel(cfg.model, p, 1, lay.ep) * elem_bytes, "moe_sp_grads")
-                    for p in block_parameters(cfg.model, layer) if p.part in MOE_PARTS]
+                    for p in block_parameters(cfg.model, layer)
+                    if p.part in MOE_PARTS and p.part != "experts"]
+        if "tp" in lay.token_split_axes and not lay.sequence_parallel:
+            # once: nothing in the block saves the gathered output, so recomputation's
+            # forward stops before it (torch.utils.checkpoint's early stop)
+            out += [("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens"),
+                    ("all_gather", "tp", lay.tp, dtype, act, "moe_tp_tokens_grad")]
     return out

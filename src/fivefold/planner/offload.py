@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from fivefold.hardware import STREAM_EFF, HostTier
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
 from fivefold.planner.memory import Unit, model_state_bytes
-from fivefold.planner.params import block_params, root_params
+from fivefold.planner.params import root_params
 
 MOMENT_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 CHUNK_ELEMENTS = 1 << 16  # elements per streamed chunk: nvme_store's (a test holds them equal)
@@ -117,7 +117,7 @@ def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
 def rank_work(sm, rank: int) -> list[UnitWork]:
     """The offloaded units of pipeline rank `rank` of StepModel `sm` (fivefold.planner.
     simulate), in the engine's order (fivefold.planner.memory.stage_units: the root when the
-    stage has one, then each block's unit and, with ep > 1, its experts' unit), with the
+    stage has one, then each block's unit and, where they are apart, its experts' unit), with the
     simulator's per-block forward seconds. A block's forward waits for all its
     units, so it is charged to the last of them; the root's is the embedding's (the head
     runs after every block)."""
@@ -128,8 +128,9 @@ def rank_work(sm, rank: int) -> list[UnitWork]:
     forward = []
     if root_params(m, lay.tp, first, last):
         forward.append(sm.embedding.fwd if first else 0.0)
+    expert_after = [u.expert for u in units[1:]] + [False]  # units[k + 1] are experts
     for i in sm.rank_layers(rank):
-        if lay.ep > 1 and block_params(m, i, lay.tp, lay.ep)[1]:
+        if expert_after[len(forward)]:  # the block's dense unit, then its experts'
             forward.append(0.0)
         forward.append(sm.layer_cost(i).f)
     return [UnitWork(n, f) for n, f in zip(local[:lay.offloaded_units(local)], forward)]

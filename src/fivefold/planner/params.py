@@ -7,7 +7,8 @@ fivefold.models.description lists and cut each as one rank holds it: tensor para
 the dim the description names (the vocabulary rows padded to a multiple of tp, as
 fivefold.parallel.tensor.padded_vocab does; attention into whole heads, one kv head per rank
 when tp exceeds kv_heads, as Megatron-LM replicates them; other widths evenly) and expert
-parallelism splits the routed experts' first dim, so that the planner's memory and
+parallelism splits the routed experts' first dim (and expert tensor parallelism their
+width, fivefold.expert_grid), so that the planner's memory and
 communication predictions can be exact (tests/test_planner_ledger.py holds them against the
 runtime's ledger). A search asks for the same counts hundreds of thousands of times, so each
 count is computed once per model, degree and layer (`per_model`).
@@ -80,15 +81,18 @@ def block_vector_params(model: ModelConfig, tp: int = 1) -> int:
 
 @per_model
 def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
-                 moe_tp_replicated: bool = False) -> tuple[int, int]:
+                 etp: int | None = None) -> tuple[int, int]:
     """(dense, expert) parameters of block `layer` on one rank: the routed experts apart,
     since expert parallelism shards them over other ranks than the rest of the block.
-    `moe_tp_replicated`: an MoE layer's parameters are whole on every tp rank, as fivefold's
-    runtime holds them (fivefold.planner.stack)."""
+    `etp`: the experts' own grid, as fivefold's runtime holds an MoE layer
+    (fivefold.expert_grid): the routed experts' width split over etp (not tp), the router
+    and shared experts whole on every tp rank; None: the MoE layer split over tp like a
+    dense MLP (an external stack's, fivefold.planner.stack `experts_follow_tp`)."""
     dense = expert = 0
     for p in block_parameters(model, layer):
-        whole = moe_tp_replicated and p.part in MOE_PARTS
-        n = local_numel(model, p, 1 if whole else tp, ep)
+        split = tp if etp is None or p.part not in MOE_PARTS else (
+            etp if p.part == "experts" else 1)
+        n = local_numel(model, p, split, ep)
         if p.part == "experts":
             expert += n
         else:

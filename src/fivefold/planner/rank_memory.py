@@ -34,7 +34,7 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
         states = predict_ledger(cfg, plan, rank).model_state_bytes
     else:
         fp32 = plan.replace(precision="fp32")
-        units = stage_units(m, fp32, layers, first, last, moe_tp_replicated=True)
+        units = stage_units(m, fp32, layers, first, last, etp=plan.etp)
         states = model_state_bytes(units, fp32)
     tokens = plan.micro_batch * m.seq_len // plan.cp
     a = plan.act_bytes

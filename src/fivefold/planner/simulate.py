@@ -67,13 +67,14 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.hardware import HardwareProfile, load_profile
-from fivefold.models.description import block_parameters, is_moe_layer
+from fivefold.models.description import MOE_PARTS, block_parameters, is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import (OpTimes, Shard, block_attention_time, block_times,
                                       embedding_times, head_times)
+from fivefold.planner.expert_cost import expert_groups, moe_comm_s
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner import offload
 from fivefold.planner.matrix_update import matrix_update_time
@@ -213,24 +214,18 @@ class StepModel:
         self.stack = stack_of(cfg.train.stack, cfg.train.stack_release)
         self.tp_group = Group.strided(tp, 1, gpn)
         self.cp_group = Group.strided(cp, tp, gpn)
-        self.ep_group = Group.strided(lay.ep, 1 if self.stack.expert_group_stride_1 else tp,
-                                      gpn)
         shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
         self.shard_group = Group.strided(shard, tp, gpn)
-        # the routed experts are data-parallel over the edp ranks that hold the same experts
-        # (fivefold.parallel.expert; Megatron-Core's expert data parallelism): shard / ep of
-        # them, one per ep group; an ep group is ep data ranks tp apart, or ep adjacent
-        # ranks under the stack's parallel folding (expert_group_stride_1)
-        ep_stride = lay.ep * (1 if self.stack.expert_group_stride_1 else tp)
-        self.expert_shard_group = (Group.strided(max(1, shard // lay.ep), ep_stride, gpn)
-                                   if lay.ep > 1 else self.shard_group)
+        # the routed experts' groups: etp, ep and their edp (planner.expert_cost)
+        self.etp, self.etp_group, self.ep_group, self.expert_shard_group = expert_groups(
+            self.stack, lay, self.shard_group, gpn)
         self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
                                              gpn) if lay.zero_stage >= 1 else Group(1, 1)
         self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
         self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
                            lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
                            self.stack, lay.fp8_recipe, lay.fp8_tensors,
-                           expert_load(self.model, lay.ep))
+                           expert_load(self.model, lay.ep), lay.etp)
         self.a = PRECISION_BYTES[lay.precision]
 
     # ------------------------------------------------------------ per-block costs
@@ -273,8 +268,8 @@ class StepModel:
 
     def _shape_key(self) -> tuple:
         lay = self.lay
-        return (lay.tp, lay.cp, lay.ep, lay.sequence_parallel, lay.micro_batch, lay.recompute,
-                lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
+        return (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel, lay.micro_batch,
+                lay.recompute, lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
                 self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load)
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
@@ -299,24 +294,14 @@ class StepModel:
             regather = exposed(2 * ag, t.wgrad, hide)
         else:
             tp_one = self._coll("all_reduce", act, self.tp_group)
-        # an MoE layer the stack runs whole on every tp rank has no tp region in its MLP
-        tp_f = tp_b = (1 if moe and self.stack.moe_tp_replicated else 2) * tp_one
+        tp_mlp, ep, ep_counts = moe_comm_s(self, act) if moe else (tp_one, 0.0, 0.0)
+        tp_f = tp_b = tp_one + (tp_one if tp_mlp is None else tp_mlp)
         if self.stack.overlaps_tp and lay.tp > 1:  # userbuffers: behind the GEMMs they feed
             hide = self.prof.eff.overlap_eff
             tp_f = exposed(tp_f, t.wgrad, hide)
             tp_b = exposed(tp_b + regather, 2 * t.wgrad, hide)
             regather = 0.0
         cp_f, cp_b = self._cp_exposed(moe)
-        ep = ep_counts = 0.0
-        if moe and lay.ep > 1:
-            tokens = sh.tokens
-            if self.stack.expert_group_stride_1 and lay.sequence_parallel:
-                tokens /= lay.tp  # each tp rank dispatches its sequence shard
-            routed = tokens * m.moe.top_k * m.hidden * self.a * sh.expert_load
-            ep = 2 * self._coll("all_to_all", routed, self.ep_group)  # the busiest rank's
-            # ahead of each dispatch, the ranks exchange their int64 count per expert
-            # (`moe_counts` in the ledger): a latency-bound all-to-all, forward only
-            ep_counts = self._coll("all_to_all", m.moe.experts * 8, self.ep_group)
         f_comm = tp_f + cp_f + ep + ep_counts
         b_comm = (tp_b + regather + cp_b + ep
                   + (f_comm if lay.recompute == "full" else 0.0))
@@ -332,8 +317,14 @@ class StepModel:
         """Parameters of one block of the kind on one rank (`dense_only`: without the
         routed experts)."""
         dense, expert = block_params(self.model, self.first_layer(moe), self.lay.tp,
-                                     self.lay.ep, self.stack.moe_tp_replicated)
+                                     self.lay.ep, self.etp)
         return dense if dense_only else dense + expert
+
+    @functools.cached_property
+    def experts_apart(self) -> bool:
+        """Whether the routed experts are units of their own, synced over their edp group
+        (fivefold.planner.memory.stage_units)."""
+        return self.lay.expert_grid if self.etp is not None else self.lay.ep > 1
 
     @functools.cached_property
     def pp_unsharded(self) -> bool:
@@ -404,7 +395,7 @@ class StepModel:
         one block of the kind on one rank; with ep = 1 the experts are data-parallel like
         every other parameter."""
         numel = self.block_numel(moe)
-        if self.lay.ep == 1:
+        if not self.experts_apart:
             return numel, 0
         dense = self.block_numel(moe, dense_only=True)
         return dense, numel - dense
@@ -419,8 +410,10 @@ class StepModel:
         width = self.a if op == "all_gather" else PRECISION_BYTES[lay.reduce_dtype]
         total = 0.0
         for p in block_parameters(self.model, self.first_layer(moe)):
-            numel = local_numel(self.model, p, lay.tp, lay.ep)
-            group = (self.expert_shard_group if p.part == "experts" and lay.ep > 1
+            split = lay.tp if self.etp is None or p.part not in MOE_PARTS else (
+                self.etp if p.part == "experts" else 1)  # planner.params.block_params
+            numel = local_numel(self.model, p, split, lay.ep)
+            group = (self.expert_shard_group if p.part == "experts" and self.experts_apart
                      else self.shard_group)
             if numel >= st.zero3_persist_numel and group.size > 1:
                 copies = group.size * self.prof.eff.kernel_overhead_s
@@ -717,13 +710,11 @@ class StepModel:
 
     def rank_units(self, rank: int):
         return stage_units(self.model, self.lay, self.rank_layers(rank), rank == 0,
-                           rank == self.lay.pp - 1,
-                           moe_tp_replicated=self.stack.moe_tp_replicated)
+                           rank == self.lay.pp - 1, etp=self.etp)
 
     def block_state_bytes(self, i: int) -> float:
         """Parameters, gradients and optimizer states of block i on its rank."""
-        units = stage_units(self.model, self.lay, [i], False, False,
-                            moe_tp_replicated=self.stack.moe_tp_replicated)
+        units = stage_units(self.model, self.lay, [i], False, False, etp=self.etp)
         return model_state_bytes(units, self.lay)["total"]
 
     def block_saved_bytes(self, i: int) -> float:
@@ -746,15 +737,14 @@ class StepModel:
     def other_bytes(self, rank: int) -> float:
         """Reserved memory, ZeRO-3's gathered buffers and the loss's logits on `rank`."""
         lay, m = self.lay, self.model
-        whole_moe = self.stack.moe_tp_replicated
         other = self.prof.eff.reserved_bytes
         if lay.zero_stage == 3 and self.pp_unsharded:  # every block of the rank, all step
-            unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep, whole_moe))
+            unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep, self.etp))
                              for i in self.rank_layers(rank))
                          + root_params(m, lay.tp, rank == 0, rank == lay.pp - 1))
             other += unsharded * (self.a + PRECISION_BYTES[lay.reduce_dtype])
         elif lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
-            dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep, whole_moe)
+            dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep, self.etp)
             live = 2 * (dense + expert)
             if self.stack.zero3_live_params:
                 live = min(live, self.stack.zero3_live_params)

@@ -39,9 +39,14 @@ def check_model_fits_layout(model: ModelConfig, lay: ParallelPlan) -> None:
     if model.seq_len % lay.cp:
         raise ConfigError("parallel.cp", f"cp = {lay.cp} does not divide model.seq_len = "
                                          f"{model.seq_len}")
-    if model.moe is not None and (lay.dp * lay.cp) % lay.ep:
-        raise ConfigError("parallel.ep", f"ep = {lay.ep} does not divide the dp*cp = "
-                                         f"{lay.dp * lay.cp} ranks that hold the experts")
+    stage = lay.dp * lay.cp * lay.tp  # the experts' grid's ranks (fivefold.expert_grid)
+    if model.moe is not None and stage % (lay.ep * lay.etp):
+        raise ConfigError("parallel.ep", f"ep x etp = {lay.ep * lay.etp} does not divide the "
+                                         f"dp*cp*tp = {stage} ranks that hold the experts")
+    if lay.etp > 1 and (model.moe is None or (model.moe.expert_ffn_hidden
+                                              or model.ffn_hidden) % lay.etp):
+        raise ConfigError("parallel.etp", f"etp = {lay.etp} needs a mixture-of-experts model "
+                                          "whose expert width it divides")
     if model.moe is not None and model.moe.experts % lay.ep:
         raise ConfigError("parallel.ep", f"ep = {lay.ep} does not divide model.moe.experts = "
                                          f"{model.moe.experts}")

@@ -168,12 +168,14 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   (fivefold.planner.update_bytes: fivefold's runtime, which steps torch.optim.AdamW without
   `fused`); else one fused pass, 28 bytes per element (Megatron-Core's and DeepSpeed's
   FusedAdam; torchtitan's `optimizer.implementation = "fused"`, its default).
-- moe_tp_replicated: with tp > 1 an MoE layer (router, routed and shared experts) runs whole
-  on every tp rank, on the tokens every tp rank holds (fivefold.parallel.tensor), so its
-  parameters, GEMMs and element-wise work are not divided by tp and its MLP has no tp
-  collective; else its experts are split over tp like a dense MLP (Megatron-Core's expert
-  tensor parallelism at its default of the time, expert_tensor_parallel_size = tp; the
-  torchtitan and DeepSpeed rows are dense models).
+- experts_follow_tp: with tp > 1 an MoE layer is split over tp like a dense MLP: routed and
+  shared experts' widths divided by tp, every tp rank on all the tokens (Megatron-Core's
+  expert tensor parallelism at its default of the time, expert_tensor_parallel_size = tp;
+  the torchtitan and DeepSpeed rows are dense models). Else the layer runs on the experts'
+  own grid, as fivefold's runtime does (fivefold.expert_grid, MoE Parallel Folding): each
+  tp rank routes its 1/tp of the tokens, the router and shared experts are whole on every
+  tp rank, and the routed experts are split over the layout's ep x etp (their width over
+  etp, each etp rank computing its group's rows).
 - selective_modules: `recompute = "selective"` re-runs modules without GEMMs (Megatron's
   --recompute-modules layernorm / moe_act / core_attn, arXiv 2205.05198 Sec. 5) and drops
   their saved outputs; else torchtitan's per-op policy, which re-runs every second matmul
@@ -219,7 +221,7 @@ class Stack:
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     eager_adamw: bool = False
-    moe_tp_replicated: bool = False
+    experts_follow_tp: bool = True
     zero3_live_params: int = 0  # 0: two whole blocks gathered at a time
     zero3_pp_unsharded: bool = False
     cp_kv_exchange: str = "ring"  # "ring" | "allgather"
@@ -252,9 +254,17 @@ class Stack:
         return (self.fp8_param_gather_since is not None
                 and self.released_since(self.fp8_param_gather_since))
 
-    def moe_tp(self, tp: int) -> int:
-        """The tp degree an MoE layer's experts are split over under this stack."""
-        return 1 if self.moe_tp_replicated else tp
+    def expert_width_split(self, tp: int, etp: int) -> int:
+        """The degree a routed expert's width is split over under this stack."""
+        return tp if self.experts_follow_tp else etp
+
+    def moe_token_share(self, tp: int, sp: bool) -> int:
+        """The divisor of a rank's tokens an MoE layer routes on it: tp on the experts' own
+        grid; under an external stack, tp where sequence parallelism and its folding
+        (expert_group_stride_1) hand each tp rank its sequence shard, else 1."""
+        if not self.experts_follow_tp:
+            return tp
+        return tp if sp and self.expert_group_stride_1 else 1
 
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
@@ -270,11 +280,11 @@ class Stack:
         return FLASH2_RATE
 
 
-FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, moe_tp_replicated=True,
+FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, experts_follow_tp=False,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
-                        "collectives, torch's unfused AdamW, MoE layers whole on every tp "
-                        "rank")
+                        "collectives, torch's unfused AdamW, MoE layers on the experts' own "
+                        "etp x ep x edp grid")
 STACKS: dict[str, Stack] = {s.name: s for s in [
     FIVEFOLD,
     Stack("megatron", fused_eltwise=True, flash2_attention=True, loss_logit_bytes="a",

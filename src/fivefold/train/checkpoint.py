@@ -72,7 +72,7 @@ def layout_record(plan: ParallelPlan) -> dict:
     checkpoint's keys and shards as "parallel.key": value (a resume under another one
     reshards, fivefold.train.reshard)."""
     layout = {f"parallel.{key}": getattr(plan, key)
-              for key in ("pp", "tp", "cp", "ep", "vpp", "stage_layers", "zero_stage",
+              for key in ("pp", "tp", "cp", "ep", "etp", "vpp", "stage_layers", "zero_stage",
                           "zero_group", "hpz", "qwz", "qgz")}  # qwZ and qgZ pad units to whole blocks
     stages = layout["parallel.stage_layers"]
     layout["parallel.stage_layers"] = list(stages) if stages else None  # as JSON reads back
@@ -89,6 +89,8 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
     resharded), or with sharded Muon (ZeRO or tp: its per-piece states are not), or with
+    expert tensor parallelism (etp, or tp with an MoE model: the experts' grid units are
+    not, fivefold.expert_grid), or with
     another optimizer than AdamW or Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
@@ -115,6 +117,16 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; sharded Muon's states (under ZeRO or tp, "
                                "fivefold.parallel.muon_sharded) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
+    moe = meta.get("config", {}).get("model", {}).get("moe")  # tp folds into its grid
+    if max(saved_plan.get("etp", 1), plan.etp) > 1 or (
+            moe and max(saved_plan.get("tp", 1), plan.tp) > 1):
+        key = changed[0]
+        raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
+                               f"{now[key]!r}; MoE checkpoints on the experts' tensor-parallel "
+                               "grid (etp, or tp, which the experts fold into; "
+                               "fivefold.expert_grid) are not resharded yet (ep and dp "
+                               "changes are): resume with the layout that wrote it or use "
+                               "another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "

@@ -17,10 +17,11 @@ from fivefold.parallel.plan import ParallelPlan
 def layout_text(plan: ParallelPlan) -> str:
     """E.g. "dp 2, tp 1, pp 1, cp 2, ep 1, ZeRO 0, 4 micro-batches of 1"."""
     pipeline = f" ({plan.schedule}, vpp {plan.vpp})" if plan.pp > 1 else ""
+    etp = f", etp {plan.etp}" if plan.etp > 1 else ""
     batches = (shares_text(plan) if plan.dp_batch_shares else f"{plan.micro_batches} micro-"
                f"batch{'es' if plan.micro_batches != 1 else ''} of {plan.micro_batch}")
-    return (f"dp {plan.dp}, tp {plan.tp}, pp {plan.pp}{pipeline}, cp {plan.cp}, ep {plan.ep}, "
-            f"ZeRO {plan.zero_stage}, {batches}")
+    return (f"dp {plan.dp}, tp {plan.tp}, pp {plan.pp}{pipeline}, cp {plan.cp}, "
+            f"ep {plan.ep}{etp}, ZeRO {plan.zero_stage}, {batches}")
 
 
 def start_line(cfg: Config, plan: ParallelPlan, device_type: str,

@@ -35,6 +35,13 @@ A step whose loss or gradient norm is not finite is skipped or stops the run
 every update rule; skipped steps are counted in the metrics (`skipped_steps`) and the
 checkpoint.
 
+On the experts' grid (ep, etp or tp > 1 with an MoE model; fivefold.expert_grid) every
+MoE layer keeps its share of the experts (fivefold.parallel.expert) and the engine reduces
+their units over the expert-data-parallel ranks; the gradient norm then sums over all of a
+stage's ranks, each element counted on one of them (`grid_counted_masks`). Every
+collective's ledger entry also lands in the flight recorder
+(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
+
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
 `train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
 when SIGINT or SIGTERM reached any rank (fivefold.train.interrupt: every rank stops there). A
@@ -132,7 +139,8 @@ class Trainer:
         self.routing_axis = (self.mesh.joint_axis(*plan.routing_axes)  # MoE load statistics
                              if m.moe and plan.routing_axes != plan.token_axes
                              else self.token_axis)
-        self.expert_axes = self.mesh.expert_axes(plan.ep) if plan.ep > 1 else None
+        self.expert_axes = (self.mesh.expert_axes(plan.ep, plan.etp)  # fivefold.expert_grid
+                            if m.moe and plan.expert_grid else None)
         # every rank, the default group: checkpoint_minutes' broadcast, the stop flags
         self.world_axis = Axis("world", None, rt.world_size, rt.rank, self.ledger)
         self.clock = time.monotonic  # train.checkpoint_minutes' clock (rank 0's decides)
@@ -161,7 +169,8 @@ class Trainer:
                                         positions, plan.dp_batch_shares)
         # who owns gradients, optimizer state and the step (fivefold.train.updaters)
         self.updater: Updater = build_updater(self.model, plan, self.mesh, cfg.train,
-                                              rt.device, self.compute, rt.rank, self.memory)
+                                              rt.device, self.compute, rt.rank, self.memory,
+                                              self.expert_axes)
         self.pipeline = None
         if plan.pp > 1:
             axes = {"pp": self.pp_axis, "tp": self.tp_axis, "dp": self.dp_axis}

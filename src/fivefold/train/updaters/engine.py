@@ -14,8 +14,9 @@ from fivefold.config import TrainConfig
 from fivefold.memory.galore_engine import engine_class
 from fivefold.memory.offload import Offload
 from fivefold.parallel.data_parallel import ZeroPP
-from fivefold.parallel.expert import expert_counted_masks
-from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.expert import grid_counted_masks
+from fivefold.parallel.mesh import ExpertAxes
+from fivefold.parallel.mesh import ExpertAxes, Mesh
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.parallel.tensor import counted_masks
 from fivefold.train.moe_stats import moe_layers
@@ -37,11 +38,10 @@ class EngineUpdater(ClippedUpdater):
     dtype of the compute copies (fivefold.parallel.plan.compute_precision)."""
 
     def __init__(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh, train: TrainConfig,
-                 device: torch.device, compute: str, rank: int, norm_axes: list[Axis]):
+                 device: torch.device, compute: str, rank: int, norm_axes: list[Axis],
+                 expert_axes: ExpertAxes | None):
         super().__init__(norm_axes, plan.precision == "fp16")
-        self.expert_axes = mesh.expert_axes(plan.ep) if plan.ep > 1 else None
-        # stage 0 under ep: the norm counts each ep rank's experts, the dense part once
-        self.ep_counted = self.expert_axes is not None and plan.zero_stage == 0
+        self.mesh, self.expert_axes = mesh, expert_axes  # the experts' grid, if any
         self.tp_rank = mesh.axis("tp").rank
         zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
         self.engine = engine_class(train)(model, plan.zero_stage, mesh, train, device,
@@ -57,8 +57,8 @@ class EngineUpdater(ClippedUpdater):
 
     def grads_for_norm(self):
         grads = [master.grad for master in self.engine.masters]
-        counted = (expert_counted_masks(self.engine, self.expert_axes[0].rank)
-                   if self.ep_counted else counted_masks(self.engine.units, self.tp_rank))
+        counted = (grid_counted_masks(self.engine, self.mesh, self.expert_axes)
+                   if self.expert_axes else counted_masks(self.engine.units, self.tp_rank))
         return grads, counted
 
     def step(self, lr: float) -> None:
