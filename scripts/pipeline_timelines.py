@@ -28,8 +28,9 @@ from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.pipedream_2bw import PipeDream2BWEngine
 from fivefold.parallel.pipeline.replay import Event, bubble_fraction, replay
+from fivefold.parallel.pipeline.schedule_theory import theory_bubble
 from fivefold.parallel.pipeline.schedules import (COMPUTE, UPDATE, build_schedule,
-                                                  pipedream_2bw_schedule, theory_bubble)
+                                                  pipedream_2bw_schedule)
 from fivefold.parallel.pipeline.timeline import chrome_trace, plot_timeline
 from fivefold.parallel.plan import plan_from_config
 from fivefold.testing import run_on_ranks
