@@ -47,9 +47,9 @@ LAYOUTS = {  # group (world size, and "slow" for the long ones) -> (overrides, l
         (v("dualpipev", 2, 1, L4, TIED, *MOE), "dualpipev pp2 MoE tied")],
     "2 slow": [(v("dualpipev", 2, 1, L4, UNTIED), "dualpipev pp2 dense untied, 8 micro-batches"),
                (v("zbv", 2, 2, L4, *MOE), "zbv pp2 MoE")],
-    4: [(v("zbv", 4, 1, L8, TIED), "zbv pp4 dense tied"),
-        (v("dualpipev", 4, 1, L8, UNTIED), "dualpipev pp4 dense untied"),
-        (v("dualpipev", 4, 1, L8, *MOE), "dualpipev pp4 MoE"),
+    "4 dense": [(v("zbv", 4, 1, L8, TIED), "zbv pp4 dense tied"),
+                (v("dualpipev", 4, 1, L8, UNTIED), "dualpipev pp4 dense untied")],
+    "4 moe": [(v("dualpipev", 4, 1, L8, *MOE), "dualpipev pp4 MoE"),
         (v("zbv", 2, 1, L4, *MOE, "parallel.ep=2", "parallel.zero_stage=1"),
          "zbv pp2 x ep2 MoE, ZeRO-1"),
         (v("dualpipev", 2, 1, L4, TIED, *MOE, "parallel.ep=2", "parallel.zero_stage=0"),
@@ -93,7 +93,7 @@ def _reference(base: list[str], sets: list[str], tmp) -> dict:
 def _check(group, base: list[str], tmp_path) -> None:
     layouts, world = LAYOUTS[group], int(str(group).split()[0])
     runs = run_on_ranks(_on_ranks, world, base, [s for s, _ in layouts], str(tmp_path),
-                        timeout_s=900)
+                        timeout_s=2000)
     for i, (sets, label) in enumerate(layouts):
         ref = _reference(base, sets, tmp_path / f"ref{i}")
         params = {}
@@ -124,8 +124,12 @@ def _check_ledger(world: int, sets: list[str], runs: list[dict], label: str) -> 
     assert routed_want == routed_have, label
 
 
-@pytest.mark.parametrize("group", [2, pytest.param("2 slow", marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.slow)])
+SLOW = [pytest.mark.slow, pytest.mark.timeout(2400)]  # minutes on 2 shared cores
+
+
+@pytest.mark.parametrize("group", [2, pytest.param("2 slow", marks=SLOW),
+                                   pytest.param("4 dense", marks=SLOW),
+                                   pytest.param("4 moe", marks=SLOW)])
 def test_v_schedules_match_one_process_and_the_ledger(group, base, tmp_path):
     """pp 2 (dense ZB-V tied, MoE DualPipe-V tied; slow: dense DualPipe-V untied, MoE ZB-V)
     and, slow, pp 4 dense and MoE and pp 2 x dp 2 with ep 2 (DDP, ZeRO-1): losses,
@@ -134,6 +138,7 @@ def test_v_schedules_match_one_process_and_the_ledger(group, base, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_v_schedules_pp4_with_ep2_match_one_process_and_the_ledger(base, tmp_path):
     """pp 4 x dp 2 with ep 2 on 8 ranks, both V schedules."""
     _check(8, base, tmp_path)
