@@ -142,3 +142,33 @@ def test_v_schedules_match_one_process_and_the_ledger(group, base, tmp_path):
 def test_v_schedules_pp4_with_ep2_match_one_process_and_the_ledger(base, tmp_path):
     """pp 4 x dp 2 with ep 2 on 8 ranks, both V schedules."""
     _check(8, base, tmp_path)
+
+
+def test_zero_bubble_split_gives_moe_layers_their_gradients():
+    """I then W (one rank, MoE blocks with the balancing loss) accumulates the gradients of B,
+    the router's included (which a W could not compute: the layer applies the router's weight
+    itself), to float rounding."""
+    import torch
+
+    from fivefold.comm import collectives as C
+    from fivefold.comm.ledger import Ledger
+    from fivefold.parallel.pipeline.build import build_pipeline_stage
+    from fivefold.parallel.pipeline.executor import PipelineEngine
+    from fivefold.parallel.pipeline.schedules import build_schedule
+    from fivefold.parallel.plan import plan_from_config
+
+    cfg = load_config(None, ["model.hidden=64", "model.heads=4", "model.kv_heads=2",
+                             "model.ffn_hidden=96", "model.vocab=512", "model.seq_len=32",
+                             "model.layers=2", "parallel.micro_batch=2", *MOE])
+    tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for name in ("1f1b", "zb"):
+        stage = build_pipeline_stage(cfg, plan_from_config(cfg, 1), 0, torch.device("cpu"))
+        axis = C.Axis("pp", None, 1, 0, Ledger())
+        PipelineEngine(stage, build_schedule(name, 1, 2), axis).train_step(
+            tokens[:, :-1], tokens[:, 1:], 1e-2)
+        grads.append({n: q.grad for n, q in stage.named_parameters()})
+    assert any("router" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert grads[1][name] is not None, name
+        torch.testing.assert_close(grads[1][name], g, atol=1e-7, rtol=1e-5, msg=name)
