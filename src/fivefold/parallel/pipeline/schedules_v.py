@@ -16,8 +16,9 @@ of these that is ready:
   (chunk 1 before chunk 0: it is earlier on the way back); else a forward (chunk 1 first,
   which takes a micro-batch towards its loss; a new chunk-0 forward only while the rank
   holds fewer than 2p chunk activations, 1F1B's peak of p whole-stage activations, Sec. 6's
-  memory bound); else the oldest deferred weight gradient (W). The W's fill what would be
-  bubbles; every unit's W follows its I in the order the I's ran.
+  memory bound); else the oldest deferred weight gradient (W). A rank at that bound with no
+  I ready runs a W first, which frees an activation. The W's fill what would be bubbles;
+  every unit's W follows its I in the order the I's ran.
 - DualPipe-V: where a forward and a backward are both ready, the rank runs them as a pair,
   the forward of one micro-batch then the full backward (B) of another (the "F&B" chunk
   pairs of Sec. 3.2.1, Fig. 4): on an accelerator, each half's MoE dispatch and combine
@@ -45,16 +46,10 @@ def v_stages(pp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * pp - 1 - rank
 
 
-def v_stage_ids_of_rank(pp: int, rank: int) -> list[int]:
-    """The virtual stages rank `rank` holds in a V, ascending."""
-    return sorted(v_stages(pp, rank))
-
-
 def v_orders(pp: int, micro_batches: int, pair: bool) -> list[list[Action]]:
     """Every rank's compute order (module docstring): ZB-V, or DualPipe-V with `pair`."""
     p, m, last = pp, micro_batches, 2 * pp - 1
     cap = 2 * p  # chunk activations a rank may hold before it admits a new micro-batch
-    owner = {s: (s if s < p else last - s) for s in range(2 * p)}
     fwd_ready: dict[tuple[int, int], float] = {(0, j): 0.0 for j in range(m)}
     bwd_ready: dict[tuple[int, int], float] = {}
     next_f = [[0, 0] for _ in range(p)]  # per rank, per chunk: the next micro-batch forward
