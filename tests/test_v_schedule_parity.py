@@ -66,12 +66,13 @@ def _train(rt, sets: list[str], run_dir: str) -> dict:
     ep), the ledger's byte totals and model-state bytes."""
     trainer = Trainer(load_config(None, sets), rt, run_dir)
     losses = [trainer.train_step(s).loss for s in range(STEPS)]
+    ledger = trainer.ledger  # read before the test's own gathers below add to it
+    out = {"losses": losses, "bytes": ledger.totals("bytes"),
+           "wire": ledger.totals("wire_bytes"), "state": ledger.model_state_bytes}
     params = full_parameters(trainer)
     if trainer.expert_axes:
         params = gather_experts(params, trainer.expert_axes[0])
-    ledger = trainer.ledger
-    return {"losses": losses, "params": params, "bytes": ledger.totals("bytes"),
-            "wire": ledger.totals("wire_bytes"), "state": ledger.model_state_bytes}
+    return {**out, "params": params}
 
 
 def _on_ranks(rt, base: list[str], layouts: list[list[str]], tmp: str) -> list[dict]:
