@@ -314,7 +314,7 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (['parallel.fp8_tensors=["input", "input"]'], "parallel.fp8_tensors", "names a class twice"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tp > 1"),
     (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.vpp",
-     "virtual stages need parallel.schedule = 'interleaved', not '1f1b'"),
+     "virtual stages need parallel.schedule = 'interleaved', 'zbv' or 'dualpipev', not '1f1b'"),
     (["parallel.schedule=zigzag"], "parallel.schedule", "'zigzag' is not one of"),
     (["parallel.vpp=2", "parallel.schedule=zb"], "parallel.vpp", "not 'zb'"),
     (["parallel.pp=8"], "parallel.pp", "8 pipeline stages but model.layers = 4: every stage"),

@@ -1,7 +1,7 @@
 """Pipeline schedules as data, checked without ranks: every action list runs (no deadlock,
 every message sent and received exactly once), every micro-batch gets exactly one forward and
 one backward per chunk, and the replayed bubble and peak in-flight activations per rank equal
-the schedules' theory exactly (fivefold.parallel.pipeline.schedules: theory_bubble,
+the schedules' theory exactly (fivefold.parallel.pipeline.schedule_theory: theory_bubble,
 theory_peak_in_flight). Under NCCL's point-to-point semantics (replay.check_nccl: in-order
 pairing per rank pair and direction, a send waits for its receive, batched groups start
 together) the executor's issue plan (p2p_plan) runs every schedule, while issuing the lists
@@ -27,8 +27,8 @@ from fivefold.parallel.pipeline.replay import (ScheduleError, bubble_fraction, c
 from fivefold.parallel.pipeline.schedules import (B, F, I, RECV_ACT, RECV_GRAD, RECVS,
                                                   SEND_ACT, SEND_GRAD, SENDS, W, Action,
                                                   Schedule, build_schedule,
-                                                  pipedream_2bw_schedule, theory_bubble,
-                                                  theory_peak_in_flight)
+                                                  pipedream_2bw_schedule)
+from fivefold.parallel.pipeline.schedule_theory import theory_bubble, theory_peak_in_flight
 from fivefold.parallel.pipeline.timeline import chrome_trace, plot_timeline
 
 

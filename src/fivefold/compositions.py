@@ -61,7 +61,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("hpz", "ZeRO", lambda c, dp: c.parallel.hpz),
     Feature("qgz", "ZeRO", lambda c, dp: c.parallel.qgz),
     *(Feature(f"schedule={s}", "schedule", _schedule(s), "parallel.schedule")
-      for s in ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")),
+      for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "pipedream-2bw",
+                "terapipe")),
     *(Feature(f"recompute={r}", "recompute",
               (lambda r: lambda c, dp: c.parallel.recompute == r)(r), "parallel.recompute")
       for r in ("full", "selective")),
@@ -145,7 +146,7 @@ REFUSALS: list[Refusal] = [
     Refusal("fp8", ("schedule=terapipe",), "parallel.schedule",
             "TeraPipe's token slices would give each slice its own activation scales; use "
             "another schedule with precision 'fp8'"),
-    Refusal("fp8", ("schedule=zb",), "parallel.schedule",
+    Refusal("fp8", ("schedule=zb", "schedule=zbv", "schedule=dualpipev"), "parallel.schedule",
             "the zero-bubble weight pass would re-run the fp8 linear's whole backward (and its "
             "tp scale exchange); use another schedule with precision 'fp8'"),
     Refusal("moe", ("fp16",), "parallel.precision",
@@ -180,6 +181,18 @@ REFUSALS: list[Refusal] = [
     Refusal("schedule=terapipe", ("tp>1",), "parallel.schedule",
             "TeraPipe's sliced attention runs outside the tensor-parallel regions; use "
             "parallel.tp = 1 or another schedule"),
+    *(Refusal(f"schedule={s}", ("zero=2", "zero=3"), "parallel.zero_stage",
+              "a V schedule's first rank holds the embedding (stage 0) and the final norm and "
+              "head (the last stage): its root unit is finished by two passes, which ZeRO-2 "
+              "and ZeRO-3 reduce-scatter one at a time; use parallel.zero_stage 0 or 1 with "
+              "{parallel.schedule}") for s in ("zbv", "dualpipev")),
+    *(Refusal(f"schedule={s}", ("sequence_parallel",), "parallel.sequence_parallel",
+              "the zero-bubble weight pass would re-run sequence parallelism's shared "
+              "re-gather; turn it off or use another schedule") for s in ("zbv", "dualpipev")),
+    Refusal("schedule=zb", ("zero=2", "zero=3"), "parallel.zero_stage",
+            "a zero-bubble I pass computes an MoE layer's weight gradients and the W pass the "
+            "rest of its block, which ZeRO-2 and ZeRO-3 reduce-scatter one pass at a time; use "
+            "parallel.zero_stage 0 or 1 with 'zb' and model.moe", when=("moe",)),
     Refusal("schedule=zb", ("sequence_parallel",), "parallel.sequence_parallel",
             "the zero-bubble weight pass would re-run sequence parallelism's shared "
             "re-gather; turn it off or use another schedule"),
@@ -199,7 +212,8 @@ REFUSALS: list[Refusal] = [
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),
-    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=terapipe", "schedule=pipedream-2bw"),
+    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=zbv", "schedule=dualpipev",
+                                 "schedule=terapipe", "schedule=pipedream-2bw"),
               "parallel.schedule",
               "parallel.recompute = '{parallel.recompute}' is not supported with "
               "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "

@@ -108,9 +108,10 @@ class ParallelConfig:
                         'ranks, ring across them)', "ring")
     cp_ulysses: int | None = _doc("hybrid context parallelism: the Ulysses degree (neighbouring "
                                   "ranks, one node); the ring degree is cp / cp_ulysses", None)
-    vpp: int = _doc("virtual pipeline stages per rank (interleaved schedule)", 1)
-    schedule: str = _doc('"gpipe" | "1f1b" | "interleaved" | "zb" | "pipedream-2bw" | "terapipe"',
-                         "1f1b")
+    vpp: int = _doc("virtual pipeline stages per rank (interleaved schedule; 2 for zbv and "
+                    "dualpipev)", 1)
+    schedule: str = _doc('"gpipe" | "1f1b" | "interleaved" | "zb" | "zbv" | "dualpipev" | '
+                         '"pipedream-2bw" | "terapipe"', "1f1b")
     stage_layers: list[int] | None = _doc("blocks per pipeline stage, pp*vpp numbers from the "
                                           "first stage; default balanced by cost", None)
     token_slices: int | None = _doc("TeraPipe: slices each sequence is cut into; default pp",

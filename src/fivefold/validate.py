@@ -25,7 +25,9 @@ from fivefold.models.validate_model import (check_model, choice as _choice,
                                             divisors as _divisors, positive as _positive)
 
 CP_MODES = ("ulysses", "ring", "hybrid")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream-2bw", "terapipe")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "pipedream-2bw",
+             "terapipe")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V (pipeline.schedules_v)
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "nvme")  # fivefold.memory.offload
 OFFLOAD_KERNELS = ("foreach", "fused")
@@ -101,9 +103,15 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                                          f"of experts; choose one of {_divisors(moe.experts)}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel", "needs parallel.tp > 1")
-    if p.vpp > 1 and p.schedule != "interleaved":
+    if p.vpp > 1 and p.schedule not in ("interleaved", *V_SCHEDULES):
         raise ConfigError("parallel.vpp", f"virtual stages need parallel.schedule = "
-                                          f"'interleaved', not {p.schedule!r}")
+                                          f"'interleaved', 'zbv' or 'dualpipev', not "
+                                          f"{p.schedule!r}")
+    if p.schedule in V_SCHEDULES and (p.pp < 2 or p.vpp != 2):
+        raise ConfigError("parallel.vpp" if p.pp >= 2 else "parallel.pp",
+                          f"{p.schedule} places two chunks on each of at least two pipeline "
+                          f"ranks (a V: down the ranks and back); set parallel.pp >= 2 and "
+                          f"parallel.vpp = 2 (got pp = {p.pp}, vpp = {p.vpp})")
     validate_pipeline(cfg, dp)
 
 
@@ -151,12 +159,12 @@ def validate_pipeline(cfg: Config, dp: int) -> None:
             raise ConfigError("parallel.stage_layers", f"{counts} must list pp*vpp = {stages} "
                                                        f"block counts of at least 1 that sum to "
                                                        f"model.layers = {layers}")
-    elif p.vpp > 1 and layers % p.pp:
+    elif p.schedule == "interleaved" and p.vpp > 1 and layers % p.pp:
         raise ConfigError("parallel.vpp", f"interleaving cuts each stage into vpp equal chunks, "
                                           f"but model.layers = {layers} does not split evenly "
                                           f"over pp = {p.pp}; change one of them or list the "
                                           "blocks per chunk in parallel.stage_layers")
-    elif p.vpp > 1 and (layers // p.pp) % p.vpp:
+    elif p.schedule == "interleaved" and p.vpp > 1 and (layers // p.pp) % p.vpp:
         per_stage = layers // p.pp
         raise ConfigError("parallel.vpp", f"{p.vpp} does not divide the {per_stage} blocks per "
                                           f"stage (model.layers {layers} / pp {p.pp}); choose "

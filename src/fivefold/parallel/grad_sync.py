@@ -103,15 +103,26 @@ class AllReduceSync:
         """Where unit i's reduced gradient lands: here the whole buffer."""
         return self.grad_buffers[i]
 
+    # Stages 0 and 1 reduce a unit once a step, after its last accumulation: they count a
+    # unit's parameters over the passes flagged `last` until all are in, so a unit whose
+    # parameters two passes finish (a V schedule's first rank: the embedding in stage 0's
+    # last backward, the final norm and head in the last stage's) is reduced after both.
+    # Stage 2 reduces every pass, counting each pass on its own.
+    reduces_every_pass = False
+
     def prepare_backward(self, last: bool) -> None:
         """Before a micro-batch's backward: `last` ends the accumulation of this step."""
         self._last = last
-        self._ready = [0] * len(self.units)
+        if self.reduces_every_pass:
+            self._ready = [0] * len(self.units)
 
     def _grad_ready(self, i: int) -> None:
         """All of unit i's gradients exist: start its collective (overlapping backward)."""
+        if not (self._last or self.reduces_every_pass):
+            return
         self._ready[i] += 1
         if self._ready[i] == len(self.units[i].params):
+            self._ready[i] = 0
             self._reduce(i)
 
     def _reduce(self, i: int) -> None:
@@ -145,6 +156,8 @@ class AllReduceSync:
         """End of a micro-batch's backward: every gradient collective done."""
         while self._pending:
             self._finish_pending(0)
+        if self._last:
+            self._ready = [0] * len(self.units)
 
     def final_grad(self, i: int) -> torch.Tensor:
         """After the last micro-batch: unit i's reduced gradient (this rank's shard)."""
@@ -182,6 +195,8 @@ class ReduceScatterSync(AllReduceSync):
 class ShardedSync(ReduceScatterSync):
     """Stage 2: each micro-batch's unit gradient is flattened, reduce-scattered and added to
     a persistent shard in `reduce_dtype`; at most MAX_INFLIGHT_REDUCE_SCATTERS at once."""
+
+    reduces_every_pass = True
 
     def _buffers(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
         return [None] * len(self.units)

@@ -31,7 +31,7 @@ from fivefold.batch_shares import replica_rows
 from fivefold.config import Config, ParallelConfig
 from fivefold.expert_grid import expert_data_degree
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
-from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
+from fivefold.parallel.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule
 from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
@@ -241,8 +241,19 @@ class ParallelPlan:
 
     def stage_ids_of_rank(self, pp_rank: int) -> list[int]:
         """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its
-        chunks, round-robin as the interleaved schedule needs)."""
-        return stage_ids_of_rank(self.pp, self.vpp, pp_rank)
+        chunks, round-robin as the interleaved schedule needs; in a V for "zbv", "dualpipev")."""
+        return stage_ids_of_rank(self.pp, self.vpp, pp_rank, self.v_shape)
+
+    def ends_of_rank(self, pp_rank: int) -> tuple[bool, bool]:
+        """(holds the first stage, holds the last stage) of pp rank `pp_rank`."""
+        ids = self.stage_ids_of_rank(pp_rank)
+        return 0 in ids, self.pp * self.vpp - 1 in ids
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the schedule places its two chunks per rank in a V (the last stage on
+        pp rank 0, next to the first)."""
+        return self.schedule in V_SCHEDULES
 
     def pipeline_schedules(self, tied_embeddings: bool) -> tuple[Schedule, Schedule]:
         """(training, evaluation) action lists of a synchronous schedule, as the executor

@@ -343,7 +343,7 @@ class _Step:
         stage, micro = lay.zero_stage, lay.micro_batches
         if lay.pp > 1:
             self.pipeline()
-        has_root = self.pp_rank in (0, lay.pp - 1) or lay.pp == 1
+        has_root = lay.pp == 1 or any(lay.ends_of_rank(self.pp_rank))
         root, blocks = (units[0], units[1:]) if has_root else (None, units)
         if stage == 3 and lay.pp > 1:
             if root:  # held from the step's first action to its end

@@ -122,7 +122,7 @@ def rank_work(sm, rank: int) -> list[UnitWork]:
     units, so it is charged to the last of them; the root's is the embedding's (the head
     runs after every block)."""
     lay, m = sm.lay, sm.model
-    first, last = rank == 0, rank == lay.pp - 1
+    first, last = lay.ends_of_rank(rank)
     units = sm.rank_units(rank)
     local = [u.shard_numel if lay.zero_stage >= 1 else u.padded for u in units]
     forward = []

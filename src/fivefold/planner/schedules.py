@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fivefold.parallel.pipeline import replay as runtime_replay
+from fivefold.parallel.pipeline import schedule_theory as theory
 from fivefold.parallel.pipeline import schedules as runtime
 from fivefold.parallel.pipeline.replay import Event
 from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, GRADIENT_KINDS, I, RECVS,
@@ -33,19 +34,48 @@ def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
     the replay (StepModel.estimate)."""
     if schedule == "pipedream-2bw":
         return runtime.pipedream_2bw_schedule(pp, m, steps)
-    name = "interleaved" if vpp > 1 else schedule
+    name = "interleaved" if vpp > 1 and schedule not in runtime.V_SCHEDULES else schedule
     return runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1)
 
 
+def overlapped_pairs(schedule: str, pp: int, vpp: int, m: int) -> dict[Action, Action]:
+    """DualPipe-V's F&B pairs (fivefold.parallel.pipeline.schedules_v): each paired full
+    backward B, mapped to the forward F of another micro-batch that runs right before it on
+    the same rank. Empty for every other schedule."""
+    if schedule != "dualpipev":
+        return {}
+    pairs = {}
+    for actions in runtime_schedule(schedule, pp, vpp, m).ranks:
+        compute = [a for a in actions if a.kind in COMPUTE]
+        pairs.update({b: f for f, b in zip(compute, compute[1:])
+                      if f.kind == F and b.kind == B})
+    return pairs
+
+
 def action_durations(stage_times: list[tuple], slices: int, micro_batches: int = 1,
-                     once: list[tuple[float, float]] | None = None
+                     once: list[tuple[float, float]] | None = None,
+                     pairs: dict[Action, Action] | None = None, overlap_eff: float = 1.0
                      ) -> Callable[[Action], float]:
     """Seconds of each compute action from the simulator's per-stage times (forward,
-    backward, its weight-gradient part, ...) of one micro-batch: a token slice takes 1/slices
-    of them, and zero-bubble's I is the backward without its weight gradients (W). `once`
-    adds, per stage, seconds paid once a step: the first to the stage's first forward, the
-    second to the gradient action (B, or W) of its last micro-batch (backward runs a
-    micro-batch's slices in reverse, so slice 0 comes last)."""
+    backward, its weight-gradient part, forward comm, backward comm) of one micro-batch: a
+    token slice takes 1/slices of them, and zero-bubble's I is the backward without its
+    weight gradients (W). `once` adds, per stage, seconds paid once a step: the first to the
+    stage's first forward, the second to the gradient action (B, or W) of its last
+    micro-batch (backward runs a micro-batch's slices in reverse, so slice 0 comes last).
+
+    `pairs` (`overlapped_pairs`): DualPipe-V runs each pair's forward and backward together,
+    so each half's communication (the MoE dispatch and combine all-to-alls, tp and cp
+    collectives) runs during the other half's compute (DeepSeek-V3, arXiv 2412.19437,
+    Sec. 3.2.1): the pair saves min(F comm, B compute) + min(B comm, F compute), times
+    `overlap_eff`, charged to its B."""
+    def hidden(a: Action) -> float:
+        f_action = (pairs or {}).get(a)
+        if f_action is None:
+            return 0.0
+        f, _, _, fc, _ = stage_times[f_action.stage][:5]
+        _, b, _, _, bc = stage_times[a.stage][:5]
+        return overlap_eff * (min(fc, b - bc) + min(bc, f - fc))
+
     def duration(a: Action) -> float:
         f, b, w = stage_times[a.stage][:3]
         first, last = once[a.stage] if once else (0.0, 0.0)
@@ -53,7 +83,7 @@ def action_durations(stage_times: list[tuple], slices: int, micro_batches: int =
             return f / slices + (first if a.mb == 0 and a.slice == 0 else 0.0)
         end = last if a.mb == micro_batches - 1 and a.slice == 0 else 0.0
         if a.kind == B:
-            return b / slices + end
+            return b / slices + end - hidden(a)
         if a.kind == I:
             return (b - w) / slices
         if a.kind == W:
@@ -147,8 +177,10 @@ def peak_in_flight(schedule: str, pp: int, m: int, rank: int, vpp: int = 1,
     """Activations rank `rank` holds at its peak, in (chunk, micro-batch, slice) units."""
     if schedule == "pipedream-2bw":
         return min(pp - rank, m)
+    if schedule in runtime.V_SCHEDULES:  # a list scheduler's order: no closed form
+        return runtime_replay.peak_in_flight(runtime_schedule(schedule, pp, vpp, m))[rank]
     name = "interleaved" if vpp > 1 else schedule
-    return runtime.theory_peak_in_flight(name, pp, m, rank, vpp, slices)
+    return theory.theory_peak_in_flight(name, pp, m, rank, vpp, slices)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, vpp: int = 1, slices: int = 1) -> float:
@@ -156,5 +188,8 @@ def bubble_fraction(schedule: str, pp: int, m: int, vpp: int = 1, slices: int = 
     exact for the real durations)."""
     if schedule == "pipedream-2bw":
         return 0.0  # no flush: the fill and drain happen once per run, not per step
+    if schedule in runtime.V_SCHEDULES:  # the lists replayed at unit cost
+        sched = runtime_schedule(schedule, pp, vpp, m)
+        return runtime_replay.bubble_fraction(runtime_replay.replay(sched))
     name = "interleaved" if vpp > 1 else schedule
-    return runtime.theory_bubble(name, pp, m, vpp, slices)
+    return theory.theory_bubble(name, pp, m, vpp, slices)

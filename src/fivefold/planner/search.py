@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from fivefold.config import Config
 from fivefold.hardware import HardwareProfile
 from fivefold.models.description import is_moe_layer
+from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
@@ -276,7 +277,7 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
                       for i in range(m.layers)] for r in range(lay.pp)]
 
         def fits(stage: int, first: int, end: int) -> bool:
-            r = stage % lay.pp
+            r = rank_of_stage(stage, lay.pp, lay.v_shape)
             return fixed[r] + sum(per_block[r][first:end]) <= budget
 
         try:

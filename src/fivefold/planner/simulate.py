@@ -80,7 +80,8 @@ from fivefold.planner import offload
 from fivefold.planner.matrix_update import matrix_update_time
 from fivefold.planner.muon_cost import muon_step_s
 from fivefold.planner.params import block_matrix_shapes, block_params, local_numel, root_params
-from fivefold.planner.schedules import Replay, action_durations, replay_step, runtime_schedule
+from fivefold.planner.schedules import (Replay, action_durations, overlapped_pairs,
+                                        replay_step, runtime_schedule)
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.fitted import FITTED, Fitted, in_training
 from fivefold.planner.stack import stack_of
@@ -557,7 +558,7 @@ class StepModel:
         """Seconds to return the tied head's gradient (this tp rank's ceil(V/t) rows) from
         the last pipeline stage to the first; 0 without pipelining or tied embeddings."""
         lay, m = self.lay, self.model
-        if lay.pp == 1 or not m.tied_embeddings:
+        if lay.pp == 1 or not m.tied_embeddings or lay.v_shape:  # V: through the mailbox
             return 0.0
         first_last = Group.strided(2, lay.tp * lay.cp * lay.dp * (lay.pp - 1),
                                    self.cfg.cluster.gpus_per_node)
@@ -570,11 +571,11 @@ class StepModel:
         """Replay the schedule; PipeDream-2BW never flushes, so its step is the steady-state
         difference between replays of two and three optimizer steps."""
         lay = self.lay
-        stages = len(self.stage_layers)
-        n = lay.slices
-        m = lay.micro_batches
+        stages, n, m = len(self.stage_layers), lay.slices, lay.micro_batches
         once = self.stages_once if self.pp_unsharded else None
-        duration = action_durations([self.stage_times(g) for g in range(stages)], n, m, once)
+        duration = action_durations([self.stage_times(g) for g in range(stages)], n, m, once,
+                                    overlapped_pairs(lay.schedule, lay.pp, lay.vpp, m),
+                                    self.prof.eff.overlap_eff)
         weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
         if lay.schedule == "pipedream-2bw":
             two, three = (replay_step(runtime_schedule(lay.schedule, lay.pp, 1, m, steps=k),
@@ -601,9 +602,8 @@ class StepModel:
         the optimizer) of pipeline rank `rank`, whose virtual stages' last gradient actions
         span `last_grads` (stage -> (start, end), Replay.last_grads)."""
         lay, e = self.lay, self.prof.eff
-        layers = [i for g in range(rank, len(self.stage_layers), lay.pp)
-                  for i in self.stage_ranges[g]]
-        first, last = rank == 0, rank == lay.pp - 1
+        layers = [i for g in lay.stage_ids_of_rank(rank) for i in self.stage_ranges[g]]
+        first, last = lay.ends_of_rank(rank)
         root = root_params(self.model, lay.tp, first, last)
         p, g = self.a, PRECISION_BYTES[lay.reduce_dtype]
         costs = [self.layer_cost(i) for i in layers]
@@ -654,7 +654,7 @@ class StepModel:
         is exposed."""
         ready: list[tuple[float, float]] = []
         done = 0.0
-        for g in range(rank, len(self.stage_layers), self.lay.pp):
+        for g in self.lay.stage_ids_of_rank(rank):
             start, end = last_grads[g]
             done = max(done, end)
             blocks = self.stage_ranges[g][::-1]
@@ -705,12 +705,12 @@ class StepModel:
         return matrix_update_time(self.model, layer, self.lay.tp, self.cfg.train, self.prof)
 
     def rank_layers(self, rank: int) -> list[int]:
-        return [i for g in range(rank, len(self.stage_layers), self.lay.pp)
+        return [i for g in self.lay.stage_ids_of_rank(rank)
                 for i in self.stage_ranges[g]]
 
     def rank_units(self, rank: int):
-        return stage_units(self.model, self.lay, self.rank_layers(rank), rank == 0,
-                           rank == self.lay.pp - 1, etp=self.etp)
+        return stage_units(self.model, self.lay, self.rank_layers(rank),
+                           *self.lay.ends_of_rank(rank), etp=self.etp)
 
     def block_state_bytes(self, i: int) -> float:
         """Parameters, gradients and optimizer states of block i on its rank."""

@@ -46,6 +46,7 @@ from fivefold.models.hf import CheckpointError
 from fivefold.models.llama import Transformer
 from fivefold.models.pretrained import Pretrained, check_state
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank, stage_layer_ranges
+from fivefold.parallel.pipeline.schedules import V_SCHEDULES
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import apply_tensor_parallel, unshard_tensor
 from fivefold.train.checkpoint import latest_checkpoint
@@ -196,7 +197,8 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
                 ranges = stage_layer_ranges(cfg, pp * vpp, parallel.get("stage_layers"))
             except ValueError as err:
                 raise CheckpointError(str(step / "meta.json"), f"parallel config: {err}")
-            model = PipelineStage(cfg, stage_ids_of_rank(pp, vpp, pp_rank), ranges)
+            v_shape = parallel.get("schedule") in V_SCHEDULES
+            model = PipelineStage(cfg, stage_ids_of_rank(pp, vpp, pp_rank, v_shape), ranges)
         if tp > 1:  # shapes only: no collective runs while splitting
             apply_tensor_parallel(model, Axis("tp", None, tp, tp_rank, None), False)
     return model

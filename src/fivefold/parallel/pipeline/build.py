@@ -25,4 +25,4 @@ def layer_ranges(model: ModelConfig, plan: ParallelPlan) -> list[range]:
 def build_pipeline_stage(cfg: Config, plan: ParallelPlan, pp_rank: int,
                          device: torch.device) -> PipelineStage:
     return build_stage(cfg.model, cfg.train.seed, plan.stage_ids_of_rank(pp_rank),
-                       layer_ranges(cfg.model, plan), device)
+                       layer_ranges(cfg.model, plan), device, borrow_head=plan.v_shape)

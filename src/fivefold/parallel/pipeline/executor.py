@@ -14,22 +14,18 @@ receive may be issued early, and is waited for right before the action that read
 the list puts it. Sends are waited at the end of the step. TeraPipe's slices
 attend to the cached keys and values of earlier slices (fivefold.parallel.pipeline.terapipe).
 
-Zero-bubble split (ZB, arXiv 2401.10241, Sec. 2). During a forward that a W will follow, every
-module that owns parameters (Linear, RMSNorm, Embedding, the head) has its output recorded.
-I asks autograd for the gradients of the stage input and of those outputs only, which walks
-the activation-gradient chain and skips every weight gradient; W then runs, per recorded
-output, the backward from that output to its own parameters: exactly the weight-gradient
-matrix multiplies that I skipped, accumulated into `.grad` as a full backward would. The
-output recorded is the module's own, taken before any other forward hook rewrites it: tensor
-parallelism's hook on the final norm wraps its output in Megatron's f (copy_to_tp), whose
-backward is an all-reduce; recorded after f, each W would run that all-reduce again. So W
-issues no collective: every one on the activation-gradient chain runs once, in I.
+Zero-bubble split (ZB, arXiv 2401.10241, Sec. 2): I computes the input gradient and W the
+weight gradients it skipped (fivefold.parallel.pipeline.split_backward says how, and which
+weights I computes itself).
 
 Data parallelism composes through `grad_sync`, an object with `prepare_backward(last)` and
 `after_backward()` (fivefold.parallel.data_parallel.DataParallelEngine): `prepare_backward`
-runs before every action that accumulates weight gradients (B or W), with `last` on the last
-such action of each virtual stage, and `after_backward` once at the end of the step, so the
-engine's per-unit hooks reduce each block's gradient once, when it is complete. It also has
+runs before every action that accumulates weight gradients (B or W, and I on a stage with
+eager weights), with `last` on the last action of each virtual stage to touch each of its
+weights (the later of its last B and last W, and of its last B and last I), and
+`after_backward` once at the end of the step, so the engine's per-unit hooks reduce each
+block's gradient once, when it is complete (ZeRO-0/1 count a unit's parameters over the
+passes flagged `last`, fivefold.parallel.grad_sync). It also has
 `hold_root()`, called before a step's (or an evaluation's) first action, and `release_root()`,
 after an evaluation: under ZeRO-3 the stage's root unit (embedding, final norm, head) is
 gathered once and kept through the step, since the tied-weight send reads it before any
@@ -53,6 +49,9 @@ from fivefold.parallel.pipeline.schedules import (B, F, GRADIENT_KINDS, I, RECV_
                                                   SEND_GRAD, SEND_TIED_GRAD, SEND_TIED_WEIGHT,
                                                   SENDS, W, Action, Schedule, message,
                                                   peer_stage)
+from fivefold.parallel.pipeline.split_backward import (backward_input, backward_weight,
+                                                       capture_weight_ops, eager_weights,
+                                                       last_gradient_steps)
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.pipeline.terapipe import TokenSliceCache
 
@@ -67,30 +66,6 @@ def message_tag(key: tuple, space: int = 0) -> int:
     kind, stage, mb, slc = key
     return MESSAGE_KINDS.index(kind) + 8 * (slc % 64 + 64 * (mb % 4096 + 4096 * (
         stage % 256 + 256 * space)))
-
-
-@contextlib.contextmanager
-def capture_weight_ops(stage: PipelineStage):
-    """Record (output, own parameters) of every parameter-owning module run in the block.
-
-    The hook is put first (`prepend`), so it sees the module's own output before a hook
-    installed earlier (tensor parallelism's on the final norm) replaces it."""
-    ops: list[tuple[torch.Tensor, list[torch.nn.Parameter]]] = []
-
-    def hook(module, args, output):
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if params and isinstance(output, torch.Tensor) and output.requires_grad:
-            ops.append((output, params))
-
-    handles = [m.register_forward_hook(hook, prepend=True) for m in stage.modules()
-               if next(m.parameters(recurse=False), None) is not None]
-    stage.capture = ops
-    try:
-        yield ops
-    finally:
-        stage.capture = None
-        for handle in handles:
-            handle.remove()
 
 
 class PipelineEngine:
@@ -115,7 +90,9 @@ class PipelineEngine:
         self.plans: dict[int, tuple] = {}
         self.last_stage = schedule.stages - 1
         split = any(a.kind == I for a in schedule.ranks[self.rank])
-        if split and stage.has_first and stage.has_last and stage.cfg.tied_embeddings:
+        self.eager = eager_weights(stage) if split else []
+        if (split and stage.has_first and stage.has_last and stage.cfg.tied_embeddings
+                and not stage.borrows_embedding):
             raise ValueError("a zero-bubble W pass computes one module's weight gradient; a "
                              "head tied to the embedding on the same rank (pp = 1) is two "
                              "uses of one matrix: use pp >= 2 or untied embeddings")
@@ -167,7 +144,8 @@ class PipelineEngine:
         plan = self._plan(schedule)
         self.split_backward = any(a.kind == I for a in schedule.ranks[self.rank])
         self.timeline = []
-        self._run_items(plan, schedule, last_gradient_steps(plan))
+        kinds = GRADIENT_KINDS + ((I,) if self.eager else ())
+        self._run_items(plan, schedule, kinds, last_gradient_steps(plan))
         for work in self.sends:
             C.wait(work)
         self.sends.clear()
@@ -182,7 +160,8 @@ class PipelineEngine:
             self.plans[id(schedule)] = (schedule, issue_plan(schedule)[self.rank])
         return self.plans[id(schedule)][1]
 
-    def _run_items(self, items, schedule: Schedule, last_grad: set[Step]) -> None:
+    def _run_items(self, items, schedule: Schedule, kinds: tuple[str, ...],
+                   last_grad: set[Step]) -> None:
         """Run plan items in order: an Exchange is issued, a Step first waits for the
         messages it reads, then runs."""
         for item in items:
@@ -196,7 +175,7 @@ class PipelineEngine:
                     self.timeline.append(Event(self.rank, a, start, time.perf_counter()))
                     start = time.perf_counter()
             a = item.action
-            if a.kind in GRADIENT_KINDS and self.grad_sync is not None:
+            if a.kind in kinds and self.grad_sync is not None:
                 self.grad_sync.prepare_backward(last=item in last_grad)
             self._do(a, schedule)
             if self.record_timeline:
@@ -228,7 +207,8 @@ class PipelineEngine:
         targets = self._micro_batch(self.targets, a) if a.stage == self.last_stage else None
         block_fn = self.kv.block_fn(key) if self.kv is not None else None
         split = self.split_backward and torch.is_grad_enabled()
-        capture = capture_weight_ops(self.stage) if split else contextlib.nullcontext()
+        capture = (capture_weight_ops(self.stage, self.eager) if split else
+                   contextlib.nullcontext())
         with capture as ops, self.autocast():
             out = self.stage(a.stage, x, targets, self.bounds[a.slice][0], block_fn)
         if a.stage == self.last_stage:
@@ -261,25 +241,11 @@ class PipelineEngine:
             self.state[key] = {"input_grad": st["input"].grad}
 
     def _backward_input(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.slice)
-        st = self.state[key]
-        ops = st.pop("ops")
-        first = [st["input"]] if a.stage > 0 else []
-        tied = self._tied_leaf(a.stage)
-        wanted = first + [y for y, _ in ops] + tied
-        got = torch.autograd.grad([st["output"]], wanted, [st.pop("output_grad", None)],
-                                  retain_graph=True, allow_unused=True)
-        if a.stage > 0:
-            st["input_grad"] = got[0]
-        for leaf, g in zip(tied, got[len(got) - len(tied):]):
-            leaf.grad = g if leaf.grad is None else leaf.grad + g
-        st["deferred"] = [(y, dy, params) for (y, params), dy in
-                          zip(ops, got[len(first):len(first) + len(ops)]) if dy is not None]
+        st = self.state[(a.stage, a.mb, a.slice)]
+        backward_input(st, self._tied_leaf(a.stage), self.eager)
 
     def _backward_weight(self, a: Action) -> None:
-        key = (a.stage, a.mb, a.slice)
-        for y, dy, params in self.state.pop(key)["deferred"]:
-            torch.autograd.backward([y], [dy], inputs=params, retain_graph=True)
+        backward_weight(self.state.pop((a.stage, a.mb, a.slice)))
 
     # ------------------------------------------------------------------ communication
 
@@ -378,12 +344,3 @@ class PipelineEngine:
                 weight.grad = buf
             else:
                 weight.grad.add_(buf)
-
-
-def last_gradient_steps(plan) -> set[Step]:
-    """The plan Steps that are the last gradient action (B or W) of their virtual stage."""
-    last = {}
-    for item in plan:
-        if isinstance(item, Step) and item.action.kind in GRADIENT_KINDS:
-            last[item.action.stage] = item
-    return set(last.values())

@@ -17,9 +17,10 @@ embedding 2 D (its lookup and its gradient's scatter-add move D values per token
 matrix multiply). The planner may pass measured costs instead.
 
 A pp rank holds virtual stages pp_rank, pp_rank + pp, ... (`stage_ids_of_rank`, its chunks
-under interleaving). TeraPipe cuts each sequence into `ParallelPlan.slices` near-equal slices
-(`slice_bounds`; fivefold.parallel.pipeline.terapipe runs them). Pure Python, no torch: the
-runtime and the planner (fivefold.planner.ledger_pipeline) cut by these same functions.
+under interleaving), or pp_rank and 2pp-1-pp_rank under a V schedule. TeraPipe cuts each
+sequence into `ParallelPlan.slices` near-equal slices (`slice_bounds`;
+fivefold.parallel.pipeline.terapipe runs them). Pure Python, no torch: the runtime and the
+planner (fivefold.planner.ledger_pipeline) cut by these same functions.
 """
 
 from __future__ import annotations
@@ -107,8 +108,11 @@ def stage_layer_ranges(cfg: ModelConfig, stages: int,
     return ranges
 
 
-def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int) -> list[int]:
-    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks)."""
+def stage_ids_of_rank(pp: int, vpp: int, pp_rank: int, v_shape: bool = False) -> list[int]:
+    """The virtual stages pp rank `pp_rank` holds: pp_rank, pp_rank + pp, ... (its chunks),
+    or in a V (two chunks, fivefold.parallel.pipeline.schedules_v) pp_rank and 2pp-1-pp_rank."""
+    if v_shape:
+        return sorted((pp_rank, 2 * pp - 1 - pp_rank))
     return [pp_rank + c * pp for c in range(vpp)]
 
 

@@ -6,8 +6,11 @@ imports torch, so the lists can be built and checked anywhere.
 
 Stages and chunks. The model's blocks are cut into `pp * vpp` virtual stages; virtual stage s
 lives on rank s % pp as its model chunk s // pp (Megatron-LM's interleaved assignment, arXiv
-2104.04473, Sec. 2.2). With vpp = 1 the virtual stage is the rank. Stage 0 embeds the tokens,
-the last stage applies the final norm, the head and the loss.
+2104.04473, Sec. 2.2). With vpp = 1 the virtual stage is the rank. The V schedules, ZB-V and
+DualPipe-V (fivefold.parallel.pipeline.schedules_v), place their two chunks in a V instead:
+stage s < p on rank s, stage s >= p on rank 2p-1-s. Stage 0 embeds the tokens, the last stage
+applies the final norm, the head and the loss. The actions, the placement and the messages
+are fivefold.parallel.pipeline.actions'.
 
 Actions. Compute: F (forward), B (full backward), or, for zero-bubble schedules, I (backward
 for the input only: the gradient sent upstream) and W (the weight gradients, any time after
@@ -20,7 +23,9 @@ parallelism reduces it. The borrowed copy's gradient is computed with the input 
 B, or in I: never deferred to W), so it is complete after the last stage's last I, which
 precedes the first rank's last W: the exchange adds no bubble. Sends never wait; a receive
 waits until its message has been sent. Each message has an identity (`message`, sent as the
-tag), so matching never depends on arrival order.
+tag), so matching never depends on arrival order. A message between two stages on one rank
+(a V's turn at the last rank, its tied embedding on the first) goes through the executor's
+mailbox.
 
 A micro-batch is a group of sequences; TeraPipe (arXiv 2102.07988) further cuts each sequence
 into token slices, and its actions carry the slice index.
@@ -28,84 +33,12 @@ into token slices, and its actions carry the slice index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-F, B, I, W = "F", "B", "I", "W"
-SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
-SEND_TIED_WEIGHT, RECV_TIED_WEIGHT = "send_tied_weight", "recv_tied_weight"
-SEND_TIED_GRAD, RECV_TIED_GRAD = "send_tied_grad", "recv_tied_grad"
-SEND_LOSS, RECV_LOSS, UPDATE = "send_loss", "recv_loss", "update"
-
-COMPUTE = (F, B, I, W)
-GRADIENT_KINDS = (B, W)  # the actions that accumulate weight gradients
-SENDS = (SEND_ACT, SEND_GRAD, SEND_TIED_WEIGHT, SEND_TIED_GRAD, SEND_LOSS)
-RECVS = (RECV_ACT, RECV_GRAD, RECV_TIED_WEIGHT, RECV_TIED_GRAD, RECV_LOSS)
-SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "terapipe")
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str
-    stage: int = 0  # virtual stage
-    mb: int = 0  # micro-batch (PipeDream-2BW: the running index over all steps; UPDATE: step)
-    slice: int = 0  # token slice (TeraPipe)
-
-    def __str__(self) -> str:
-        tail = f".{self.slice}" if self.slice else ""
-        return f"{self.kind}[s{self.stage} mb{self.mb}{tail}]"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str
-    pp: int
-    vpp: int
-    micro_batches: int  # per optimizer step
-    slices: int
-    ranks: tuple[tuple[Action, ...], ...]
-    steps: int = 1  # optimizer steps the lists span (PipeDream-2BW runs without flushes)
-    first_step: int = 0  # a resumed PipeDream-2BW run's lists start at this step
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.vpp
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pp
-
-
-def message(action: Action, stages: int) -> tuple:
-    """The identity of the message a send or receive action moves (the sender's view)."""
-    a = action
-    if a.kind == SEND_ACT:
-        return ("act", a.stage, a.mb, a.slice)
-    if a.kind == RECV_ACT:
-        return ("act", a.stage - 1, a.mb, a.slice)
-    if a.kind == SEND_GRAD:
-        return ("grad", a.stage, a.mb, a.slice)
-    if a.kind == RECV_GRAD:
-        return ("grad", a.stage + 1, a.mb, a.slice)
-    if a.kind in (SEND_TIED_WEIGHT, RECV_TIED_WEIGHT):
-        return ("tied_weight", 0, a.mb, 0)
-    if a.kind in (SEND_TIED_GRAD, RECV_TIED_GRAD):
-        return ("tied_grad", stages - 1, a.mb, 0)
-    if a.kind in (SEND_LOSS, RECV_LOSS):
-        return ("loss", stages - 1, a.mb, 0)
-    raise ValueError(f"{a} moves no message")
-
-
-def peer_stage(action: Action, stages: int) -> int:
-    """The virtual stage at the other end of a send or receive."""
-    kind = action.kind
-    if kind == SEND_ACT or kind == RECV_GRAD:
-        return action.stage + 1
-    if kind == RECV_ACT or kind == SEND_GRAD:
-        return action.stage - 1
-    if kind in (SEND_TIED_WEIGHT, RECV_TIED_GRAD, RECV_LOSS):
-        return stages - 1
-    if kind in (RECV_TIED_WEIGHT, SEND_TIED_GRAD, SEND_LOSS):
-        return 0
-    raise ValueError(f"{action} has no peer")
+from fivefold.parallel.pipeline.actions import (  # noqa: F401 (the lists' vocabulary)
+    B, COMPUTE, F, GRADIENT_KINDS, I, RECV_ACT, RECV_GRAD, RECV_LOSS, RECV_TIED_GRAD,
+    RECV_TIED_WEIGHT, RECVS, SEND_ACT, SEND_GRAD, SEND_LOSS, SEND_TIED_GRAD, SEND_TIED_WEIGHT,
+    SENDS, SYNC_SCHEDULES, UPDATE, V_SCHEDULES, W, Action, Schedule, message, peer_stage,
+    rank_of_stage, with_p2p, with_tied_embedding)
+from fivefold.parallel.pipeline.schedules_v import build_v_schedule
 
 
 # ---------------------------------------------------------------- compute orders per rank
@@ -229,59 +162,16 @@ def forward_only_order(pp: int, vpp: int, micro_batches: int, slices: int,
     return [Action(F, rank, j, k) for j in range(micro_batches) for k in range(slices)]
 
 
-# ---------------------------------------------------------------- communication
-
-def with_p2p(order: list[Action], stages: int) -> list[Action]:
-    """Add the point-to-point actions around compute: receive right before use, send right
-    after the result exists."""
-    out = []
-    for a in order:
-        if a.kind == F:
-            if a.stage > 0:
-                out.append(Action(RECV_ACT, a.stage, a.mb, a.slice))
-            out.append(a)
-            if a.stage < stages - 1:
-                out.append(Action(SEND_ACT, a.stage, a.mb, a.slice))
-        elif a.kind in (B, I):
-            if a.stage < stages - 1:
-                out.append(Action(RECV_GRAD, a.stage, a.mb, a.slice))
-            out.append(a)
-            if a.stage > 0:
-                out.append(Action(SEND_GRAD, a.stage, a.mb, a.slice))
-        else:
-            out.append(a)
-    return out
-
-
-def _index(actions: list[Action], pick, last: bool) -> int | None:
-    hits = [i for i, a in enumerate(actions) if pick(a)]
-    return (hits[-1] if last else hits[0]) if hits else None
-
-
-def with_tied_embedding(ranks: list[list[Action]], stages: int, pp: int,
-                        backward: bool) -> list[list[Action]]:
-    """Add the tied-embedding exchange between the first rank (owner) and the last stage."""
-    first, last = ranks[0], ranks[(stages - 1) % pp]
-    at = _index(last, lambda a: a.stage == stages - 1, last=False)
-    last.insert(at, Action(RECV_TIED_WEIGHT))
-    first.insert(0, Action(SEND_TIED_WEIGHT))
-    if backward:
-        at = _index(last, lambda a: a.kind in (B, I) and a.stage == stages - 1, True)
-        at += 1
-        while at < len(last) and last[at].kind in SENDS:  # keep the gradient sends first
-            at += 1
-        last.insert(at, Action(SEND_TIED_GRAD))
-        at = _index(first, lambda a: a.kind in GRADIENT_KINDS and a.stage == 0, True)
-        first.insert(at, Action(RECV_TIED_GRAD))
-    return ranks
-
 
 def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1, slices: int = 1,
                    tied_embeddings: bool = False, forward_only: bool = False) -> Schedule:
     """The action lists of a synchronous schedule: "gpipe", "1f1b", "interleaved", "zb"
-    (ZB-H1) or "terapipe"; `forward_only` gives the evaluation pass of the same layout."""
+    (ZB-H1), "terapipe", "zbv" or "dualpipev" (fivefold.parallel.pipeline.schedules_v);
+    `forward_only` gives the evaluation pass of the same layout."""
     if name not in SYNC_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; one of {SYNC_SCHEDULES}")
+    if name in V_SCHEDULES:
+        return build_v_schedule(name, pp, micro_batches, vpp, tied_embeddings, forward_only)
     if name != "interleaved" and vpp != 1:
         raise ValueError(f"{name} runs one chunk per rank; vpp must be 1")
     if name != "terapipe" and slices != 1:
@@ -303,7 +193,8 @@ def build_schedule(name: str, pp: int, micro_batches: int, vpp: int = 1, slices:
             order = terapipe_order(pp, micro_batches, slices, r)
         orders.append(with_p2p(order, stages))
     if tied_embeddings and pp > 1:
-        orders = with_tied_embedding(orders, stages, pp, backward=not forward_only)
+        orders = with_tied_embedding(orders, stages, (stages - 1) % pp,
+                                     backward=not forward_only)
     label = f"{name} (forward only)" if forward_only else name
     return Schedule(label, pp, vpp, micro_batches, slices, tuple(tuple(o) for o in orders))
 
@@ -384,58 +275,3 @@ def _add_2bw_exchanges(ranks: list[list[Action]], m: int, steps: int, tied: bool
         if tied and a.kind == UPDATE and a.mb + 1 <= steps - 2:
             out_first.append(Action(SEND_TIED_WEIGHT, mb=a.mb + 1))
     first[:] = out_first
-
-
-# ---------------------------------------------------------------- theory
-
-def theory_bubble(name: str, pp: int, micro_batches: int, vpp: int = 1, slices: int = 1) -> float:
-    """Idle fraction of the step with the costs of `replay.unit_cost` (T_F = 1, T_B = 2, or
-    T_I = T_W = 1, per micro-batch through one whole stage).
-
-    GPipe and 1F1B (GPipe Sec. 2.2): (p-1)/(m+p-1). Interleaved (Megatron Sec. 2.2.2): the
-    bubble time divides by v, (p-1)/(v m + p - 1). ZB-H1 (ZB Sec. 3.1): the bubble is
-    (p-1)(T_F + T_I - T_W) = (p-1) T_F against 3 m T_F of work, (p-1)/(3m + p - 1). TeraPipe:
-    m*n units of 1/n micro-batch each, (p-1)/(m n + p - 1).
-
-    The interleaved and ZB-H1 figures assume m >= p. With fewer micro-batches, each of the
-    v - 1 extra trips of the micro-batch group around the ring leaves p - m chunk slots idle,
-    and ZB-H1 has only m deferred W's to fill the p - 1 slots of its drain: both add p - m
-    to the bubble, in chunk slots times v - 1 (interleaved) or in T_F (ZB-H1).
-    """
-    p, m, v = pp, micro_batches, vpp
-    short = max(p - m, 0)
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if name == "interleaved":
-        idle = p - 1 + (v - 1) * short
-        return idle / (v * m + idle)
-    if name == "zb":
-        idle = p - 1 + short
-        return idle / (3 * m + idle)
-    if name == "terapipe":
-        return (p - 1) / (m * slices + p - 1)
-    raise ValueError(f"no bubble theory for {name!r}")
-
-
-def theory_peak_in_flight(name: str, pp: int, micro_batches: int, rank: int, vpp: int = 1,
-                          slices: int = 1) -> int:
-    """Most (chunk, micro-batch, slice) activations rank `rank` holds at once: from its
-    forward until its backward (zero-bubble: until its W, which still reads the inputs).
-
-    GPipe: all m. 1F1B: p - r (the warm-up plus one). ZB-H1: p on every rank (Sec. 3.1:
-    the deferred W's keep every rank at 1F1B's peak). Interleaved: the warm-up plus one,
-    2(p-r-1) + (v-1)g + 1 chunk activations (each 1/v of a stage). TeraPipe: m n slices.
-    Each is capped by the m (or m v) units that exist.
-    """
-    p, m, r = pp, micro_batches, rank
-    if name == "gpipe":
-        return m
-    if name == "1f1b":
-        return min(p - r, m)
-    if name == "zb":
-        return min(p, m)
-    if name == "interleaved":
-        return min(2 * (p - r - 1) + (vpp - 1) * min(p, m) + 1, vpp * m)
-    if name == "terapipe":
-        return m * slices
-    raise ValueError(f"no in-flight theory for {name!r}")

@@ -46,9 +46,13 @@ class StageLayers(nn.ModuleDict):
 
 
 class PipelineStage(nn.Module):
-    """The virtual stages `stage_ids` (this rank's chunks) of a `stages`-stage pipeline."""
+    """The virtual stages `stage_ids` (this rank's chunks) of a `stages`-stage pipeline.
+    `borrow_head`: with tied embeddings the last stage borrows the matrix even on the rank
+    that owns it (a V schedule's first rank, fivefold.parallel.pipeline.schedules_v), so the
+    head's and the embedding's gradients stay in their own stages' passes."""
 
-    def __init__(self, cfg: ModelConfig, stage_ids: list[int], layer_ranges: list[range]):
+    def __init__(self, cfg: ModelConfig, stage_ids: list[int], layer_ranges: list[range],
+                 borrow_head: bool = False):
         super().__init__()
         self.cfg, self.stage_ids = cfg, list(stage_ids)
         self.stages = len(layer_ranges)
@@ -62,7 +66,7 @@ class PipelineStage(nn.Module):
             self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
             self.output = None if cfg.tied_embeddings else nn.Linear(cfg.hidden, cfg.vocab,
                                                                      bias=False)
-            if cfg.tied_embeddings and not self.has_first:
+            if cfg.tied_embeddings and (borrow_head or not self.has_first):
                 self.register_buffer("tied_head_weight", torch.zeros(cfg.vocab, cfg.hidden),
                                      persistent=False)
         cos, sin = rotary_tables(cfg.seq_len, cfg.d_head, cfg.rope_theta)
@@ -119,9 +123,10 @@ class PipelineStage(nn.Module):
 
 @torch.no_grad()
 def build_stage(cfg: ModelConfig, seed: int, stage_ids: list[int], layer_ranges: list[range],
-                device: str | torch.device = "cpu") -> PipelineStage:
+                device: str | torch.device = "cpu", borrow_head: bool = False) -> PipelineStage:
     """A deterministically initialized fp32 stage: each parameter equals the plain model's."""
-    stage = init_model_(PipelineStage(cfg, stage_ids, layer_ranges), seed, cfg.layers)
+    stage = init_model_(PipelineStage(cfg, stage_ids, layer_ranges, borrow_head), seed,
+                        cfg.layers)
     if stage.borrows_embedding:
         stage.tied_head_weight.copy_(init_tensor("tok_embeddings.weight",
                                                  (cfg.vocab, cfg.hidden), seed, cfg.layers))
