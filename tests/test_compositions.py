@@ -64,8 +64,6 @@ REFUSED = [
     (1, ["parallel.precision=fp16", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (1, ["train.optimizer=muon", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=1", "parallel.zero_group=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
-    (4, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.qwz=true",
-         "cluster.gpus_per_node=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.zero_stage=3",
          "parallel.global_batch=4"]),
     (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",

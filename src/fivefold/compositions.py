@@ -159,9 +159,6 @@ REFUSALS: list[Refusal] = [
     Refusal("ep>1", ("zero_group",), "parallel.zero_group",
             "expert parallelism shards the experts over the whole expert-data-parallel "
             "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
-    Refusal("ep>1", ("qwz", "hpz", "qgz"), "parallel.ep",
-            "ZeRO++'s node groups are not laid out over the expert groups; turn qwz, hpz "
-            "and qgz off with ep > 1"),
     Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -117,3 +118,11 @@ class Mesh:
                          for n, size in (("ep", ep), ("edp", data // ep)))
         self._expert_axes[ep] = axes
         return axes
+
+    def expert_data_groups(self, ep: int) -> list[list[int]]:
+        """The global ranks of every edp group of `expert_axes(ep)`, in axis order, the same
+        list on every rank (for subgroups that every rank must create, fivefold.comm.zeropp)."""
+        data = self.shape["dp_replicate"] * self.shape["dp_shard"] * self.shape["cp"]
+        ranks = torch.arange(self.world_size).view(self.shape["pp"], data // ep, ep,
+                                                   self.shape["tp"])
+        return ranks.permute(0, 2, 3, 1).reshape(-1, data // ep).tolist()

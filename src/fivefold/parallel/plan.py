@@ -106,6 +106,15 @@ class ParallelPlan:
         return ranks_per_node(self.gpus_per_node, self.tp, self.cp, self.zero_group)
 
     @property
+    def expert_ranks_per_node(self) -> int:
+        """Ranks of one expert-data-parallel group on a node: its members are strided by
+        ep x tp (ep folds onto the data ranks), ZeRO++'s node groups of the expert units;
+        1 (each rank its own node) where nodes hold unequal parts of the group."""
+        edp = self.expert_data_parallel
+        per_node = ranks_per_node(self.gpus_per_node, self.tp, self.ep, edp)
+        return per_node if edp % per_node == 0 else 1
+
+    @property
     def per_rank_batch(self) -> int:
         """Sequences per data-parallel rank per optimizer step."""
         return self.global_batch // self.dp

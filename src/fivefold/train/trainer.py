@@ -187,7 +187,8 @@ class Trainer:
         self.engine, self.optimizer, self.lomo, self.galore = None, None, None, None
         self.scaler = torch.amp.GradScaler(rt.device.type) if self.precision == "fp16" else None
         if plan.update == "engine":
-            zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
+            zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node,
+                             plan.expert_ranks_per_node)
             self.engine = engine_class(cfg.train)(self.model, plan.zero_stage, self.mesh,
                                                    cfg.train, rt.device, DTYPES[self.compute],
                                                    DTYPES[plan.reduce_dtype], zero_pp,
