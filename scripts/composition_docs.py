@@ -145,6 +145,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [*MOE, EP(2), micro(2)])],
     "tests/test_expert_parallel.py::test_ep2_with_pp2_and_with_tp2_match_one_process": [
         (4, [*MOE, EP(2), PP2, micro(2)]), (4, [*MOE, EP(2), TP2, micro(2)])],
+    "tests/test_zeropp_expert.py::test_zeropp_with_ep2_matches_one_process_and_the_ledger": [
+        (4, [*MOE, EP(2), z(3), micro(2), "parallel.hpz=true", "cluster.gpus_per_node=4"]),
+        (4, [*MOE, EP(2), z(3), micro(2), "parallel.qwz=true", "parallel.hpz=true",
+             "parallel.qgz=true", "cluster.gpus_per_node=2"])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
     "tests/test_moe_token_split.py::"
     "test_moe_on_sequence_and_context_shards_matches_one_process": [
