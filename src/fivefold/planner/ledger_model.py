@@ -58,7 +58,7 @@ all-gathers and tp projections, and refreshes with `galore_refresh`
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
 gradient reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert
-unit's run on its edp group ("edp", "edp.intra", "edp.inter"). Sizes are
+unit's collectives run on its edp group ("edp", "edp.intra", "edp.inter"). Sizes are
 computed here, not read from the runtime; tests/test_planner_ledger.py holds one against the
 other.
 """
