@@ -179,6 +179,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [*MOE, "parallel.etp=2", EP(2), micro(2)])],
     "tests/test_expert_tensor.py::test_pp2_by_ep2_by_etp2_on_8_ranks": [
         (8, [*MOE, PP2, TP2, "parallel.etp=2", EP(2), micro(2)])],
+    "tests/test_zeropp_expert.py::test_zeropp_with_ep2_matches_one_process_and_the_ledger": [
+        (4, [*MOE, EP(2), z(3), micro(2), "parallel.hpz=true", "cluster.gpus_per_node=4"]),
+        (4, [*MOE, EP(2), z(3), micro(2), "parallel.qwz=true", "parallel.hpz=true",
+             "parallel.qgz=true", "cluster.gpus_per_node=2"])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
     "tests/test_moe_token_split.py::"
     "test_moe_on_sequence_and_context_shards_matches_one_process": [

@@ -61,8 +61,6 @@ REFUSED = [
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb"]),
     (1, ["parallel.precision=fp16", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=1", "parallel.zero_group=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
-    (4, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.qwz=true",
-         "cluster.gpus_per_node=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.etp=2", "parallel.zero_stage=1", "parallel.zero_group=2",
          "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.zero_stage=3",

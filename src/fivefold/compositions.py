@@ -155,9 +155,6 @@ REFUSALS: list[Refusal] = [
     Refusal("ep>1", ("zero_group",), "parallel.zero_group",
             "expert parallelism shards the experts over the whole expert-data-parallel "
             "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
-    Refusal("ep>1", ("qwz", "hpz", "qgz"), "parallel.ep",
-            "ZeRO++'s node groups are not laid out over the expert groups; turn qwz, hpz "
-            "and qgz off with ep > 1"),
     Refusal("etp>1", ("zero_group", "qwz", "hpz", "qgz"), "parallel.etp",
             "expert tensor parallelism shards the experts over their whole expert-data "
             "group, which neither hierarchical sharding nor ZeRO++'s node groups are laid "

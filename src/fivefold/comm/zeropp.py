@@ -34,22 +34,30 @@ class NodeAxes:
     inter: C.Axis
 
 
-def split_by_node(shard: C.Axis, ranks_per_node: int) -> NodeAxes:
-    """Create the intra- and inter-node subgroups of `shard` (collective: every rank calls)."""
+def split_by_node(shard: C.Axis, ranks_per_node: int,
+                  all_groups: list[list[int]] | None = None) -> NodeAxes:
+    """Create the intra- and inter-node subgroups of `shard` (collective: every rank calls).
+
+    `all_groups`: the members of every group of this kind (the same list on every rank, this
+    rank's group among them), as for the expert-data-parallel groups, whose members differ per
+    ep rank: torch.distributed.new_group must see every group's calls on every rank in the
+    same order. None: `shard`'s own members only (one shard group spans the ranks that call).
+    """
     g, n = ranks_per_node, shard.size
     if shard.group is None or n == 1:
         none = C.Axis(f"{shard.name}.intra", None, 1, 0, shard.ledger)
         return NodeAxes(none, C.Axis(f"{shard.name}.inter", None, 1, 0, shard.ledger))
-    members = dist.get_process_group_ranks(shard.group)
+    own = dist.get_process_group_ranks(shard.group)
     intra_group = inter_group = None
-    for node in range(n // g):  # new_group must be called by every rank for every group
-        group = dist.new_group(members[node * g:(node + 1) * g])
-        if shard.rank // g == node:
-            intra_group = group
-    for local in range(g):
-        group = dist.new_group(members[local::g])
-        if shard.rank % g == local:
-            inter_group = group
+    for members in all_groups or [own]:
+        for node in range(n // g):  # new_group must be called by every rank for every group
+            group = dist.new_group(members[node * g:(node + 1) * g])
+            if members == own and shard.rank // g == node:
+                intra_group = group
+        for local in range(g):
+            group = dist.new_group(members[local::g])
+            if members == own and shard.rank % g == local:
+                inter_group = group
     return NodeAxes(C.Axis(f"{shard.name}.intra", intra_group, g, shard.rank % g, shard.ledger),
                     C.Axis(f"{shard.name}.inter", inter_group, n // g, shard.rank // g,
                            shard.ledger))

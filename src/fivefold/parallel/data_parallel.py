@@ -130,8 +130,14 @@ class DataParallelEngine(EngineCheckpoint):
         self.units = [FlatUnit(name, params, axis.size, axis.rank, param_dtype, device,
                                multiple)
                       for (name, params, *_), axis in zip(split, self.unit_shard)]
-        self.nodes = (zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node)
-                      if zero_pp.hpz or zero_pp.qgz else None)
+        unit_nodes = [None] * len(self.units)
+        if zero_pp.hpz or zero_pp.qgz:  # ZeRO++'s node groups: experts' over the edp ranks
+            nodes = {False: zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node)}
+            if expert_axes is not None:
+                nodes[True] = zeropp.split_by_node(
+                    expert_axes[1], zero_pp.expert_ranks_per_node,
+                    mesh.expert_data_groups(ep_axis.size, etp_axis.size))
+            unit_nodes = [nodes[expert] for expert in self.is_expert]
         self.blocks = [module for _, _, module, _ in split]
         self.masters = [nn.Parameter(self._master_storage(u)) for u in self.units]
         if stage == 3:
@@ -140,8 +146,8 @@ class DataParallelEngine(EngineCheckpoint):
                     param_dtype)
                 unit.free_full()
         self.sync = grad_sync_for(stage, self.units, self.unit_shard, self.unit_replicate,
-                                  param_dtype, self.reduce_dtype, zero_pp, self.nodes,
-                                  model=model, blocks=self.blocks, shard_axis=self.shard_axis)
+                                  param_dtype, self.reduce_dtype, zero_pp, unit_nodes,
+                                  model=model, blocks=self.blocks)
         self.sync.on_final = self._final_grad_ready
         self.decay_masks = [u.decay_mask() for u in self.units]
         self._unpublished: set[int] = set()  # offloaded units whose update is queued

@@ -64,6 +64,7 @@ class ZeroPP:
     hpz: bool = False
     qgz: bool = False
     ranks_per_node: int = 1
+    expert_ranks_per_node: int = 1  # of an edp group (ParallelPlan.expert_ranks_per_node)
 
     @property
     def quantized(self) -> bool:
@@ -79,9 +80,10 @@ class AllReduceSync:
 
     def __init__(self, units: list[FlatUnit], unit_shard: list[C.Axis],
                  unit_replicate: list[C.Axis], dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 zero_pp: ZeroPP, nodes):
+                 zero_pp: ZeroPP, unit_nodes: list):
         self.units, self.unit_shard, self.unit_replicate = units, unit_shard, unit_replicate
-        self.reduce_dtype, self.zero_pp, self.nodes = reduce_dtype, zero_pp, nodes
+        # ZeRO++: each unit's shard group split by node (zeropp.NodeAxes; None without hpZ/qgZ)
+        self.reduce_dtype, self.zero_pp, self.unit_nodes = reduce_dtype, zero_pp, unit_nodes
         self.grad_buffers = self._buffers(dtype)
         self.grad_shards = [self._shard(i) for i in range(len(units))]
         for unit, buf in zip(units, self.grad_buffers):
@@ -135,7 +137,7 @@ class AllReduceSync:
         """Unit i's gradient reduce-scatter over its shard group: async ring, or qgZ's two
         int8 hops."""
         if self.zero_pp.qgz:
-            zeropp.quantized_reduce_scatter(out, full, self.nodes, "grads")
+            zeropp.quantized_reduce_scatter(out, full, self.unit_nodes[i], "grads")
             return None
         return C.reduce_scatter(out, full, self.unit_shard[i], "grads", async_op=True)
 
@@ -229,10 +231,9 @@ class GatherAndFree(ShardedSync):
     computes (module docstring). `before_gather(i)` runs before unit i's all-gather (the
     engine waits there for an offloaded unit's update, whose target is the shard)."""
 
-    def __init__(self, *args, model: nn.Module, blocks: list[nn.Module | None],
-                 shard_axis: C.Axis):
+    def __init__(self, *args, model: nn.Module, blocks: list[nn.Module | None]):
         super().__init__(*args)
-        self.model, self.blocks, self.shard_axis = model, blocks, shard_axis
+        self.model, self.blocks = model, blocks
         self.before_gather: Callable[[int], None] = lambda i: None
         self.secondary: dict[int, torch.Tensor] = {}  # hpZ: node-local shards, fwd->bwd
         self._prefetch: dict[int, object] = {}
@@ -256,10 +257,11 @@ class GatherAndFree(ShardedSync):
             return  # a middle pipeline stage's root holds nothing
         unit.allocate_full()
         if backward and i in self.secondary:
-            work = C.all_gather(unit.full, self.secondary[i], self.nodes.intra, "params",
+            work = C.all_gather(unit.full, self.secondary[i], self.unit_nodes[i].intra, "params",
                                 async_op=prefetch)
         elif self.zero_pp.qwz:
-            work = zeropp.quantized_all_gather(unit.full, unit.shard, self.shard_axis, "params")
+            work = zeropp.quantized_all_gather(unit.full, unit.shard, self.unit_shard[i],
+                                               "params")
         else:
             work = C.all_gather(unit.full, unit.shard, self.unit_shard[i], "params",
                                 async_op=prefetch)
@@ -287,7 +289,7 @@ class GatherAndFree(ShardedSync):
             def hook(module, args):
                 self._ensure_gathered(i)
                 if self.zero_pp.hpz and torch.is_grad_enabled():  # kept until i's backward
-                    g = self.nodes.intra
+                    g = self.unit_nodes[i].intra
                     self.secondary[i] = self.units[i].full.view(g.size, -1)[g.rank].clone()
                 if i < last:
                     self._gather(i + 1, prefetch=True)
@@ -350,7 +352,7 @@ def gather_tensor(tensor: torch.Tensor, shard: torch.Tensor, axis: C.Axis) -> No
 
 
 def grad_sync_for(stage: int, *args, **stage3) -> AllReduceSync:
-    """The strategy of ZeRO stage `stage`; `stage3` (model, blocks, shard_axis) for stage 3."""
+    """The strategy of ZeRO stage `stage`; `stage3` (model, blocks) for stage 3."""
     if stage == 3:
         return GatherAndFree(*args, **stage3)
     return (AllReduceSync, ReduceScatterSync, ShardedSync)[stage](*args)

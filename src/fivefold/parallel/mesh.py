@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -121,6 +122,15 @@ class Mesh:
         self._expert_axes[ep, etp] = axes
         return axes
 
+    def expert_data_groups(self, ep: int, etp: int = 1) -> list[list[int]]:
+        """The global ranks of every edp group of `expert_axes(ep, etp)`, in axis order, the
+        same list on every rank (for subgroups that every rank must create,
+        fivefold.comm.zeropp)."""
+        stage = self.shape["dp_replicate"] * self.shape["dp_shard"] * self.shape["cp"] \
+            * self.shape["tp"]
+        edp = stage // (ep * etp)
+        ranks = torch.arange(self.world_size).view(self.shape["pp"], edp, ep, etp)
+        return ranks.permute(0, 2, 3, 1).reshape(-1, edp).tolist()
 
 class ExpertAxes(NamedTuple):
     """The experts' grid axes of a rank (`Mesh.expert_axes`)."""

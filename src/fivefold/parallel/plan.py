@@ -119,6 +119,16 @@ class ParallelPlan:
         return ranks_per_node(self.gpus_per_node, self.tp, self.cp, self.zero_group)
 
     @property
+    def expert_ranks_per_node(self) -> int:
+        """Ranks of one expert-data-parallel group on a node: its members are strided by
+        ep x etp (the experts' grid's inner axes, fivefold.expert_grid), ZeRO++'s node groups
+        of the expert units; 1 (each rank its own node) where nodes hold unequal parts of the
+        group."""
+        edp = self.expert_data_parallel
+        per_node = ranks_per_node(self.gpus_per_node, self.ep, self.etp, edp)
+        return per_node if edp % per_node == 0 else 1
+
+    @property
     def per_rank_batch(self) -> int:
         """Sequences per data-parallel rank per step (even split; dp_batch_shares: the
         replicas' own are fivefold.batch_shares.replica_rows)."""

@@ -62,7 +62,8 @@ all-gathers and tp projections, and refreshes with `galore_refresh`
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
-gradient reduce-scatter by two int8 all-to-alls (within, then across nodes). Sizes are
+gradient reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert
+unit's collectives run on its edp group ("edp", "edp.intra", "edp.inter"). Sizes are
 computed here, not read from the runtime; tests/test_planner_ledger.py holds one against the
 other.
 """
@@ -151,6 +152,7 @@ class _Step:
         self.tokens_dim = "+".join(lay.token_axes)  # every rank of other tokens
         self.tokens_size = lay.dp * lay.cp
         self.node = lay.ranks_per_node if (self.hpz or self.qgz) else 1
+        self.expert_node = lay.expert_ranks_per_node if (self.hpz or self.qgz) else 1
         self.edp = lay.expert_data_parallel  # the ranks holding copies of the same experts
 
     def record(self, op: str, dim: str, size: int, dtype: str, nbytes: int, purpose: str):
@@ -166,14 +168,19 @@ class _Step:
         """(axis, size) of a unit's plain data-parallel all-reduce (stage 0)."""
         return ("edp", self.edp) if u.expert else (self.tokens_dim, self.tokens_size)
 
+    def node_size(self, u: Unit) -> int:
+        """Ranks per node of a unit's shard group (ZeRO++'s hpZ and qgZ subgroups)."""
+        return self.expert_node if u.expert else self.node
+
     def gather(self, u: Unit, backward: bool) -> None:
+        dim, size = self.shard_axis(u)
         if backward and self.hpz:
-            self.record("all_gather", "dp_shard.intra", self.node, self.param,
+            self.record("all_gather", f"{dim}.intra", self.node_size(u), self.param,
                         u.padded * self.pb, "params")
         elif self.qwz:
-            self.record("all_gather", "dp_shard", self.shard, "int8", u.padded, "params")
-            self.record("all_gather", "dp_shard", self.shard, "float32",
-                        u.padded // QUANT_BLOCK * 4, "params")
+            self.record("all_gather", dim, size, "int8", u.padded, "params")
+            self.record("all_gather", dim, size, "float32", u.padded // QUANT_BLOCK * 4,
+                        "params")
         else:
             self.record("all_gather", *self.shard_axis(u), self.param, u.padded * self.pb,
                         "params")
@@ -183,9 +190,9 @@ class _Step:
             self.record("reduce_scatter", *self.shard_axis(u), dtype, u.padded * nbytes_per,
                         "grads")
             return
-        g, nodes = self.node, self.shard // self.node
-        for dim, size, numel in (("dp_shard.intra", g, u.padded),
-                                 ("dp_shard.inter", nodes, u.padded // g)):
+        (dim, shard), g = self.shard_axis(u), self.node_size(u)
+        for dim, size, numel in ((f"{dim}.intra", g, u.padded),
+                                 (f"{dim}.inter", shard // g, u.padded // g)):
             self.record("all_to_all", dim, size, "int8", numel, "grads")
             self.record("all_to_all", dim, size, "float32", numel // QUANT_BLOCK * 4, "grads")
 

@@ -43,7 +43,8 @@ class EngineUpdater(ClippedUpdater):
         super().__init__(norm_axes, plan.precision == "fp16")
         self.mesh, self.expert_axes = mesh, expert_axes  # the experts' grid, if any
         self.tp_rank = mesh.axis("tp").rank
-        zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node)
+        zero_pp = ZeroPP(plan.qwz, plan.hpz, plan.qgz, plan.ranks_per_node,
+                         plan.expert_ranks_per_node)
         self.engine = engine_class(train)(model, plan.zero_stage, mesh, train, device,
                                            DTYPES[compute], DTYPES[plan.reduce_dtype], zero_pp,
                                            plan.shard_axes, self.expert_axes,
