@@ -72,7 +72,7 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
-from fivefold.memory.offload import HostOptimizer, HostUnit, Offload
+from fivefold.memory.offload import HostOptimizer, HostUnit, Offload, state_kinds
 from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.engine_checkpoint import EngineCheckpoint
 from fivefold.parallel.flat_unit import FlatUnit, split_expert_units, split_units
@@ -149,8 +149,10 @@ class DataParallelEngine(EngineCheckpoint):
             self.views = [(name, view) for unit, master in zip(self.units, self.masters)
                           for name, view in zip(unit.names, unit.views(master.detach()))]
             self.optimizer = optimizer_for(self.views, train, device)
-        elif train.optimizer == "sgd":  # L2 weight decay added to the gradient by `step`
-            self.optimizer = torch.optim.SGD(self.masters, lr=train.lr, momentum=train.beta1)
+        elif train.optimizer == "sgd" and self.offloaded < len(self.masters):  # L2 weight
+            # decay added to the gradient by `step`; offloaded units step on the host
+            self.optimizer = torch.optim.SGD(self.masters[self.offloaded:], lr=train.lr,
+                                             momentum=train.beta1)
         elif self.offloaded < len(self.masters):  # units kept on the device (the first
             # `offloaded` step in the host optimizer); weight decay is applied by the engine
             self.optimizer = torch.optim.AdamW(self.masters[self.offloaded:], lr=train.lr,
@@ -175,7 +177,7 @@ class DataParallelEngine(EngineCheckpoint):
             target = (unit.full if self.stage == 0 else unit.shard if self.stage == 3
                       else unit.full[unit.shard_slice])
             host_units.append(HostUnit(unit.name, self.masters[i], self.decay_masks[i],
-                                       target, offload.tier))
+                                       target, offload.tier, len(state_kinds(self.train_cfg))))
             self.masters[i] = host_units[-1].master
         modules: dict[int, tuple[nn.Module, list[int]]] = {}
         for i, module in enumerate(self.blocks[:count]):
@@ -300,8 +302,8 @@ class DataParallelEngine(EngineCheckpoint):
                      for g in unit.views(master.grad)]
             for (_, view), grad in zip(self.views, grads):
                 view.grad = grad
-        if wd and isinstance(self.optimizer, torch.optim.SGD):
-            for m, mask in zip(self.masters, self.decay_masks):
+        if wd and self.train_cfg.optimizer == "sgd":
+            for m, mask in list(zip(self.masters, self.decay_masks))[self.offloaded:]:
                 m.grad.add_(torch.where(mask, m, 0.0), alpha=wd)
         elif wd and not self.views:
             factor = 1.0 - lr * wd

@@ -34,7 +34,8 @@ from fivefold.hardware import HardwareProfile
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
+from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
+                                     offload_bytes)
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
@@ -183,7 +184,8 @@ class FastScorer:
         count = max(1, math.ceil(lay.offload_fraction * blocks))
         work = [UnitWork(round(per_block), cost.f)] * count
         times = offload.work_offload(sm, work, device_s)
-        host_bytes = (OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local
+        host = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
+        host_bytes = (host * lay.offload_fraction * local
                       * offload.sharing(sm))
         return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
 
