@@ -170,6 +170,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [z(3), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]), (4, [z(3), *NVME_OFFLOAD])],
     "tests/test_offload.py::test_sigkill_mid_nvme_step_leaves_a_consistent_state_and_resumes_exactly": [
         (1, [*NVME_OFFLOAD])],
+    "tests/test_offload_sgd.py::test_one_rank_sgd_offload_is_exact_and_records_its_bytes": [
+        (1, [SGD, z(0), CPU_OFFLOAD]), (1, [SGD, z(1), *NVME_OFFLOAD]),
+        (1, [SGD, z(2), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]),
+        (1, [SGD, z(3), *NVME_OFFLOAD, "parallel.offload_fraction=0.5"])],
+    "tests/test_offload_sgd.py::test_sgd_offload_on_2_ranks_zero1_matches_in_memory_and_one_process": [
+        (2, [SGD, z(1), CPU_OFFLOAD]), (2, [SGD, z(1), *NVME_OFFLOAD])],
 }
 
 

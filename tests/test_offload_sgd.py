@@ -88,6 +88,7 @@ def _zero1_runs(rt, overrides, tmp):
     return runs if rt.rank == 0 else None
 
 
+@pytest.mark.slow
 def test_sgd_offload_on_2_ranks_zero1_matches_in_memory_and_one_process(parity_overrides,
                                                                        tmp_path):
     """2 gloo ranks, ZeRO-1, SGD with momentum, cpu and nvme offload: exact against the
