@@ -15,6 +15,8 @@ import torch
 from parity import CPU, STEPS, assert_params_close, full_parameters, resumed_losses, train_steps
 
 from fivefold.config import load_config
+from fivefold.parallel.plan import training_plan
+from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.memory import offload_bytes
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
@@ -46,7 +48,8 @@ def test_one_rank_sgd_offload_is_exact_and_records_its_bytes(parity_overrides, t
     run of its ZeRO stage bit for bit; the ledger keeps no device optimizer state for the
     offloaded units; "host" holds master and gradient (8 B per offloaded element) plus, with
     cpu and momentum, the momentum (4 B); "disk" with nvme and momentum two versions of it
-    (8 B), without momentum nothing. A cpu and an nvme run resumed from a step-2 checkpoint
+    (8 B), without momentum nothing; with momentum the planner predicts these rows to the
+    byte. A cpu and an nvme run resumed from a step-2 checkpoint
     continue with the same losses as uninterrupted (exactly)."""
     refs = {}
     for stage, offload, fraction, extra in ONE_RANK:
@@ -76,6 +79,9 @@ def test_one_rank_sgd_offload_is_exact_and_records_its_bytes(parity_overrides, t
         assert states["disk"] == (2 * momentum * offloaded if offload == "nvme" else 0), label
         assert offload_bytes(offload, momentum) == (
             states["host"] / offloaded, states["disk"] / offloaded), label
+        if momentum:  # the plan assumes the default momentum (planner.memory)
+            plan = training_plan(cfg, 1, "cpu")
+            assert predict_ledger(cfg, plan, 0).model_state_bytes == states, label
     for stage, offload in ((2, "cpu"), (1, "nvme")):
         cfg = load_config(None, _sets(parity_overrides, stage, offload, tmp_path / f"nvr{stage}"))
         resumed = resumed_losses(CPU, cfg, tmp_path / f"resume{stage}", 2, STEPS)[0]
