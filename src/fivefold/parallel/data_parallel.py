@@ -51,10 +51,10 @@ dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its un
 
 Offload (`parallel.offload`, ZeRO-Offload / ZeRO-Infinity; fivefold.memory.offload and
 fivefold.memory.nvme_store): the first units by `ParallelPlan.offloaded_units` keep their
-fp32 master, gradient buffer and Adam moments in host memory (the moments on disk with
-nvme) and are updated there on a background thread; the device keeps their compute copy
-and its gradient, and no master or optimizer state for them; the rest keep the device's
-torch AdamW. A forward pre-hook on each module waits for its units' updates and, at stages
+fp32 master, gradient buffer and Adam moments (SGD: its momentum) in host memory (the
+moments on disk with nvme) and are updated there on a background thread; the device keeps
+their compute copy and its gradient, and no master or optimizer state for them; the rest
+keep the device's torch AdamW (SGD). A forward pre-hook on each module waits for its units' updates and, at stages
 1-2, all-gathers them then, on the calling thread, instead of in `step`. Each rank offloads
 its own shards.
 
