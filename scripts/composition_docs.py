@@ -214,6 +214,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_batch_shares.py::test_more_batch_shares_match_one_process": [
         (3, ["parallel.dp_batch_shares=[1, 2, 1]", z(3)]),
         (3, ["parallel.dp_batch_shares=[2, 1, 1]", z(1), micro(1)])],
+    "tests/test_offload_sgd.py::test_one_rank_sgd_offload_is_exact_and_records_its_bytes": [
+        (1, [SGD, z(0), CPU_OFFLOAD]), (1, [SGD, z(1), *NVME_OFFLOAD]),
+        (1, [SGD, z(2), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]),
+        (1, [SGD, z(3), *NVME_OFFLOAD, "parallel.offload_fraction=0.5"])],
+    "tests/test_offload_sgd.py::test_sgd_offload_on_2_ranks_zero1_matches_in_memory_and_one_process": [
+        (2, [SGD, z(1), CPU_OFFLOAD]), (2, [SGD, z(1), *NVME_OFFLOAD])],
 }
 
 

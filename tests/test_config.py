@@ -298,6 +298,8 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["parallel.qgz=true"], "parallel.qgz", "set parallel.zero_stage to 1, 2 or 3"),
     (["parallel.reduce_dtype=fp64"], "parallel.reduce_dtype", "'fp64' is not one of"),
     (["parallel.offload=gpu"], "parallel.offload", "'gpu' is not one of"),
+    (["parallel.offload=cpu", "parallel.offload_kernel=fused", "train.optimizer=sgd"],
+     "parallel.offload_kernel", "fused CPU AdamW"),
     (["parallel.offload=cpu", "parallel.offload_kernel=avx"], "parallel.offload_kernel",
      "'avx' is not one of"),
     (["parallel.offload=cpu", "parallel.offload_fraction=0"], "parallel.offload_fraction",

@@ -124,10 +124,11 @@ ANY_USE: list[Refusal] = [
 
 # what `fivefold train` does not run (fivefold.validate.validate_for_training)
 REFUSALS: list[Refusal] = [
-    *(Refusal(f"offload={o}", ("optimizer=muon", "optimizer=galore", "optimizer=sgd",
+    *(Refusal(f"offload={o}", ("optimizer=muon", "optimizer=galore",
                                "schedule=pipedream-2bw"), "parallel.offload",
-              "the offloaded optimizer step is AdamW's on the data-parallel engine's flat "
-              "master weights; use train.optimizer = 'adamw' (and a synchronous schedule) with "
+              "the offloaded optimizer step is AdamW's or SGD's on the data-parallel engine's "
+              "flat master weights; use train.optimizer = 'adamw' or 'sgd' (and a synchronous "
+              "schedule) with "
               "parallel.offload = '{parallel.offload}'") for o in ("cpu", "nvme")),
     Refusal("fp8", ("optimizer=lomo",), "train.optimizer",
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "

@@ -122,6 +122,9 @@ def validate_offload(cfg: Config) -> None:
     p = cfg.parallel
     _choice("parallel.offload", p.offload, OFFLOADS)
     _choice("parallel.offload_kernel", p.offload_kernel, OFFLOAD_KERNELS)
+    if p.offload != "none" and p.offload_kernel == "fused" and cfg.train.optimizer == "sgd":
+        raise ConfigError("parallel.offload_kernel", "\"fused\" is torch's fused CPU AdamW; "
+                          "the offloaded SGD step has one kernel: set it to \"foreach\"")
     if not 0.0 < p.offload_fraction <= 1.0:  # also rejects NaN
         raise ConfigError("parallel.offload_fraction", f"must lie in (0, 1], got "
                                                        f"{p.offload_fraction}")

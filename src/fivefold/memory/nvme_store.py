@@ -1,6 +1,7 @@
 """The disk tier of optimizer offload: Adam's moments in files, streamed in chunks through
 the CPU step, crash-consistent (ZeRO-Infinity, arXiv 2104.07857, Sec. 5-6: optimizer states
-on NVMe, read and written in bounded chunks that overlap the CPU update).
+on NVMe, read and written in bounded chunks that overlap the CPU update). SGD's momentum
+is stored the same way as one state instead of two (`moments = 1`).
 
 Layout under `directory` (offload_path/rank{r}/): for each offloaded unit two slot files,
 `{unit}.slot0.bin` and `{unit}.slot1.bin`, each holding the unit's shard of exp_avg and
@@ -41,23 +42,26 @@ MANIFEST = "manifest.json"
 
 
 class NvmeStore:
-    """exp_avg and exp_avg_sq of one rank's offloaded units, two versions on disk.
+    """exp_avg and exp_avg_sq (or, `moments = 1`, SGD's momentum) of one rank's offloaded
+    units, two versions on disk.
 
     `units` are (name, shard elements). A new store holds zero moments and 0 updates, as
-    torch's AdamW before its first step."""
+    torch's AdamW before its first step (a zero momentum, which SGD's first step turns into
+    the gradient itself, as torch's does without one)."""
 
     def __init__(self, directory: str | Path, units: list[tuple[str, int]],
-                 chunk_elements: int = CHUNK_ELEMENTS):
+                 chunk_elements: int = CHUNK_ELEMENTS, moments: int = 2):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.numels = dict(units)
         self.chunk = chunk_elements
+        self.moments = moments
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvme-io")
         self.fds: dict[tuple[str, int], int] = {}
         for name, numel in units:
             for slot in (0, 1):
                 fd = os.open(self._path(name, slot), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.ftruncate(fd, 8 * numel)  # zeros: the moments before any update
+                os.ftruncate(fd, 4 * moments * numel)  # zeros: the moments before any update
                 self.fds[name, slot] = fd
         self.slot, self.updates = 0, 0
         self._write_manifest()
@@ -83,25 +87,25 @@ class NvmeStore:
 
     def _read_chunk(self, name: str, slot: int, start: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.numpy()).cast("B")
-        done = os.preadv(self.fds[name, slot], [view], 8 * start)
+        done = os.preadv(self.fds[name, slot], [view], 4 * self.moments * start)
         if done != view.nbytes:
             raise OSError(f"{self._path(name, slot)}: read {done} of {view.nbytes} bytes")
 
     def _write_chunk(self, name: str, slot: int, start: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.numpy()).cast("B")
-        done = os.pwritev(self.fds[name, slot], [view], 8 * start)
+        done = os.pwritev(self.fds[name, slot], [view], 4 * self.moments * start)
         if done != view.nbytes:
             raise OSError(f"{self._path(name, slot)}: wrote {done} of {view.nbytes} bytes")
 
     def update_unit(self, name: str,
-                    update: Callable[[int, int, torch.Tensor, torch.Tensor], None]) -> None:
+                    update: Callable[..., None]) -> None:
         """Stream unit `name`'s moments from the committed slot through
-        `update(start, stop, exp_avg, exp_avg_sq)` (which changes the chunk in place) into
+        `update(start, stop, *moments)` (exp_avg, exp_avg_sq; or the momentum; it changes the chunk in place) into
         the other slot, prefetching the next chunk's read and writing behind on the I/O
         threads; fsync the new slot before returning. The committed slot is not touched."""
         src, dst = self.slot, 1 - self.slot
         chunks = self._chunks(name)
-        buffers = [torch.empty(2 * self.chunk, dtype=torch.float32)
+        buffers = [torch.empty(self.moments * self.chunk, dtype=torch.float32)
                    for _ in range(min(BUFFERS, len(chunks)))]
         writes: list[Future | None] = [None] * len(buffers)
 
@@ -110,7 +114,7 @@ class NvmeStore:
             if writes[b] is not None:  # the buffer's last chunk is still being written
                 writes[b].result()
             start, stop = chunks[j]
-            buf = buffers[b][:2 * (stop - start)]
+            buf = buffers[b][:self.moments * (stop - start)]
             return self.io.submit(self._read_chunk, name, src, start, buf)
 
         pending = read(0) if chunks else None
@@ -119,8 +123,8 @@ class NvmeStore:
             if j + 1 < len(chunks):
                 pending = read(j + 1)
             n, b = stop - start, j % len(buffers)
-            buf = buffers[b][:2 * n]
-            update(start, stop, buf[:n], buf[n:])
+            buf = buffers[b][:self.moments * n]
+            update(start, stop, *buf.split(n))
             writes[b] = self.io.submit(self._write_chunk, name, dst, start, buf)
         for work in writes:
             if work is not None:
@@ -148,16 +152,17 @@ class NvmeStore:
         finally:
             os.close(dir_fd)
 
-    def read_unit(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed (exp_avg, exp_avg_sq) of unit `name`, whole, in new CPU tensors."""
-        return read_committed(self.directory, name, self.numels[name], self.chunk, self.slot)
+    def read_unit(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The committed moments of unit `name`, whole, in new CPU tensors."""
+        return read_committed(self.directory, name, self.numels[name], self.chunk, self.slot,
+                              self.moments)
 
-    def write_unit(self, name: str, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    def write_unit(self, name: str, *moments: torch.Tensor) -> None:
         """Write whole moments (a checkpoint's) to the uncommitted slot; `commit` then makes
         them the state."""
-        def replace(start, stop, avg, avg_sq):
-            avg.copy_(exp_avg[start:stop])
-            avg_sq.copy_(exp_avg_sq[start:stop])
+        def replace(start, stop, *chunks):
+            for chunk, whole in zip(chunks, moments):
+                chunk.copy_(whole[start:stop])
         self.update_unit(name, replace)
 
 
@@ -167,18 +172,19 @@ def read_manifest(directory: str | Path) -> dict:
 
 
 def read_committed(directory: str | Path, name: str, numel: int,
-                   chunk_elements: int = CHUNK_ELEMENTS, slot: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exp_avg, exp_avg_sq) of unit `name` from the slot the manifest in `directory` names
-    (or `slot`): what a checkpoint, or a reader after a crash, takes as the state."""
+                   chunk_elements: int = CHUNK_ELEMENTS, slot: int | None = None,
+                   moments: int = 2) -> tuple[torch.Tensor, ...]:
+    """The moments ((exp_avg, exp_avg_sq), or (momentum,)) of unit `name` from the slot the
+    manifest in `directory` names (or `slot`): what a checkpoint, or a reader after a
+    crash, takes as the state."""
     if slot is None:
         slot = read_manifest(directory)["slot"]
     raw = torch.from_file(str(Path(directory) / f"{name}.slot{slot}.bin"), shared=False,
-                          size=2 * numel, dtype=torch.float32)
-    exp_avg, exp_avg_sq = torch.empty(numel), torch.empty(numel)
+                          size=moments * numel, dtype=torch.float32)
+    out = tuple(torch.empty(numel) for _ in range(moments))
     for start in range(0, numel, chunk_elements):
         stop = min(start + chunk_elements, numel)
-        n = stop - start
-        exp_avg[start:stop] = raw[2 * start:2 * start + n]
-        exp_avg_sq[start:stop] = raw[2 * start + n:2 * stop]
-    return exp_avg, exp_avg_sq
+        chunk = raw[moments * start:moments * stop].view(moments, stop - start)
+        for whole, part in zip(out, chunk):
+            whole[start:stop] = part
+    return out

@@ -13,6 +13,10 @@ The data-parallel engine (fivefold.parallel.data_parallel) hands this module the
   transfers; on a CPU-only machine "host" is a second CPU buffer.
 * the gradient streams to the host as soon as the unit's reduced gradient is final (when
   the engine waits for its last collective), and the global norm is clipped there;
+* SGD (`train.optimizer = "sgd"`): the same host master and gradient, plus, with momentum
+  (train.beta1 > 0), its fp32 momentum (4 B on the host with "cpu", 8 B on disk with
+  "nvme"), without momentum nothing more; the step is `cpu_sgd_`, torch's SGD with the L2
+  weight decay added to the gradient, bit for bit the engine's in-memory SGD.
 * the step: decoupled weight decay on the matrices, then Adam, by torch's multi-tensor
   ("foreach") AdamW kernel, which on the CPU gives bit for bit what the engine's in-memory
   torch AdamW gives, in pieces of 65,536 elements so that its passes stay in cache (1.5x
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import torch
 from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 from fivefold.config import TrainConfig
 from fivefold.memory.nvme_store import NvmeStore
@@ -96,6 +101,56 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
          weight_decay=0.0, eps=train.eps, maximize=False, decoupled_weight_decay=True)
 
 
+def state_kinds(train: TrainConfig) -> tuple[str, ...]:
+    """The fp32 per-element optimizer states the host step keeps, as torch names them:
+    AdamW's two moments, SGD's momentum buffer (none without momentum)."""
+    if train.optimizer == "sgd":
+        return ("momentum_buffer",) if train.beta1 else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def cpu_sgd_(master: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None,
+             lr: float, train: TrainConfig, decay: list[tuple[int, int]]) -> None:
+    """One SGD update in place of host tensors (a slice of a unit's shard starting at a
+    multiple of CHUNK_ELEMENTS): the matrices' L2 weight decay added to the gradient on the
+    `decay` ranges, then torch's single-tensor SGD with momentum train.beta1, bit for bit
+    what the engine's in-memory SGD computes on the CPU. The decay is its masked add over the
+    whole slice, not an add per range: the CPU kernel rounds its vector body (fused
+    multiply-add) and its scalar tail differently, and ranges would move the tails. A zero
+    momentum buffer before the first update is bit for bit torch's first step
+    (0 * beta1 + g = g)."""
+    if train.weight_decay and decay:
+        mask = torch.zeros(master.shape, dtype=torch.bool)
+        for start, stop in decay:
+            mask[start:stop] = True
+        grad.add_(torch.where(mask, master, 0.0), alpha=train.weight_decay)
+    sgd([master], [grad], [momentum], foreach=False, fused=None, grad_scale=None,
+        found_inf=None, weight_decay=0.0, momentum=train.beta1 if momentum is not None else 0.0,
+        lr=lr, dampening=0.0, nesterov=False, maximize=False)
+
+
+def cpu_step_(train: TrainConfig, master: torch.Tensor, grad: torch.Tensor,
+              states: tuple[torch.Tensor, ...], updates: int, lr: float,
+              decay: list[tuple[int, int]], fused: bool = False) -> None:
+    """The host update of `train.optimizer` over one slice, its `state_kinds` in `states`."""
+    if train.optimizer == "sgd":
+        cpu_sgd_(master, grad, states[0] if states else None, lr, train, decay)
+    else:
+        cpu_adamw_(master, grad, *states, updates, lr, train, decay, fused)
+
+
+def chunked_step_(train: TrainConfig, master: torch.Tensor, grad: torch.Tensor,
+                  states: tuple[torch.Tensor, ...], updates: int, lr: float,
+                  decay: list[tuple[int, int]], fused: bool = False) -> None:
+    """`cpu_step_` over whole host tensors, CHUNK_ELEMENTS at a time (the cpu tier's step)."""
+    numel = master.numel()
+    for start in range(0, numel, CHUNK_ELEMENTS):
+        stop = min(start + CHUNK_ELEMENTS, numel)
+        cpu_step_(train, master[start:stop], grad[start:stop],
+                  tuple(t[start:stop] for t in states), updates, lr,
+                  ranges_within(decay, start, stop), fused)
+
+
 def chunked_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, updates: int, lr: float, train: TrainConfig,
                    decay: list[tuple[int, int]], fused: bool = False) -> None:
@@ -110,10 +165,11 @@ def chunked_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
 class HostUnit:
     """One offloaded unit's host state: master, gradient buffer, decay mask and (tier cpu)
-    the moments; `target` is the device tensor the master is published to."""
+    the optimizer's per-element `states` (`state_kinds`); `target` is the device tensor the
+    master is published to."""
 
     def __init__(self, name: str, master: torch.Tensor, decay: torch.Tensor,
-                 target: torch.Tensor, tier: str):
+                 target: torch.Tensor, tier: str, kinds: int = 2):
         pin = target.device.type == "cuda"
         self.name, self.target = name, target
 
@@ -124,17 +180,16 @@ class HostUnit:
         self.master = torch.nn.Parameter(host(master.detach().float()))
         self.grad = host(torch.zeros_like(master, dtype=torch.float32))
         self.decay = decay_ranges(decay)
-        self.exp_avg = self.exp_avg_sq = None
+        self.states: tuple[torch.Tensor, ...] = ()
         if tier == "cpu":
-            self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.grad), torch.zeros_like(self.grad)
+            self.states = tuple(torch.zeros_like(self.grad) for _ in range(kinds))
 
     def host_bytes(self) -> int:
-        moments = 0 if self.exp_avg is None else self.exp_avg.nbytes + self.exp_avg_sq.nbytes
-        return self.master.nbytes + self.grad.nbytes + moments
+        return self.master.nbytes + self.grad.nbytes + sum(t.nbytes for t in self.states)
 
 
 class HostOptimizer:
-    """AdamW over the offloaded units, on the CPU, one background update per unit.
+    """AdamW (or SGD) over the offloaded units, on the CPU, one background update per unit.
 
     `submit(lr)` queues every unit's update in forward order (and, with nvme, the commit of
     the new version after them); `wait(i)` blocks until unit i's update has been published
@@ -143,11 +198,13 @@ class HostOptimizer:
     def __init__(self, units: list[HostUnit], train: TrainConfig, offload: Offload):
         self.units, self.train = units, train
         self.fused = offload.kernel == "fused"
-        self.updates = 0  # Adam updates applied so far (every unit steps together)
+        self.kinds = state_kinds(train)
+        self.updates = 0  # updates applied so far (every unit steps together)
         self.store = None
-        if offload.tier == "nvme":
+        if offload.tier == "nvme" and self.kinds:
             directory = Path(offload.path) / f"rank{offload.rank}"
-            self.store = NvmeStore(directory, [(u.name, u.master.numel()) for u in units])
+            self.store = NvmeStore(directory, [(u.name, u.master.numel()) for u in units],
+                                   moments=len(self.kinds))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-adam")
         self.futures: dict[int, Future] = {}
         self.tail: Future | None = None  # the last queued job (nvme: the commit)
@@ -172,13 +229,13 @@ class HostOptimizer:
     @torch.no_grad()
     def _update(self, unit: HostUnit, updates: int, lr: float) -> None:
         if self.store is None:
-            chunked_adamw_(unit.master.data, unit.grad, unit.exp_avg, unit.exp_avg_sq, updates,
-                           lr, self.train, unit.decay, self.fused)
+            chunked_step_(self.train, unit.master.data, unit.grad, unit.states, updates, lr,
+                          unit.decay, self.fused)
         else:
-            def chunk(start, stop, exp_avg, exp_avg_sq):
-                cpu_adamw_(unit.master.data[start:stop], unit.grad[start:stop], exp_avg,
-                           exp_avg_sq, updates, lr, self.train,
-                           ranges_within(unit.decay, start, stop), self.fused)
+            def chunk(start, stop, *states):
+                cpu_step_(self.train, unit.master.data[start:stop], unit.grad[start:stop],
+                          states, updates, lr, ranges_within(unit.decay, start, stop),
+                          self.fused)
             self.store.update_unit(unit.name, chunk)
         unit.target.copy_(unit.master.data)
 
@@ -198,18 +255,18 @@ class HostOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """Per unit, AdamW's state as torch keeps it ({step, exp_avg, exp_avg_sq}): with
-        cpu the live host tensors, with nvme the committed version read from disk, which a
-        checkpoint load fills and `after_load` writes back."""
+        """Per unit, the optimizer's state as torch keeps it (AdamW: {step, exp_avg,
+        exp_avg_sq}; SGD: {momentum_buffer} or nothing): with cpu the live host tensors, with
+        nvme the committed version read from disk, which a checkpoint load fills and
+        `after_load` writes back."""
         self.wait_all()
         out = []
         for unit in self.units:
-            if self.store is None:
-                exp_avg, exp_avg_sq = unit.exp_avg, unit.exp_avg_sq
-            else:
-                exp_avg, exp_avg_sq = self.store.read_unit(unit.name)
-            out.append({"step": torch.tensor(float(self.updates)), "exp_avg": exp_avg,
-                        "exp_avg_sq": exp_avg_sq})
+            states = unit.states if self.store is None else self.store.read_unit(unit.name)
+            state = dict(zip(self.kinds, states))
+            if self.train.optimizer != "sgd":
+                state["step"] = torch.tensor(float(self.updates))
+            out.append(state)
         self._handed_out = out
         return out
 
@@ -220,11 +277,11 @@ class HostOptimizer:
         loaded, self._handed_out = self._handed_out, []
         if not loaded:
             return
-        steps = {int(state["step"].item()) for state in loaded}
+        steps = {int(state["step"].item()) for state in loaded if "step" in state}
         if len(steps) > 1:
             raise ValueError(f"offloaded units hold different step counts {sorted(steps)}")
-        self.updates = steps.pop()
+        self.updates = steps.pop() if steps else self.updates  # SGD keeps no step count
         if self.store is not None:
             for unit, state in zip(self.units, loaded):
-                self.store.write_unit(unit.name, state["exp_avg"], state["exp_avg_sq"])
+                self.store.write_unit(unit.name, *(state[kind] for kind in self.kinds))
             self.store.commit(self.updates)

@@ -53,10 +53,10 @@ dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its un
 
 Offload (`parallel.offload`, ZeRO-Offload / ZeRO-Infinity; fivefold.memory.offload and
 fivefold.memory.nvme_store): the first units by `ParallelPlan.offloaded_units` keep their
-fp32 master, gradient buffer and Adam moments in host memory (the moments on disk with
-nvme) and are updated there on a background thread; the device keeps their compute copy
-and its gradient, and no master or optimizer state for them; the rest keep the device's
-torch AdamW. A forward pre-hook on each module waits for its units' updates and, at stages
+fp32 master, gradient buffer and Adam moments (SGD: its momentum) in host memory (the
+moments on disk with nvme) and are updated there on a background thread; the device keeps
+their compute copy and its gradient, and no master or optimizer state for them; the rest
+keep the device's torch AdamW (SGD). A forward pre-hook on each module waits for its units' updates and, at stages
 1-2, all-gathers them then, on the calling thread, instead of in `step`. Each rank offloads
 its own shards.
 
@@ -74,7 +74,7 @@ from fivefold.comm import zeropp
 from fivefold.comm.ledger import Ledger
 from fivefold.comm.quantize import BLOCK
 from fivefold.config import TrainConfig
-from fivefold.memory.offload import HostOptimizer, HostUnit, Offload
+from fivefold.memory.offload import HostOptimizer, HostUnit, Offload, state_kinds
 from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.engine_checkpoint import EngineCheckpoint
 from fivefold.parallel.flat_unit import FlatUnit, split_expert_units, split_units
@@ -163,8 +163,10 @@ class DataParallelEngine(EngineCheckpoint):
         elif train.optimizer == "muon":  # matrices split over shards or tp ranks
             self.optimizer = ShardedMuon(self.units, self.masters, muon_axes(
                 mesh, stage, shard_axes, self.unit_shard, self.is_expert), train)
-        elif train.optimizer == "sgd":  # L2 weight decay added to the gradient by `step`
-            self.optimizer = torch.optim.SGD(self.masters, lr=train.lr, momentum=train.beta1)
+        elif train.optimizer == "sgd" and self.offloaded < len(self.masters):  # L2 weight
+            # decay added to the gradient by `step`; offloaded units step on the host
+            self.optimizer = torch.optim.SGD(self.masters[self.offloaded:], lr=train.lr,
+                                             momentum=train.beta1)
         elif self.offloaded < len(self.masters):  # units kept on the device (the first
             # `offloaded` step in the host optimizer); weight decay is applied by the engine
             self.optimizer = torch.optim.AdamW(self.masters[self.offloaded:], lr=train.lr,
@@ -189,7 +191,7 @@ class DataParallelEngine(EngineCheckpoint):
             target = (unit.full if self.stage == 0 else unit.shard if self.stage == 3
                       else unit.full[unit.shard_slice])
             host_units.append(HostUnit(unit.name, self.masters[i], self.decay_masks[i],
-                                       target, offload.tier))
+                                       target, offload.tier, len(state_kinds(self.train_cfg))))
             self.masters[i] = host_units[-1].master
         modules: dict[int, tuple[nn.Module, list[int]]] = {}
         for i, module in enumerate(self.blocks[:count]):
@@ -315,8 +317,8 @@ class DataParallelEngine(EngineCheckpoint):
                      for g in unit.views(master.grad)]
             for (_, view), grad in zip(self.views, grads):
                 view.grad = grad
-        if wd and isinstance(self.optimizer, torch.optim.SGD):
-            for m, mask in zip(self.masters, self.decay_masks):
+        if wd and self.train_cfg.optimizer == "sgd":
+            for m, mask in list(zip(self.masters, self.decay_masks))[self.offloaded:]:
                 m.grad.add_(torch.where(mask, m, 0.0), alpha=wd)
         elif wd and self.train_cfg.optimizer != "muon":  # Muon decays in its own step
             factor = 1.0 - lr * wd

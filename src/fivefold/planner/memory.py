@@ -31,6 +31,10 @@ offload_fraction of the rank's) off the device. Per element of an offloaded unit
   nvme  no master, no optimizer state   master, fp32 grad (8 B)        2 moments, 2 versions
                                                                        (16 B)
 
+With SGD the optimizer state is its momentum, 4 B (none without momentum, train.beta1 = 0,
+which the plan does not know: predictions take the default momentum): host 12 B with cpu,
+8 B with nvme, and 8 B on disk (`offload_bytes`).
+
 The disk keeps two versions of the moments, the committed one and the one a step writes
 (crash consistency, fivefold.memory.nvme_store). Parameters and gradients stay on the
 device as without offload; the chunk buffers the streaming keeps in flight are bounded and
@@ -53,8 +57,16 @@ from fivefold.planner.params import (block_matrix_shapes, block_params, block_ve
                                      root_params, total_params)
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0}  # per element; GaLore: Unit
-# Bytes per offloaded shard element on (host, disk), module docstring
-OFFLOAD_BYTES = {"none": (0, 0), "cpu": (16, 0), "nvme": (8, 16)}
+
+
+def offload_bytes(tier: str, state: float) -> tuple[float, float]:
+    """Bytes per offloaded shard element on (host, disk) (module docstring), for an
+    optimizer with `state` fp32 bytes per element (AdamW 8, SGD with momentum 4): the
+    master and the gradient on the host, the state there too with "cpu", two versions of it
+    on disk with "nvme"."""
+    if tier == "none":
+        return 0, 0
+    return (8 + state, 0) if tier == "cpu" else (8, 2 * state)
 
 
 @dataclass(frozen=True)
@@ -181,7 +193,8 @@ def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
     kept = list(zip(local, units))[off:]  # the units whose step stays on the device
     master = 0 if p == 4 else sum(n for n, _ in kept) * 4
     optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in kept))
-    host, disk = (sum(local[:off]) * b for b in OFFLOAD_BYTES[lay.offload])
+    host, disk = (sum(local[:off]) * b
+                  for b in offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer]))
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer, "host": host, "disk": disk}
 

@@ -35,7 +35,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.memory import OFFLOAD_BYTES, Unit, galore_state_bytes
+from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
+                                     offload_bytes)
 from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
@@ -187,7 +188,8 @@ class FastScorer:
         count = max(1, math.ceil(lay.offload_fraction * blocks))
         work = [UnitWork(round(per_block), cost.f)] * count
         times = offload.work_offload(sm, work, device_s)
-        host_bytes = (OFFLOAD_BYTES[lay.offload][0] * lay.offload_fraction * local
+        host = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
+        host_bytes = (host * lay.offload_fraction * local
                       * offload.sharing(sm))
         return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
 
