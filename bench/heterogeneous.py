@@ -1,6 +1,6 @@
-"""Heterogeneous data parallelism on CPU ranks of unequal speed: a plan whose batch shares
-match the ranks' measured speeds against the uniform plan of the same ranks, side by side in
-one run.
+"""Heterogeneous data parallelism on CPU ranks of unequal speed: the planner's heterogeneous
+plan against the uniform plan of the same ranks, side by side in one run, each plan's
+predicted step next to its measured one.
 
 Three gloo ranks are pinned with `os.sched_setaffinity`: rank 0 alone on core 0, ranks 1 and
 2 together on core 1, so rank 0 computes about twice as fast as each of the others (on a
@@ -9,24 +9,25 @@ runs one intra-op thread. `--emulate K` instead leaves the ranks unpinned and ma
 and 2 K times slower by a sleep before each forward of (K - 1) times their measured compute
 time per sequence (a throttle that emulates a slower device and, unlike pinning, survives a
 loaded machine, whose scheduler moves other jobs off the doubly used core). Model: the
-`tiny` preset, fp32, a global batch of 12 sequences of 256 tokens, AdamW with fivefold's
-defaults, on the built-in corpus.
+`tiny` preset, fp32, a global batch of 12 sequences of 256 tokens in micro-batches of 1,
+AdamW with fivefold's defaults, on the built-in corpus.
 
-1. Speed. All ranks at once (so the shared core is shared while measuring) time
-   `--calibration` forward and backward passes of 4 sequences (a rank's part of the uniform
-   plan) on the plain model, with no collective; each rank's speed is sequences/s.
-2. Shares. The split of the 12 sequences into one positive count per rank that minimizes the
-   predicted compute time of a step, max over ranks of (rows / speed), reduced by its common
-   divisor: `parallel.dp_batch_shares` (fivefold.batch_shares). This is computed here from
-   the measured speeds, not by the planner's heterogeneous search (which prices ranks from
-   `fivefold calibrate` profiles); the predicted step of each plan is printed next to the
-   measured one.
-3. Timing. Two Trainers live on the same ranks: `uniform` (4 + 4 + 4 sequences) and
-   `matched` (the shares above), each one micro-batch per rank per step. After `--warmup`
+1. Profiles and plan (bench/het_plan.py). The ranks are two cluster groups, `fast` (rank 0)
+   and `slow` (ranks 1 and 2), each with a CPU profile from `fivefold calibrate`'s code
+   calibrated for its situation (pinned: on its own cores with its own number of ranks;
+   emulated: one 3-rank calibration, the slow group's rates divided by K). The planner's
+   heterogeneous simulate (fivefold.planner.hetero_simulate) gives the heterogeneous plan's
+   `parallel.dp_batch_shares` and its predicted step, and the predicted step of the uniform
+   plan (4 + 4 + 4 sequences). Nothing is fitted to this run's timings.
+2. Speed. All ranks at once time `--calibration` forward and backward passes of 4 sequences
+   on the plain model (with --emulate this also sets the throttle); reported only, the
+   shares come from the planner.
+3. Timing. Two Trainers live on the same ranks: `uniform` and `planned`. After `--warmup`
    untimed steps each, `--rounds` rounds of timed steps alternate between them (the order
    swapped each round), each timed stretch between barriers, so the machine's noise hits
-   both alike. Reported: median tokens/s over the rounds per plan (and the best round), each
-   round's seconds per step, and the ratio of the medians.
+   both alike. Reported: median seconds per step and tokens/s over the rounds per plan
+   (and the best round), each round's seconds, the predicted step and its error, the load
+   average, and the ratio of the medians.
 
 The shared development machine has 2 cores and other jobs run on it, so absolute figures
 move from run to run; the ratio between plans measured in the same rounds is the result.
@@ -40,14 +41,13 @@ move from run to run; the ratio between plans measured in the same rounds is the
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import statistics
 import sys
 import time
 
 from harness import TrainerSide, add_timing_args, machine_info, split_rounds, write_json
+from het_plan import calibrate_groups, planned
 
 WORLD = 3
 GLOBAL_BATCH = 12
@@ -64,27 +64,12 @@ def pin(rank: int) -> list[int] | None:
     return sorted(os.sched_getaffinity(0))
 
 
-def best_rows(speeds: list[float], global_batch: int) -> list[int]:
-    """The split of `global_batch` sequences into one positive count per rank with the least
-    predicted compute time max(rows / speed), ties to the more even split."""
-    best, best_key = None, None
-    for cuts in itertools.combinations(range(1, global_batch), len(speeds) - 1):
-        rows = [b - a for a, b in zip((0, *cuts), (*cuts, global_batch))]
-        key = (max(r / s for r, s in zip(rows, speeds)), max(rows) - min(rows))
-        if best_key is None or key < best_key:
-            best, best_key = rows, key
-    return best
-
-
-def shares_of(rows: list[int]) -> list[int]:
-    g = math.gcd(*rows)
-    return [r // g for r in rows]
-
-
 def bench_config(shares: list[int] | None):
+    """The run (module docstring); `shares`: parallel.dp_batch_shares, None for uniform."""
     from fivefold.config import load_config
 
     sets = [f"model.preset={PRESET}", f"parallel.global_batch={GLOBAL_BATCH}",
+            "parallel.micro_batch=1",
             "parallel.precision=fp32", "train.tensorboard=false", "train.sample_tokens=0"]
     if shares:
         sets.append(f"parallel.dp_batch_shares={shares}")
@@ -128,8 +113,8 @@ def measure_speed(passes: int, slowdown: float) -> tuple[float, float]:
 
 
 def rank_main(_, args: dict) -> dict:
-    """One rank: pin (or throttle), measure, agree on the shares, then time both plans round
-    by round."""
+    """One rank: pin (or throttle), measure its speed, then time both plans (their rows
+    from the planner, in `args`) round by round."""
     import torch
     import torch.distributed as dist
 
@@ -142,10 +127,9 @@ def rank_main(_, args: dict) -> dict:
     speeds = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
     dist.all_gather(speeds, speed)
     speeds = [float(s) for s in speeds]
-    rows = {"uniform": [GLOBAL_BATCH // WORLD] * WORLD, "matched": best_rows(speeds, GLOBAL_BATCH)}
     total = args["warmup"] + args["steps"]
-    sides = {name: TrainerSide(bench_config(shares_of(r) if name == "matched" else None),
-                               total, rank, WORLD) for name, r in rows.items()}
+    sides = {name: TrainerSide(bench_config(rows if name != "uniform" else None),
+                               total, rank, WORLD) for name, rows in args["rows"].items()}
     for side in sides.values():
         if per_row:
             throttle(side.trainer.model, per_row)
@@ -158,29 +142,30 @@ def rank_main(_, args: dict) -> dict:
             sides[name].run(n)
             dist.barrier()
             seconds[name].append((time.perf_counter() - start) / n)
-    return {"cores": cores, "speed_seq_per_s": speeds[rank], "rows": rows,
-            "seconds_per_step": seconds}
+    return {"cores": cores, "speed_seq_per_s": speeds[rank], "seconds_per_step": seconds}
 
 
-def report(results: list[dict], args: dict) -> dict:
+def report(results: list[dict], args: dict, plan: dict, groups: list[dict]) -> dict:
     first = results[0]
     speeds = [r["speed_seq_per_s"] for r in results]
     tokens = GLOBAL_BATCH * bench_config(None).model.seq_len
     plans = {}
-    for name, rows in first["rows"].items():
-        step_s = statistics.median(first["seconds_per_step"][name])
-        plans[name] = {"rows": rows, "shares": shares_of(rows),
-                       "predicted_compute_s": max(r / s for r, s in zip(rows, speeds)),
-                       "step_s": step_s, "tokens_per_s": tokens / step_s,
-                       "best_tokens_per_s": tokens / min(first["seconds_per_step"][name]),
-                       "rounds_s": first["seconds_per_step"][name]}
-    u, m = plans["uniform"], plans["matched"]
+    for name, p in plan.items():
+        rounds = first["seconds_per_step"][name]
+        step_s = statistics.median(rounds)
+        plans[name] = {"rows": p["rows"], "predicted_step_s": p["predicted_step_s"],
+                       "predicted_error": p["predicted_step_s"] / step_s - 1,
+                       "planner_groups": p["groups"], "step_s": step_s,
+                       "tokens_per_s": tokens / step_s, "best_tokens_per_s": tokens / min(rounds),
+                       "rounds_s": rounds}
+    u, m = plans["uniform"], plans["planned"]
+    run_args = {k: v for k, v in args.items() if k != "rows"}
     return {"machine": machine_info(pinned={r: res["cores"] for r, res in enumerate(results)}),
             "config": {"preset": PRESET, "global_batch": GLOBAL_BATCH, "world": WORLD,
-                       **args},
-            "speed_seq_per_s": speeds, "plans": plans,
+                       "micro_batch": 1, **run_args},
+            "groups": groups, "speed_seq_per_s": speeds, "plans": plans,
             "ratio": {"tokens_per_s": m["tokens_per_s"] / u["tokens_per_s"],
-                      "predicted": u["predicted_compute_s"] / m["predicted_compute_s"]}}
+                      "predicted": u["predicted_step_s"] / m["predicted_step_s"]}}
 
 
 def main() -> None:
@@ -191,6 +176,8 @@ def main() -> None:
     ap.add_argument("--emulate", type=float, default=0.0, metavar="K",
                     help="instead of pinning, make ranks 1 and 2 K times slower by sleeping "
                          "before each forward (K - 1 times their measured compute time)")
+    ap.add_argument("--profiles", metavar="DIR",
+                    help="write the groups' calibrated profiles here (default: a temp folder)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up, 1 round of 1 step")
     a = ap.parse_args()
     if a.quick:
@@ -202,7 +189,10 @@ def main() -> None:
 
     prepare_data(bench_config(None), log=lambda text: print(text, file=sys.stderr))
     load_at_start = os.getloadavg()
-    res = report(run_local(rank_main, WORLD, args, timeout_s=3600), args)
+    groups = calibrate_groups(a.emulate, a.profiles)
+    plan = planned(groups, GLOBAL_BATCH, PRESET, WORLD)
+    args["rows"] = {name: p["rows"] for name, p in plan.items()}
+    res = report(run_local(rank_main, WORLD, args, timeout_s=3600), args, plan, groups)
     res["machine"]["load_average_at_start"] = load_at_start
     pinned = res["machine"]["pinned"]
     print(f"ranks pinned to cores {pinned}" if pinned[0] else
@@ -210,14 +200,17 @@ def main() -> None:
           "ranks not pinned (< 2 cores)")
     print(f"load average (1, 5, 15 min) at start {load_at_start}, at the end "
           f"{res['machine']['load_average']}")
-    print("speed (sequences/s, fwd+bwd): " + ", ".join(f"{s:.2f}" for s in res["speed_seq_per_s"]))
+    for g in res["groups"]:
+        print(f"group {g['name']} ({g['gpus']} rank(s)): {g['how']} -> {g['profile']}")
+    print("speed (sequences/s, fwd+bwd, reported only): "
+          + ", ".join(f"{s:.2f}" for s in res["speed_seq_per_s"]))
     for name, p in res["plans"].items():
-        print(f"{name:8s} rows {p['rows']} shares {p['shares']}: {p['tokens_per_s']:6.0f} "
-              f"tokens/s (best round {p['best_tokens_per_s']:.0f}), step {p['step_s']:.2f} s "
-              f"(predicted compute {p['predicted_compute_s']:.2f} s); rounds "
+        print(f"{name:8s} rows {p['rows']}: {p['tokens_per_s']:6.0f} tokens/s (best round "
+              f"{p['best_tokens_per_s']:.0f}), step {p['step_s']:.2f} s, planner predicted "
+              f"{p['predicted_step_s']:.2f} s ({p['predicted_error']:+.0%}); rounds "
               + " ".join(f"{t:.2f}" for t in p["rounds_s"]))
-    print(f"matched / uniform tokens/s: {res['ratio']['tokens_per_s']:.2f} "
-          f"(predicted from the speeds: {res['ratio']['predicted']:.2f})")
+    print(f"planned / uniform tokens/s: {res['ratio']['tokens_per_s']:.2f} "
+          f"(predicted by the planner: {res['ratio']['predicted']:.2f})")
     write_json(a.json, res)
 
 

@@ -314,8 +314,8 @@ def _collective_worker(rt, sizes: list[int], repeat: int) -> dict[str, list[floa
 
     out = {"all_reduce": [timed(lambda x=torch.ones(b // 4): dist.all_reduce(x))
                           for b in sizes]}
-    whole, part, other = (torch.ones(sizes[-1] // 4), torch.empty(sizes[-1] // 4 // n),
-                          torch.empty(sizes[-1] // 4))
+    part = torch.empty(sizes[-1] // 4 // n)  # whole: n parts (gloo checks; any rank count)
+    whole, other = torch.ones(part.numel() * n), torch.empty(part.numel() * n)
     out["reduce_scatter"] = [timed(lambda: _reduce_scatter_flat(part, whole))]
     out["all_gather"] = [timed(lambda: _all_gather_flat(other, part))]
     out["all_to_all"] = [timed(lambda: dist.all_to_all_single(other, whole))]

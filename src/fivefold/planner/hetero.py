@@ -129,7 +129,7 @@ class GroupScorer:
         m = lay.micro_batches
         if per_replica % lay.micro_batch or lay.vpp > 1 and m > lay.pp and m % lay.pp:
             return math.inf
-        step, peak = self.fast.score(lay)
+        step, peak, _ = self.fast.score(lay)
         return step if peak <= self.prof.memory_bytes else math.inf
 
     def exact(self, shape: ParallelPlan, per_replica: int) -> Estimate | None:
