@@ -55,7 +55,6 @@ REFUSED = [
     (1, ["parallel.offload=cpu", "parallel.precision=fp16"]),
     (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "parallel.precision=fp16"]),
     (1, ["parallel.precision=fp8", "train.optimizer=lomo"]),
-    (1, ["parallel.precision=fp8", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     (2, ["parallel.precision=fp8", "parallel.cp=2"]),
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=terapipe",

@@ -96,7 +96,8 @@ class ExpertDispatcher:
         order = expert_major(by_source)
         local_counts = [sum(row[e] for row in by_source) for e in range(L)]
         m = self.moe
-        y = expert_swiglu(x_recv[order], local_counts, m.w1, m.w3, m.w2, m.matmul)
+        y = expert_swiglu(x_recv[order], local_counts, m.w1, m.w3, m.w2, m.matmul,
+                          m.expert_mm)
         y_recv = torch.empty_like(y).index_copy_(0, order, y) if len(order) else y
         return AllToAll.apply(y_recv, recv, send, self.axis, "moe_combine")
 
