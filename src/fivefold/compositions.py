@@ -134,9 +134,6 @@ REFUSALS: list[Refusal] = [
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
             "with precision 'fp8'"),
-    Refusal("fp8", ("moe",), "parallel.precision",
-            "fp8 covers the dense blocks' linears; the experts' grouped GEMMs and the router "
-            "are not fp8 yet; use 'bf16' (GPU) or 'fp32' with model.moe"),
     Refusal("fp8", ("sequence_parallel",), "parallel.sequence_parallel",
             "sequence parallelism's re-gathered linear inputs are not fp8 linears yet; turn it "
             "off with precision 'fp8'"),

@@ -11,6 +11,10 @@ expert that receives no token still runs, on zero rows). Three ways compute the 
             (torch.bmm) per weight: the portable form, at the cost of the padding.
   loop      one F.linear per expert: the reference.
 
+`mm` replaces the grouped or padded product with another of the same signature
+(x_MD, w_XFD, counts) -> y: the seam through which fp8 training runs the experts' GEMMs
+(fivefold.parallel.fp8.experts), so this module stays free of precision machinery.
+
 Tensor names: M token-assignments sorted by expert, D model width, F expert width, X experts.
 """
 
@@ -69,7 +73,7 @@ def padded_mm(x_MD: torch.Tensor, w_XFD: torch.Tensor, counts: list[int]) -> tor
 
 
 def expert_swiglu(x_MD: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
-                  w2: torch.Tensor, how: str = "grouped") -> torch.Tensor:
+                  w2: torch.Tensor, how: str = "grouped", mm=None) -> torch.Tensor:
     """w2_e(silu(w1_e x) * w3_e x) for the rows of each expert e, in the rows' order."""
     if how == "loop":
         outs = [F.linear(F.silu(F.linear(h, w1[e])) * F.linear(h, w3[e]), w2[e])
@@ -78,7 +82,9 @@ def expert_swiglu(x_MD: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: t
     dtype = torch.promote_types(x_MD.dtype, w1.dtype) if not torch.is_autocast_enabled(x_MD.device.type) \
         else torch.get_autocast_dtype(x_MD.device.type)
     x_MD, w1, w3, w2 = (t.to(dtype) for t in (x_MD, w1, w3, w2))
-    if grouped_mm_runs(x_MD.device.type, dtype):
+    if mm is not None:
+        mm = functools.partial(mm, counts=counts)
+    elif grouped_mm_runs(x_MD.device.type, dtype):
         offsets = torch.tensor(counts, device=x_MD.device).cumsum(0).to(torch.int32)
         mm = functools.partial(grouped_mm, offsets_X=offsets)
     else:

@@ -37,7 +37,9 @@ backpropagates its own layers' terms.
 The experts (stacked per matrix, (X, out, in): expert parallelism splits dim 0) run on the
 tokens sorted by expert through `expert_compute(x_sorted, counts)`, a seam: by default
 fivefold.models.expert_matmul on this module's experts; expert parallelism
-(fivefold.parallel.expert) installs its all-to-all dispatcher there. Per-step load statistics
+(fivefold.parallel.expert) installs its all-to-all dispatcher there. `expert_mm`, a second
+seam, is the grouped product itself (None: expert_matmul's own; fp8 training installs its
+fp8 GEMMs there, fivefold.parallel.fp8.experts). Per-step load statistics
 accumulate in `load` (assignments per expert, before dropping), `dropped` and `aux_sum`;
 the trainer reads and resets them. This module knows nothing about ranks.
 
@@ -101,6 +103,7 @@ class MoE(nn.Module):
         self.balance_bias = moe.bias_update_rate > 0
         self.register_buffer("expert_bias", torch.zeros(experts), persistent=self.balance_bias)
         self.expert_compute = self.local_experts  # a seam (module docstring)
+        self.expert_mm = None  # a seam (module docstring)
         self.balance_counts = lambda counts_X: counts_X  # a seam (module docstring)
         self.aux_grad_scale = 1.0
         self.reset_stats()
@@ -111,7 +114,8 @@ class MoE(nn.Module):
         self.aux_sum = 0.0
 
     def local_experts(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return expert_swiglu(x_MD, counts, self.w1, self.w3, self.w2, self.matmul)
+        return expert_swiglu(x_MD, counts, self.w1, self.w3, self.w2, self.matmul,
+                             self.expert_mm)
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (N, X) fp32, gates (N, K) fp32, expert ids (N, K))."""

@@ -46,7 +46,7 @@ def etp_swiglu(moe: MoE, x_MD: torch.Tensor, counts: list[int], axis: Axis) -> t
     """The local experts' outputs for rows `x_MD` sorted by local expert (`counts` each),
     computed with this rank's slices over the etp `axis` (module docstring's four steps)."""
     if axis.size == 1:
-        return expert_swiglu(x_MD, counts, moe.w1, moe.w3, moe.w2, moe.matmul)
+        return expert_swiglu(x_MD, counts, moe.w1, moe.w3, moe.w2, moe.matmul, moe.expert_mm)
     etp, L, n = axis.size, len(counts), x_MD.shape[0]
     mine = torch.tensor(counts, dtype=torch.int64)
     every = torch.empty(etp * L, dtype=torch.int64)
@@ -56,7 +56,8 @@ def etp_swiglu(moe: MoE, x_MD: torch.Tensor, counts: list[int], axis: Axis) -> t
     x_all = AllToAll.apply(x_MD.repeat(etp, 1), [n] * etp, rows, axis, "moe_etp_gather")
     order = expert_major(by_rank)
     local_counts = [sum(row[e] for row in by_rank) for e in range(L)]
-    y = expert_swiglu(x_all[order], local_counts, moe.w1, moe.w3, moe.w2, moe.matmul)
+    y = expert_swiglu(x_all[order], local_counts, moe.w1, moe.w3, moe.w2, moe.matmul,
+                      moe.expert_mm)
     y_all = torch.empty_like(y).index_copy_(0, order, y) if len(order) else y
     partial = AllToAll.apply(y_all, rows, [n] * etp, axis, "moe_etp_scatter")
     return partial.view(etp, n, x_MD.shape[1]).sum(0)

@@ -20,7 +20,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      shared experts' gradients),
   5. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
      and MLP linear, plain or tensor-parallel, becomes an `Fp8Linear` of the plan's recipe,
-     emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says),
+     emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says); MoE
+     layers' experts and shared experts in fp8 too, their routers not (fp8.experts),
   6. activation recomputation (`plan.recompute = "full"` or `"selective"`,
      fivefold.memory.recompute),
   7. torch.compile of each block (`compile_blocks`, the train.compile switch).
@@ -41,6 +42,7 @@ from fivefold.memory.recompute import apply_full_recompute, apply_selective_reco
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
 from fivefold.parallel.expert import apply_expert_parallel
+from fivefold.parallel.fp8.experts import apply_fp8_to_experts
 from fivefold.parallel.fp8.linear import apply_fp8, has_fp8_units
 from fivefold.parallel.fp8.recipe import Fp8Recipe
 from fivefold.parallel.mesh import Mesh
@@ -90,7 +92,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
     if plan.precision == "fp8":
         emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
                    else not has_fp8_units(mesh.device_type))
-        apply_fp8(model, Fp8Recipe(plan.fp8_recipe, plan.fp8_tensors, emulate), tp_axis)
+        recipe = Fp8Recipe(plan.fp8_recipe, plan.fp8_tensors, emulate)
+        apply_fp8(model, recipe, tp_axis)
+        apply_fp8_to_experts(model, recipe)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     elif plan.recompute == "selective":

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fivefold.comm.collectives import Axis
+from fivefold.models.moe import MoE
 from fivefold.parallel.fp8.formats import FORMATS
 from fivefold.parallel.fp8.recipe import Fp8Recipe
 from fivefold.parallel.fp8.scaling import agreed_amax, quantize, scale_of
@@ -165,10 +166,13 @@ def has_fp8_units(device_type: str) -> bool:
 
 def apply_fp8(model: nn.Module, recipe: Fp8Recipe, tp_axis: Axis) -> nn.Module:
     """Replace the attention and MLP linears of `model`'s blocks (a whole Transformer or a
-    pipeline stage, split over `tp_axis` or not) by `Fp8Linear`s, in place; returns it."""
+    pipeline stage, split over `tp_axis` or not) by `Fp8Linear`s, in place; returns it.
+    MoE layers are left to `fivefold.parallel.fp8.experts.apply_fp8_to_experts`."""
     for i, block in model.layers.named_children():
         for region_name in ("attention", "mlp"):
             region = getattr(block, region_name)
+            if isinstance(region, MoE):  # fivefold.parallel.fp8.experts
+                continue
             for child_name, child in list(region.named_children()):
                 assert isinstance(child, (nn.Linear, ColumnParallelLinear)), (
                     f"layers.{i}.{region_name}.{child_name} is a {type(child).__name__}")
