@@ -53,7 +53,7 @@ def _runs(rt, layouts, tmp):
         losses = [trainer.train_step(s).loss for s in range(STEPS)]
         params = full_parameters(trainer)
         if trainer.expert_axes:
-            params = gather_experts(params, trainer.expert_axes[0])
+            params = gather_experts(params, trainer.expert_axes)
         out.append((losses, params))
     return out
 

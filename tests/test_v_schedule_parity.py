@@ -71,7 +71,7 @@ def _train(rt, sets: list[str], run_dir: str) -> dict:
            "wire": ledger.totals("wire_bytes"), "state": ledger.model_state_bytes}
     params = full_parameters(trainer)
     if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes[0])
+        params = gather_experts(params, trainer.expert_axes)
     return {**out, "params": params}
 
 

@@ -54,7 +54,7 @@ def _train(rt: Runtime, sets: list[str]) -> dict:
     losses += [trainer.train_step(s).loss for s in range(1, STEPS)]
     params = full_parameters(trainer)
     if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes[0])
+        params = gather_experts(params, trainer.expert_axes)
     return {"losses": losses, "params": params, "ledger": ledger}
 
 

@@ -193,8 +193,9 @@ def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
     kept = list(zip(local, units))[off:]  # the units whose step stays on the device
     master = 0 if p == 4 else sum(n for n, _ in kept) * 4
     optimizer = round(sum(n * u.state_bytes(lay.optimizer) for n, u in kept))
-    host, disk = (sum(local[:off]) * b
-                  for b in offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer]))
+    host, disk = ((sum(local[:off]) * b
+                   for b in offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer]))
+                  if off else (0, 0))  # offload: AdamW's and SGD's states only
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer,
             "total": params + grads + master + optimizer, "host": host, "disk": disk}
 

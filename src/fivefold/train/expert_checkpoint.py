@@ -37,6 +37,7 @@ from fivefold.comm.collectives import Axis
 from fivefold.models.hf import CheckpointError
 from fivefold.parallel.expert import apply_expert_parallel, is_expert_param
 from fivefold.parallel.flat_unit import split_expert_units, split_units
+from fivefold.parallel.mesh import ExpertAxes
 from fivefold.train.moe_stats import moe_layers
 
 EXPERT_UNIT = re.compile(r"\.experts(\d+)of(\d+)\.shard")
@@ -66,7 +67,8 @@ def rank_units(model: nn.Module, ep: int, ep_rank: int) -> list[tuple[str, list]
     the same ones)."""
     if ep == 1:
         return [(name, params) for name, params, _ in split_units(model)]
-    apply_expert_parallel(model, Axis("ep", None, ep, ep_rank, None))  # shapes only
+    one = [Axis(name, None, 1, 0, None) for name in ("edp", "etp")]
+    apply_expert_parallel(model, ExpertAxes(Axis("ep", None, ep, ep_rank, None), *one))  # shapes
     return [(name, params) for name, params, _, expert
             in split_expert_units(split_units(model), f"{ep_rank}of{ep}")
             if expert or ep_rank == 0]
