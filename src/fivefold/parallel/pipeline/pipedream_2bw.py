@@ -119,7 +119,7 @@ class PipeDream2BWEngine(PipelineEngine):
         self.lr = lr
         inputs, _ = self._batch(step)
         self.mb_rows, self.bounds = inputs.shape[0] // self.m, [(0, inputs.shape[1])]
-        self._run_items(self.segments[step], self.schedule, set())  # timeline: whole run
+        self._run_items(self.segments[step], self.schedule, (), set())  # timeline: whole run
         self.sends = [work for work in self.sends if not work.is_completed()]
         if step == self.steps - 1:
             for work in self.sends:
