@@ -52,6 +52,7 @@ def test_recompute_bench_quick_writes_consistent_json(tmp_path):
             res[mode]["s_per_step"] / res["none"]["s_per_step"], rel=1e-12)
 
 
+@pytest.mark.slow  # about 90 s on 2 cores: the bench's smoke run, not a correctness check
 def test_context_parallel_bench_quick_writes_consistent_json(tmp_path):
     """bench/context_parallel.py: per-rank saved bytes fall with cp and stay within 5% of the
     planner's count; each speed row's ratio is its rate over dp 4's (no timing checks)."""

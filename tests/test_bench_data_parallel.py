@@ -14,6 +14,9 @@ import pytest
 from fivefold.config import load_config
 from fivefold.models.llama import Transformer
 
+# the bench's quick run on two ranks (about a minute on 2 cores): a smoke check of the bench
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "data_parallel.py"
 SIDES = ["fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3", "torch-ddp", "torch-fsdp2"]
