@@ -1,21 +1,18 @@
 """The ledger of one training step, predicted from the configuration alone.
 
-`predict_ledger(cfg, plan, rank=r)` returns a `Ledger` (fivefold.comm.ledger) filled
-with the collectives global rank r will issue in one `Trainer.train_step` under that
-`ParallelPlan` (the one the trainer runs) and the model-state bytes it will hold, so
-`predicted.totals()` can be compared with `trainer.ledger.totals()` key by key. It follows the data-parallel engine
-(fivefold.parallel.data_parallel) step by step, per flat unit of the rank's pipeline stage
-(root first when the stage has one, then one per block; fivefold.planner.memory pads them as
-the runtime does):
+`predict_ledger(cfg, plan, rank=r)` returns a `Ledger` (fivefold.comm.ledger) with the
+collectives global rank r issues in one `Trainer.train_step` under that `ParallelPlan` and
+the model-state bytes it holds, to compare with `trainer.ledger.totals()` key by key. It
+follows the data-parallel engine step by step, per flat unit of the rank's pipeline stage
+(root first, then one per block, padded as the runtime pads them, fivefold.planner.memory):
 
   stage 0   last micro-batch: all-reduce each unit's gradient buffer over all dp ranks
   stage 1   last micro-batch: reduce-scatter each buffer over dp_shard; after the step,
             all-gather each unit's parameters
   stage 2   every micro-batch: reduce-scatter each unit's gradient; all-gather after the step
   stage 3   every micro-batch: all-gather the root once and each block twice (forward and
-            backward), reduce-scatter each unit's gradient; with pp > 1 the root is gathered
-            once per step and the blocks as the schedule's passes find them freed
-            (fivefold.planner.ledger_pipeline.zero3_block_gathers)
+            backward), reduce-scatter each unit's gradient; with pp > 1 the root once per
+            step, the blocks as the passes find them freed (ledger_pipeline.zero3_block_gathers)
   stage>=1  hierarchical sharding (zero_group < dp): all-reduce each gradient shard over
             dp_replicate after the last micro-batch; a 4-byte fp32 all-reduce of the squared
             gradient norm over dp_shard
@@ -33,14 +30,15 @@ the runtime does):
             rank, (B, T/t, D) with sequence parallelism; the lent tied head is the tp rank's
             vocabulary rows; a zero-bubble W pass issues no collective (the executor records
             the final norm's output before Megatron's f, so f's all-reduce runs once, in I)
-
   cp > 1    per micro-batch and block, the attention's exchanges on the cp axis
             (fivefold.parallel.context; `_Step.context_parallel`); gradients are synced, and
             ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size
             zero_group * cp) and the all-reduces over every data rank on
             "dp_replicate+dp_shard+cp"
   Muon      under ZeRO or tp, per unit with a matrix an fp32 all-gather and reduce-scatter
-            over its Muon axis, and the exact optimizer state (fivefold.planner.muon_cost)
+            over its Muon axis, and the exact optimizer state (fivefold.planner.muon_cost);
+            GaLore on the engine (tp, pp or ZeRO-3) its gradient all-gathers, tp projections
+            and refreshes (`galore_refresh`; fivefold.planner.ledger_galore) and its state
   MoE       after the step, one float64 all-reduce over every rank of the stage that routes
             other tokens of the stage's MoE layers' load statistics (experts + 2 numbers
             each: fivefold.train.moe_stats). On the experts' grid (ep, etp or tp > 1;
@@ -55,10 +53,6 @@ the runtime does):
             `token_split_records` adds the balancing counts' all-reduce, over tp the router's
             and shared experts' gradient all-reduces and, without sequence parallelism, the
             all-gathers of the layer's output and input gradient
-
-GaLore on the engine (tp, pp or ZeRO-3; fivefold.memory.galore_units) adds its gradient
-all-gathers and tp projections, and refreshes with `galore_refresh`
-(fivefold.planner.ledger_galore), and holds its own optimizer bytes.
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each

@@ -31,16 +31,12 @@ PipeDream-2BW run restarts its schedule at the checkpoint's step and continues e
 uninterrupted run. The closing text sample is skipped with pp > 1.
 
 A step whose loss or gradient norm is not finite is skipped or stops the run
-(`train.on_nonfinite`, fivefold.train.nonfinite): `_keep_update` decides, once per step, for
-every update rule; skipped steps are counted in the metrics (`skipped_steps`) and the
-checkpoint.
+(`train.on_nonfinite`, fivefold.train.nonfinite; `_keep_update` decides once per step), and
+skipped steps are counted in the metrics and the checkpoint (`skipped_steps`).
 
-On the experts' grid (ep, etp or tp > 1 with an MoE model; fivefold.expert_grid) every
-MoE layer keeps its share of the experts (fivefold.parallel.expert) and the engine reduces
-their units over the expert-data-parallel ranks; the gradient norm then sums over all of a
-stage's ranks, each element counted on one of them (`grid_counted_masks`). Every
-collective's ledger entry also lands in the flight recorder
-(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
+On the experts' grid (ep, etp or tp > 1 with an MoE model; fivefold.expert_grid) each MoE
+layer keeps its share of the experts and the engine reduces their units over the
+expert-data ranks; the gradient norm sums over every rank of the stage (`grid_counted_masks`).
 
 Checkpoints are saved every `train.checkpoint_every` steps, at the end and, with
 `train.checkpoint_minutes`, when rank 0's clock says so (fivefold.train.save_schedule), and
