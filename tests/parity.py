@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -94,3 +95,35 @@ def _amd_cpu() -> bool:
 AMD_KNOWN_DIFFERENCE = pytest.mark.xfail(
     _amd_cpu(), reason="known numerical difference on AMD EPYC CPUs, not investigated yet",
     strict=False)
+
+
+def assert_state_equal(got: tuple, want: tuple, label: str) -> None:
+    """The same weights and optimizer states (read_training_state), bit for bit."""
+    (weights, states), (want_weights, want_states) = got, want
+    assert weights.keys() == want_weights.keys() and states.keys() == want_states.keys(), label
+    for name, tensor in want_weights.items():
+        assert torch.equal(weights[name], tensor), (label, name)
+    for name, state in want_states.items():
+        assert state.keys() == states[name].keys(), (label, name)
+        for kind, tensor in state.items():
+            assert torch.equal(states[name][kind], tensor), (label, name, kind)
+
+
+def assert_ledgers_predicted(predicted: list, recorded: list, routed: tuple, label: str) -> None:
+    """Each rank's predicted ledger (fivefold.planner.ledger_model.predict_ledger) against
+    its recorded (bytes totals, wire-bytes totals, model-state bytes): every collective
+    exact, except the `routed` purposes (sized by the routing the step did), which are
+    exact summed over the ranks."""
+    routed_want, routed_have = Counter(), Counter()
+    for rank, (ledger, (nbytes, wire, state)) in enumerate(zip(predicted, recorded)):
+        for key, have in (("bytes", nbytes), ("wire_bytes", wire)):
+            want = ledger.totals(key)
+            assert want.keys() == have.keys(), (label, rank, key)
+            for k, count in want.items():
+                if k[2] in routed:
+                    routed_want[key, k] += count
+                    routed_have[key, k] += have[k]
+                else:
+                    assert have[k] == count, (label, rank, k)
+        assert ledger.model_state_bytes == state, (label, rank)
+    assert routed_want == routed_have, label

@@ -41,7 +41,7 @@ from fivefold.train.checkpoint import check_layout, layout_record, step_dir
 from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
 from fivefold.train.trainer import Trainer
 
-from parity import CPU
+from parity import CPU, assert_state_equal
 
 STEPS, SAVE_AT = 4, 3  # at step 3 the routing biases are not zero (at 2 they happen to be)
 LOSS_REL = 2e-5  # module docstring
@@ -106,17 +106,6 @@ def one_process(moe_sets, tmp_path_factory):
         out[old] = [trainer.train_step(s).loss for s in range(STEPS)]
     return out
 
-
-def assert_state_equal(got: tuple, want: tuple, label: str) -> None:
-    """The same weights and optimizer states (read_training_state), bit for bit."""
-    (weights, states), (want_weights, want_states) = got, want
-    assert weights.keys() == want_weights.keys() and states.keys() == want_states.keys(), label
-    for name, tensor in want_weights.items():
-        assert torch.equal(weights[name], tensor), (label, name)
-    for name, state in want_states.items():
-        assert state.keys() == states[name].keys(), (label, name)
-        for kind, tensor in state.items():
-            assert torch.equal(states[name][kind], tensor), (label, name, kind)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from fivefold.train.checkpoint_export import read_training_state
 from fivefold.train.data import prepare_data
 from fivefold.train.trainer import Trainer
 
-from parity import CPU
+from parity import CPU, assert_state_equal
 
 STEPS, SAVE_AT = 4, 2
 ZERO1 = ["parallel.zero_stage=1"]
@@ -116,17 +116,6 @@ def one_process(base, tmp_path_factory):
     return losses
 
 
-def _assert_state_equal(got: tuple, want: tuple, label: str) -> None:
-    """The same weights and optimizer states (read_training_state), bit for bit."""
-    (weights, states), (want_weights, want_states) = got, want
-    assert weights.keys() == want_weights.keys() and states.keys() == want_states.keys(), label
-    for name, tensor in want_weights.items():
-        assert torch.equal(weights[name], tensor), (label, name)
-    for name, state in want_states.items():
-        assert state.keys() == states[name].keys(), (label, name)
-        for kind, tensor in state.items():
-            assert torch.equal(states[name][kind], tensor), (label, name, kind)
-
 
 def test_resharded_state_is_the_saved_state_exactly(resharded, base):
     """After resharding, the new layout's weights and optimizer state (AdamW's moments and
@@ -138,7 +127,7 @@ def test_resharded_state_is_the_saved_state_exactly(resharded, base):
         cfg = load_config(None, base + common).model
         old = read_training_state(step_dir(tmp / str(k) / "run", SAVE_AT), cfg)
         loaded = read_training_state(step_dir(tmp / str(k) / "loaded", SAVE_AT), cfg)
-        _assert_state_equal(loaded, old, label)
+        assert_state_equal(loaded, old, label)
         states = old[1]
         assert {float(s["step"]) for s in states.values() if "step" in s} == {SAVE_AT}, label
         kinds = {kind for s in states.values() for kind in s}
@@ -180,7 +169,7 @@ def test_a_parallel_checkpoint_resumes_in_one_process(resharded, base, one_proce
     names = {id(q): n for n, q in trainer.model.named_parameters()}
     got = ({n: q.detach() for n, q in trainer.model.named_parameters()},
            {names[id(q)]: state for q, state in trainer.optimizer.state.items()})
-    _assert_state_equal(got, want, "one process")
+    assert_state_equal(got, want, "one process")
     losses = [trainer.train_step(s).loss for s in range(SAVE_AT, STEPS)]
     assert losses == pytest.approx(one_process[tuple(TIED)][SAVE_AT:], rel=LOSS_REL)
 
@@ -249,5 +238,5 @@ def test_a_rank_reads_only_the_units_it_needs(resharded, base, monkeypatch):
     assert loaded and all(".layers.0.shard" in key for key in loaded), loaded
     assert {key.split(".")[0] for key in loaded} == {"master", "exp_avg", "exp_avg_sq", "step"}
     assert weights.keys() == states.keys() == block0
-    _assert_state_equal((weights, states), ({n: whole[0][n] for n in block0},
+    assert_state_equal((weights, states), ({n: whole[0][n] for n in block0},
                                             {n: whole[1][n] for n in block0}), "block 0")

@@ -17,7 +17,6 @@ layouts are marked slow (several minutes on 2 shared cores).
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 
@@ -27,7 +26,7 @@ from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
-from parity import CPU, assert_params_close, full_parameters
+from parity import CPU, assert_ledgers_predicted, assert_params_close, full_parameters
 
 STEPS = 3
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
@@ -109,20 +108,9 @@ def _check(group, base: list[str], tmp_path) -> None:
 def _check_ledger(world: int, sets: list[str], runs: list[dict], label: str) -> None:
     cfg = load_config(None, sets)
     plan = training_plan(cfg, world, "cpu")
-    routed_want, routed_have = Counter(), Counter()
-    for rank, run in enumerate(runs):
-        predicted = predict_ledger(cfg, plan, rank=rank)
-        for key, have in (("bytes", run["bytes"]), ("wire_bytes", run["wire"])):
-            want = predicted.totals(key)
-            assert want.keys() == have.keys(), (label, rank, key)
-            for k, nbytes in want.items():
-                if k[2] in ROUTED:
-                    routed_want[key, k] += nbytes
-                    routed_have[key, k] += have[k]
-                else:
-                    assert have[k] == nbytes, (label, rank, k)
-        assert predicted.model_state_bytes == run["state"], (label, rank)
-    assert routed_want == routed_have, label
+    assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(len(runs))],
+                             [(run["bytes"], run["wire"], run["state"]) for run in runs],
+                             ROUTED, label)
 
 
 SLOW = [pytest.mark.slow, pytest.mark.timeout(2400)]  # minutes on 2 shared cores

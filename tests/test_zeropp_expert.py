@@ -17,7 +17,6 @@ the ranks).
 
 from __future__ import annotations
 
-from collections import Counter
 
 import torch
 
@@ -28,7 +27,7 @@ from fivefold.planner.ledger_model import predict_ledger
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
-from parity import assert_params_close, full_parameters
+from parity import assert_ledgers_predicted, assert_params_close, full_parameters
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
 STEPS = 5
@@ -63,20 +62,9 @@ def _layouts(rt: Runtime, layouts: list[list[str]]) -> list[dict]:
 
 
 def _assert_ledger_predicted(cfg, ledgers: list[tuple], label: str) -> None:
-    routed_want, routed_have = Counter(), Counter()
-    for rank, got in enumerate(ledgers):
-        predicted = predict_ledger(cfg, training_plan(cfg, WORLD, "cpu"), rank=rank)
-        for index, key in enumerate(("bytes", "wire_bytes")):
-            want, have = predicted.totals(key), got[index]
-            assert want.keys() == have.keys(), (label, rank)
-            for k, nbytes in want.items():
-                if k[2] in ROUTED:
-                    routed_want[key, k] += nbytes
-                    routed_have[key, k] += have[k]
-                else:
-                    assert have[k] == nbytes, (label, rank, k)
-        assert predicted.model_state_bytes == got[2], (label, rank)
-    assert routed_want == routed_have, label
+    plan = training_plan(cfg, WORLD, "cpu")
+    assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(len(ledgers))],
+                             ledgers, ROUTED, label)
 
 
 def test_zeropp_with_ep2_matches_one_process_and_the_ledger(parity_overrides):
