@@ -9,14 +9,20 @@ per rank, as the bench's ranks run):
   pinned together to core 1 (`--ranks 2`), so its rates are each rank's share of that core
   and its link is gloo's between two ranks on one core. The calibrating processes inherit
   the affinity of this process, which is restored afterwards.
-- `--emulate K`: both groups come from one calibration of three unpinned processes measuring
-  at once (`--ranks 3`, as the bench's three ranks run); `slow` takes that profile with
+- `--emulate K`: both groups come from one calibration of two unpinned processes measuring
+  at once (`--ranks 2`: the throttled ranks sleep (K - 1)/K of their time, so the three
+  ranks keep 1 + 2/K cores busy, two at K = 2, and each runs on a core of its own while it
+  runs; a three-process calibration would give each rank the 2/3 of a core it holds while
+  all three compute, which the throttled run never does); `slow` takes that profile with
   every compute rate divided by K (GEMM and attention peaks, memory bandwidth) and every
   per-operation time multiplied by K (kernel overhead, attention's per-score and per-row
   costs, exp of -inf), because the throttle sleeps (K - 1) times the measured compute of
   each forward and backward. The optimizer and collectives are not throttled and are not
   scaled. K is the bench's argument, not a fit.
-Nothing here is fitted to the bench's timings: the planner sees only the profiles.
+On a CPU `calibrate` multiplies the probes' rates by the share of its core each measuring
+process held (fivefold.planner.calibrate_fit), so the two ranks on core 1 are priced at the
+half core each sustains in training, and every group at what the machine's other jobs leave
+it. Nothing here is fitted to the bench's timings: the planner sees only the profiles.
 
 The spec handed to the planner is the bench's run: the `tiny` preset, fp32, a global batch
 of 12, micro-batches of 1 sequence (so the planner may give any replica any count, and the
@@ -40,17 +46,12 @@ GROUP_RANKS = {"fast": 1, "slow": 2}
 
 
 def scaled_profile(prof, k: float):
-    """`prof` computing `k` times slower: rates / k, per-operation times x k (module
-    docstring); host tier and links as measured."""
-    e = prof.eff
-    eff = dataclasses.replace(e, kernel_overhead_s=e.kernel_overhead_s * k,
-                              attn_score_s=e.attn_score_s * k, attn_row_s=e.attn_row_s * k,
-                              masked_exp_s=e.masked_exp_s * k)
-    return dataclasses.replace(prof, name=f"{prof.name} / {k:g}",
-                               peak_tflops={p: v / k for p, v in prof.peak_tflops.items()},
-                               hbm_GBps=prof.hbm_GBps / k, eff=eff,
-                               source=f"{prof.source}; compute rates divided by {k:g} "
-                                      "(the bench's --emulate throttle)")
+    """`prof` computing `k` times slower, the --emulate throttle (module docstring)."""
+    from fivefold.planner.calibrate_fit import slowed_profile
+
+    return dataclasses.replace(
+        slowed_profile(prof, k, f"compute rates divided by {k:g} (the bench's --emulate "
+                                "throttle)"), name=f"{prof.name} / {k:g}")
 
 
 def _write(prof, path: Path) -> str:
@@ -67,9 +68,9 @@ def calibrate_groups(emulate: float, out_dir: str | None = None) -> list[dict]:
     out = Path(out_dir or tempfile.mkdtemp(prefix="hetbench-"))
     out.mkdir(parents=True, exist_ok=True)
     if emulate:
-        base = calibrate(out / "ranks3.json", "cpu", ranks=3, threads=1)
+        base = calibrate(out / "ranks2.json", "cpu", ranks=2, threads=1)
         return [{"name": "fast", "gpus": 1, "profile": _write(base, out / "fast.json"),
-                 "how": "calibrate --ranks 3 --threads 1, unpinned (all three ranks at once)"},
+                 "how": "calibrate --ranks 2 --threads 1, unpinned (a core per rank)"},
                 {"name": "slow", "gpus": 2,
                  "profile": _write(scaled_profile(base, emulate), out / "slow.json"),
                  "how": f"the same profile, compute rates / {emulate:g} (the throttle)"}]

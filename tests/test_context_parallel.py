@@ -15,7 +15,7 @@ heads (fewer than Ulysses' 4 ranks at cp 4: replicated to fit) and with 1, tied 
 embeddings. The hybrid runs Ulysses over pairs of neighbouring cp ranks and the ring across
 the pairs (cp 4 = 2 x 2; cp 8: a ring of 4 across 2-rank Ulysses groups). Composed with
 tensor (and sequence) parallelism and with pipelines, up to pp 2 x cp 2 x tp 2 on 8 ranks.
-Ranks start once per world size (2, 4 and 8).
+Ranks start once per world size (2, 4 and, with `-m slow`, 8).
 """
 
 from __future__ import annotations
@@ -117,17 +117,30 @@ def reference(overrides, tmp_path_factory):
             for m in MODELS}
 
 
+class _RunsByWorld(dict):
+    """Each world's ranks started once, when a test first asks for that world, so a run
+    without `-m slow` never starts the 8 ranks."""
+
+    def __init__(self, overrides, tmp_path_factory):
+        super().__init__()
+        self.overrides, self.tmp = overrides, tmp_path_factory
+
+    def __missing__(self, world):
+        self[world] = run_on_ranks(_on_ranks, world, self.overrides, dict(WORLDS)[world],
+                                   str(self.tmp.mktemp(f"w{world}")), timeout_s=900)
+        return self[world]
+
+
 @pytest.fixture(scope="module")
 def ranks(overrides, tmp_path_factory):
-    return {world: run_on_ranks(_on_ranks, world, overrides, layouts,
-                                str(tmp_path_factory.mktemp(f"w{world}")), timeout_s=900)
-            for world, layouts in WORLDS}
+    return _RunsByWorld(overrides, tmp_path_factory)
 
 
 WORLDS = [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)]
+PARAMS = [(2, LAYOUTS_2), (4, LAYOUTS_4), pytest.param(8, LAYOUTS_8, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("world, layouts", WORLDS)
+@pytest.mark.parametrize("world, layouts", PARAMS)
 def test_parity_with_one_process(world, layouts, ranks, reference):
     """Losses and the validation loss rel 2e-5, gradient norms rel 1e-4, parameters atol
     1e-5 + rtol 1e-4 (module docstring): the validation loss is the unsplit sequence's, not
@@ -144,7 +157,7 @@ def test_parity_with_one_process(world, layouts, ranks, reference):
         assert_params_close(run.params, ref_params, label, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("world, layouts", WORLDS)
+@pytest.mark.parametrize("world, layouts", PARAMS)
 def test_ledger_prediction_equals_runtime(world, layouts, ranks, overrides):
     """Every rank's ledger of one step (the ring's sends and receives of key/value blocks and
     of their gradients, Ulysses' all-to-alls, the gradient sync over dp x cp) and its

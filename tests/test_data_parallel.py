@@ -49,7 +49,8 @@ def reference(parity_overrides, tmp_path_factory):
             for micro in (None, 1)}
 
 
-@pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)])
+@pytest.mark.parametrize("world, layouts", [
+    (2, LAYOUTS_2), (4, LAYOUTS_4), pytest.param(8, LAYOUTS_8, marks=pytest.mark.slow)])
 def test_parity_with_one_process(world, layouts, parity_overrides, reference, tmp_path):
     """Losses rel 2e-5; parameters atol 1e-5 + rtol 1e-4 (module docstring)."""
     results = run_on_ranks(_layouts, world, parity_overrides, layouts, str(tmp_path),

@@ -21,6 +21,7 @@ from fivefold.models.flops import flops_per_token, param_count
 from fivefold.parallel.pipeline.partition import balanced_counts
 from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner import calibrate as cal
+from fivefold.planner import calibrate_fit
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -385,7 +386,7 @@ def test_h200_profile_is_the_fit_of_its_measurements():
     from pathlib import Path
 
     ref = Path(__file__).resolve().parents[1] / "docs/reference/h200_measured.json"
-    fit = cal.fit_h200_reference(ref)
+    fit = calibrate_fit.fit_h200_reference(ref)
     e = PROFILES["H200"].eff
     for key in ("gemm_eff", "attn_eff", "gemm_fp8_eff", "mem_eff"):
         assert getattr(e, key) == pytest.approx(fit[key], rel=0.01), key
@@ -400,14 +401,37 @@ def test_fits_recover_known_efficiencies():
                 / (hbm * truth[1]) + truth[2])
                for M, K, N in [(512, 512, 512), (4096, 1024, 256), (8192, 8192, 8192),
                                (1024, 4096, 4096)]]
-    assert cal.fit_gemm(samples, peak, hbm, 2) == pytest.approx(truth, rel=1e-6)
+    assert calibrate_fit.fit_gemm(samples, peak, hbm, 2) == pytest.approx(truth, rel=1e-6)
     attn = []
     for b, h, s, d in [(1, 8, 1024, 64), (2, 16, 4096, 128), (1, 4, 16384, 128)]:
-        n, rows = cal.attention_scores(b, h, s), b * h * s
+        n, rows = calibrate_fit.attention_scores(b, h, s), b * h * s
         fwd = n * 4 * d / (peak * 0.6) + n * 1e-15 + rows * 2e-10
         total = fwd + n * 10 * d / (peak * 0.6) + 2 * n * 1e-15 + 5 * rows * 2e-10
         attn.append((b, h, s, d, fwd, total))
-    assert cal.fit_attention(attn, peak) == pytest.approx((0.6, 1e-15, 2e-10), rel=1e-6)
+    assert calibrate_fit.fit_attention(attn, peak) == pytest.approx((0.6, 1e-15, 2e-10), rel=1e-6)
+
+
+def test_a_time_sliced_cpu_is_priced_at_the_share_of_its_core_it_held():
+    """Probes timed inside scheduler slices run at the core's full speed; a rank that held
+    half its core over the sweeps (cpu_share 0.5) sustains half those rates: every compute
+    rate halves and every per-operation time doubles; host tier and links as measured."""
+    peak = 50e9
+    gemms = [(M, K, N, 2 * M * K * N / peak + 1e-5)
+             for M, K, N in [(256, 256, 256), (1024, 1024, 1024), (512, 256, 8192)]]
+    attn = [(1, 8, 512, 32, 1e-3, 3e-3), (2, 4, 256, 32, 4e-4, 1.3e-3)]
+    m = {"device": "cpu", "threads": 1, "elem_bytes": 4, "gemms": gemms, "attention": attn,
+         "copy_Bps": 10e9, "op_overhead_s": 2e-6, "masked_exp_s": 1e-9,
+         "host_copy_Bps": 10e9, "host_link_Bps": 5e9, "adam_elems_per_s": 1e8,
+         "adam_fused_elems_per_s": None}
+    args = (None, 1 << 30, 2, 1 << 30, (1e9, 1e9))
+    whole = cal.profile_from_measurements("cpu", {**m, "cpu_share": 1.0}, *args)
+    half = cal.profile_from_measurements("cpu", {**m, "cpu_share": 0.5}, *args)
+    assert half.peak_tflops["fp32"] == pytest.approx(whole.peak_tflops["fp32"] / 2)
+    assert half.hbm_GBps == pytest.approx(whole.hbm_GBps / 2)
+    for term in ("kernel_overhead_s", "attn_score_s", "attn_row_s", "masked_exp_s"):
+        assert getattr(half.eff, term) == pytest.approx(2 * getattr(whole.eff, term))
+    assert half.host == whole.host and half.intra_node_GBps == whole.intra_node_GBps
+    assert "x 0.50" in half.source
 
 
 def test_calibration_sweeps_interleave_the_probes_and_run_each_ones_preparation(monkeypatch):

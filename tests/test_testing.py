@@ -29,7 +29,8 @@ def _rank_0_hangs(rt):
     return rt.rank
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4,
+                                   pytest.param(8, marks=pytest.mark.slow)])
 def test_results_come_back_in_rank_order(world):
     out = run_on_ranks(_sum_of_ranks, world, 2.0, timeout_s=120)
     expected = 2.0 * sum(range(world))

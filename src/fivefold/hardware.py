@@ -12,7 +12,7 @@ constants of fivefold.planner.fitted, shared by every GPU profile:
 
 - H200 (and H800, H100-SXM, H100-96GB-500W: the same die): GEMM, attention, fp8 and copy
   terms fitted to one H200's measurements (docs/reference/h200_measured.json) by
-  fivefold.planner.calibrate.fit_h200_reference; checked against that file's measured HF
+  fivefold.planner.calibrate_fit.fit_h200_reference; checked against that file's measured HF
   Llama-1B training step. The power-capped 96 GB HBM2e part (torchtitan's runs) differs
   only in its datasheet figures.
 - A100-80GB / A100-40GB: GEMMs at 0.74 of peak and Megatron-LM 2021's unfused attention
@@ -237,7 +237,7 @@ class HardwareProfile:
 
 # The Hopper die at full power (H200, H800): GEMM, attention and copy terms fitted to one
 # H200's measurements (h200_measured.json: 30 bf16 GEMM shapes, 4 causal SDPA shapes, 4 fp8
-# GEMMs, a copy) by fivefold.planner.calibrate.fit_h200_reference. Eager element-wise passes
+# GEMMs, a copy) by fivefold.planner.calibrate_fit.fit_h200_reference. Eager element-wise passes
 # (3) from that file's HF Llama-1B step: 0.313 s predicted eager, 0.346 s measured (compiled,
 # one pass: 0.272 s vs 0.281 s). Latencies: NCCL's per-hop figures on NVLink and NDR.
 HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_eff=0.678,

@@ -22,13 +22,15 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   system's temporary directory), dropped from the page cache before it is read back
   (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
 The GEMM, attention and copy probes run in interleaved sweeps, each one's time the median
-over them (`_sweeps`). On a CPU the `--ranks` processes measure all at once, one thread each,
-so the rates are what each rank of a `--nproc` run gets on this machine (shared memory bus
-and caches); the profile's `cores` says for how many ranks they hold (more ranks split them
-evenly).
+over them (`_sweeps`); on a CPU the rates are then multiplied by the share of its cores the
+measuring process held over the sweeps (CPU time over wall time per thread), since a short
+probe runs at full speed within one scheduler slice while a training step gets only that
+share (fivefold.planner.calibrate_fit.slowed_profile). On a CPU the `--ranks` processes
+measure all at once, one thread each, so the rates are what each rank of a `--nproc` run
+gets on this machine (shared memory bus, caches and cores); the profile's `cores` says for
+how many ranks they hold (more ranks split them evenly).
 The profile file (JSON of fivefold.hardware.HardwareProfile) is accepted by
-`--set cluster.gpu=PATH`. `fit_gemm` and `fit_attention` are also how the H200 profile's
-curves were fitted to docs/reference/h200_measured.json.
+`--set cluster.gpu=PATH`. The fits live in fivefold.planner.calibrate_fit.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 
 from fivefold.hardware import Efficiency, HardwareProfile, HostTier
-from fivefold.planner.compute import ATTN_TILE, Gemm
+from fivefold.planner.calibrate_fit import _lstsq_pos, fit_attention, fit_gemm, slowed_profile
 
 GEMM_SHAPES_CPU = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 1024, 256),
                    (2048, 256, 704), (2048, 704, 256), (512, 256, 8192), (1024, 2048, 512)]
@@ -52,71 +54,6 @@ ATTN_SHAPES_CPU = [(2, 4, 256, 32), (1, 8, 512, 32), (4, 8, 128, 64)]
 ATTN_SHAPES_GPU = [(8, 16, 2048, 128), (4, 32, 4096, 128), (1, 32, 16384, 128),
                    (16, 16, 2048, 64)]
 EVICT_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # above the last-level cache
-
-
-# ------------------------------------------------------------------ fitting
-
-def _lstsq_pos(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Non-negative least squares (relative error weighting) for a few unknowns."""
-    from scipy.optimize import nnls
-    import numpy as np
-
-    a = np.array([[v / t for v in r] for r, t in zip(rows, y)])
-    return list(nnls(a, np.ones(len(y)))[0])
-
-
-def fit_gemm(samples: list[tuple[int, int, int, float]], peak_flops: float, hbm_Bps: float,
-             elem_bytes: int) -> tuple[float, float, float]:
-    """(gemm_eff, gemm_mem_eff, kernel_overhead_s) from (M, K, N, seconds) samples:
-    t = 2MKN / (peak * e) + bytes / (HBM * m) + overhead, fitted linear in 1/e, 1/m."""
-    rows, ts = [], []
-    for M, K, N, t in samples:
-        g = Gemm("g", M, K, N)
-        nbytes = elem_bytes * (M * K + K * N + M * N)
-        rows.append([g.flops / peak_flops, nbytes / hbm_Bps, 1.0])
-        ts.append(t)
-    inv_e, inv_m, overhead = _lstsq_pos(rows, ts)
-    return 1.0 / max(inv_e, 1e-9), min(1.0, 1.0 / max(inv_m, 1e-9)), overhead
-
-
-def attention_scores(b: int, h: int, s: int) -> float:
-    tiles = s / ATTN_TILE
-    return b * h * ATTN_TILE**2 * tiles * (tiles + 1) / 2
-
-
-def fit_attention(samples: list[tuple[int, int, int, int, float, float]],
-                  peak_flops: float) -> tuple[float, float, float]:
-    """(attn_eff, attn_score_s, attn_row_s) from (b, h, s, d, forward s, forward+backward s)
-    samples, by the model of fivefold.planner.compute.attention_time."""
-    rows, ts = [], []
-    for b, h, s, d, fwd, total in samples:
-        n, r = attention_scores(b, h, s), b * h * s
-        rows += [[n * 4 * d / peak_flops, n, r], [n * 14 * d / peak_flops, 3 * n, 6 * r]]
-        ts += [fwd, total]
-    inv_e, score, row = _lstsq_pos(rows, ts)
-    return 1.0 / max(inv_e, 1e-9), score, row
-
-
-def fit_h200_reference(path: str | Path) -> dict[str, float]:
-    """The H200 profile's GEMM and attention terms, from h200_measured.json."""
-    data = json.loads(Path(path).read_text())
-    peak, hbm = 989e12, 4800e9
-    gemms = [(g["M"], g["K"], g["N"], 2 * g["M"] * g["K"] * g["N"] / (g["tflops"] * 1e12))
-             for g in data["gemm_table"]]
-    e, m, overhead = fit_gemm(gemms, peak, hbm, 2)
-    attn = []
-    for a in data["attention"]:
-        flops = 2 * a["b"] * a["h"] * a["s"] ** 2 * a["d"]  # the file's causal convention
-        attn.append((a["b"], a["h"], a["s"], a["d"], flops / (a["fwd_tflops"] * 1e12),
-                     3.5 * flops / (a["fwdbwd_tflops"] * 1e12)))
-    ae, score, row = fit_attention(attn, peak)
-    fp8 = [2 * g["M"] * g["K"] * g["N"] / (g["fp8_tensorwise_tflops"] * 1e12)
-           for g in data.get("fp8_gemm", [])]
-    fp8_eff = (sum(2 * g["M"] * g["K"] * g["N"] / t for g, t in zip(data["fp8_gemm"], fp8))
-               / len(fp8) / 1979e12) if fp8 else float("nan")
-    return {"gemm_eff": e, "gemm_mem_eff": m, "kernel_overhead_s": overhead, "attn_eff": ae,
-            "attn_score_s": score, "attn_row_s": row, "gemm_fp8_eff": fp8_eff,
-            "mem_eff": data["copy_GBps_rw"] * 1e9 / hbm}
 
 
 # ------------------------------------------------------------------ measuring
@@ -199,7 +136,10 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     out = torch.empty_like(scores)
     probes["exp"] = (lambda: torch.exp(scores, out=out), None)
     probes["exp_masked"] = (lambda: torch.exp(masked, out=out), None)
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     t = _sweeps(probes, sync, repeat, passes)
+    cpu_share = min(1.0, (time.process_time() - cpu_start)
+                    / ((time.perf_counter() - wall_start) * torch.get_num_threads()))
     masked_exp_s = max(0.0, (t["exp_masked"] - t["exp"]) / (masked.numel() / 2))
     gemms = [(M, K, N, t["gemm", M, K, N]) for M, K, N in gemm_shapes]
     attn = [(*shape, t["fwd", *shape], t["both", *shape]) for shape in attn_shapes]
@@ -209,6 +149,7 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
+            "cpu_share": cpu_share if device_type == "cpu" else 1.0,
             "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s, "masked_exp_s": masked_exp_s,
             "host_copy_Bps": host_copy, "host_link_Bps": host_link,
             "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}
@@ -375,9 +316,13 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float, dict
                            f"write + fsync and read, torch's foreach CPU AdamW (offload's "
                            f"kernel; fused: {_rate(m['adam_fused_elems_per_s'])} per rank) "
                            f"with {m['threads']} thread(s)")
-    return HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
+    prof = HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
                            f"measured by `fivefold calibrate` on {m['device']} with "
                            f"{m['threads']} thread(s)", eff, cores or 8, cores, host)
+    share = m.get("cpu_share", 1.0)
+    return prof if share >= 1.0 else slowed_profile(
+        prof, 1.0 / share, f"rates x {share:.2f}, the CPU time each rank got over the wall "
+                           "time of its probes (time-sliced cores)")
 
 
 def _rate(elems_per_s: float | None) -> str:
