@@ -42,6 +42,7 @@ Recomputation (megatron/arguments.py --recompute-granularity, 2022):
 - `full` keeps each layer's input, aD per token: the paper's 2sbh; with sequence
   parallelism that input is this rank's sequence shard, 2sbh/t.
 
+Megatron-LM of 2022 had no context parallelism: the scores span all model.seq_len keys.
 A mixture-of-experts layer is not this block (Megatron-LM of 2022 had only a top-1
 SwitchMLP); activations.block_saved_bytes counts such layers as the newer stack's.
 """
