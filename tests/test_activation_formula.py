@@ -49,23 +49,31 @@ def formula_bytes(h: int, a: int, t: int, sp: bool, recompute: str) -> float:
     return sbh * (linear + scores)
 
 
-def planned_bytes(name: str, sp: bool, recompute: str, release: str = "2022-05",
-                  tp: int | None = None) -> float:
-    """The simulator's bytes for one block of model `name` on one rank, from its spec
-    (Table 3's tensor-parallel degree unless `tp`)."""
+def step_model(name: str, sp: bool, recompute: str, release: str = "2022-05",
+               tp: int | None = None, vpp: int = 1, global_batch: int | None = None
+               ) -> StepModel:
+    """The simulator of model `name` from its spec (Table 3's tensor- and pipeline-parallel
+    degrees, tp unless given), no data parallelism."""
     h, a, layers, table_tp, pp = TABLE3[name]
     tp = tp or table_tp
+    interleaved = {"vpp": vpp, "schedule": "interleaved"} if vpp > 1 else {}
     spec = {"model": {"layers": layers, "hidden": h, "heads": a, "ffn_hidden": 4 * h,
                       "ffn_type": "gelu", "vocab": VOCAB, "seq_len": S},
             "cluster": {"gpu": "A100-80GB", "gpus": tp * pp},
-            "parallel": {"tp": tp, "pp": pp, "dp": 1, "micro_batch": B, "global_batch": B * pp,
+            "parallel": {"tp": tp, "pp": pp, "dp": 1, "micro_batch": B,
+                         "global_batch": global_batch or B * pp, **interleaved,
                          "sequence_parallel": sp, "recompute": recompute,
                          "precision": "bf16"},
             "train": {"stack": "megatron", "stack_release": release}}
     cfg = spec_config(spec)
     prof = profile_of(cfg)
-    plan = plan_from_config(cfg, cluster_gpus(cfg), "bf16")
-    return StepModel(cfg, prof, plan).block_saved_bytes(0)
+    return StepModel(cfg, prof, plan_from_config(cfg, cluster_gpus(cfg), "bf16"))
+
+
+def planned_bytes(name: str, sp: bool, recompute: str, release: str = "2022-05",
+                  tp: int | None = None) -> float:
+    """The simulator's bytes for one block of model `name` on one rank."""
+    return step_model(name, sp, recompute, release, tp).block_saved_bytes(0)
 
 
 @pytest.mark.parametrize("name", list(TABLE3))
@@ -88,6 +96,30 @@ def test_no_parallelism_is_34sbh_plus_5as2b():
         planned = planned_bytes(name, False, "none", tp=1)
         formula = S * B * h * (34 + 5 * a * S / h)
         assert planned - 2 * NORM_STATS_BYTES * S * B == pytest.approx(formula, rel=1e-12)
+
+
+# Interleaved stages per rank as the paper's Sec. 6 ran Table 3's pipelines (3 for 175B and
+# 530B); 2p micro-batches, enough for the first stage's peak (it grows no further with more)
+PIPELINES = {"175B": 3, "530B": 3, "1T": 1}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_first_pipeline_stage_holds_the_papers_total(name):
+    """Sec. 4.3: under 1F1B the first stage keeps p micro-batches of L/p layers, L layers'
+    worth; interleaved over m stages per rank, L(1 + (p - 1)/(pm)). The simulator's replay of
+    the runtime's schedule holds that many on its first rank (plus the embedding stage's
+    token ids, which the paper counts apart), within 5%."""
+    h, a, layers, t, p = TABLE3[name]
+    vpp = PIPELINES[name]
+    for label, sp, recompute in CASES:
+        sm = step_model(name, sp, recompute, vpp=vpp, global_batch=2 * p * B)
+        held = sm.run_pipeline(False).peak_weight[0]
+        factor = 1 + (p - 1) / (p * vpp) if vpp > 1 else 1
+        formula = layers * factor * formula_bytes(h, a, t, sp, recompute)
+        err = held / formula - 1
+        print(f"{name:>5} {label:<16} first stage {held / 2**30:7.2f} GiB  "
+              f"formula {formula / 2**30:7.2f} GiB  error {100 * err:+.3f}%")
+        assert abs(err) <= 0.05
 
 
 def test_selective_recomputation_drops_exactly_the_attention_scores():
