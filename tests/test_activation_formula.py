@@ -15,7 +15,9 @@ from simulating each model's spec with `train.stack = "megatron"`,
 (fivefold.planner.activations_megatron2022). Nothing is fitted: the count is operator by
 operator from Megatron-LM's 2022 layer; it exceeds the formula by the LayerNorms' fp32
 statistics (16 bytes per token, 8/t each with sequence parallelism), which the paper omits.
-Tolerance: 5% (the issue's); the exact difference is checked too. Fast, no torch.
+Tolerance: 5% (the issue's); the exact difference is checked too. The first pipeline
+stage's total (Sec. 4.3) and the terms outside the blocks (Sec. 4.4) are checked the same
+way. Fast, no torch.
 """
 
 from __future__ import annotations
@@ -107,19 +109,40 @@ PIPELINES = {"175B": 3, "530B": 3, "1T": 1}
 def test_first_pipeline_stage_holds_the_papers_total(name):
     """Sec. 4.3: under 1F1B the first stage keeps p micro-batches of L/p layers, L layers'
     worth; interleaved over m stages per rank, L(1 + (p - 1)/(pm)). The simulator's replay of
-    the runtime's schedule holds that many on its first rank (plus the embedding stage's
-    token ids, which the paper counts apart), within 5%."""
+    the runtime's schedule holds that many on its first rank, plus Sec. 4.4's embedding
+    dropout mask, sbh (sbh/t with sequence parallelism) per micro-batch of the first stage in
+    flight: the paper's p under 1F1B; 2p - 1 interleaved, whose first rank runs (p - 1)2 +
+    (m - 1)p + 1 forwards before its first backward, the last p - 1 of them on its first
+    chunk again. Within 5% (the rest: the token and position ids, which the paper omits)."""
     h, a, layers, t, p = TABLE3[name]
     vpp = PIPELINES[name]
     for label, sp, recompute in CASES:
         sm = step_model(name, sp, recompute, vpp=vpp, global_batch=2 * p * B)
         held = sm.run_pipeline(False).peak_weight[0]
         factor = 1 + (p - 1) / (p * vpp) if vpp > 1 else 1
-        formula = layers * factor * formula_bytes(h, a, t, sp, recompute)
+        embedding = S * B * h / (t if sp else 1) * (2 * p - 1 if vpp > 1 else p)
+        formula = layers * factor * formula_bytes(h, a, t, sp, recompute) + embedding
         err = held / formula - 1
         print(f"{name:>5} {label:<16} first stage {held / 2**30:7.2f} GiB  "
               f"formula {formula / 2**30:7.2f} GiB  error {100 * err:+.3f}%")
         assert abs(err) <= 0.05
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_outside_the_blocks_the_papers_sec_4_4_terms(sp):
+    """Sec. 4.4: the embedding dropout keeps sbh/t bytes (its mask, on the sequence shard with
+    sequence parallelism) and the fp32 cross-entropy 4sbv/t; the rest outside the blocks is
+    per-token ids and the last stage's norm and projection inputs (2sbh/t each with sequence
+    parallelism), counted exactly."""
+    h, _, _, t, _ = TABLE3["175B"]
+    m = step_model("175B", sp, "selective").model
+    old = stack_of("megatron", "2022-05")
+    shard = t if sp else 1
+    first = A.root_saved_bytes(m, S * B, BYTES, t, True, False, old, sp)
+    last = A.root_saved_bytes(m, S * B, BYTES, t, False, True, old, sp)
+    assert first == S * B * (16 + h / shard)
+    assert last == S * B * (2 * BYTES * h / shard + NORM_STATS_BYTES / shard
+                            + 4 * VOCAB / t + 8 + 1)
 
 
 def test_selective_recomputation_drops_exactly_the_attention_scores():

@@ -45,7 +45,8 @@ from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
-from fivefold.planner.activations_megatron2022 import gpt_block_saved_bytes
+from fivefold.planner.activations_megatron2022 import (gpt_block_saved_bytes,
+                                                       gpt_root_saved_bytes)
 from fivefold.planner.stack import FIVEFOLD, Stack
 
 
@@ -208,7 +209,10 @@ def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
     runs on this rank's 1/tp of the tokens and the head saves its all-gathered input. With
     tp > 1 the vocabulary-parallel embedding and loss each keep a bool mask per token
     (fivefold.parallel.tensor, fivefold.parallel.vocab_parallel_loss) and the loss no fp32
-    scalar; one process's cross-entropy keeps its 4-byte total weight."""
+    scalar; one process's cross-entropy keeps its 4-byte total weight. A stack release
+    before its FlashAttention keeps the older GPT model's (activations_megatron2022)."""
+    if stack.unfused_gpt_block:
+        return gpt_root_saved_bytes(model, tokens, act_bytes, tp, first, last, sp)
     a = act_bytes
     n = 8 * tokens if first else 0.0
     if first and tp > 1:

@@ -42,6 +42,16 @@ Recomputation (megatron/arguments.py --recompute-granularity, 2022):
 - `full` keeps each layer's input, aD per token: the paper's 2sbh; with sequence
   parallelism that input is this rank's sequence shard, 2sbh/t.
 
+Outside the blocks (Sec. 4.4; megatron/model/language_model.py and gpt_model.py of the same
+commit): the first stage keeps the token and position ids (int64 each) and the embedding
+dropout's 1-byte mask (on the sequence shard with sequence parallelism: the paper's sbhp/t
+over its p in-flight micro-batches); the last stage keeps the final LayerNorm's input and
+statistics, the output projection's input (its sequence shard with sequence parallelism)
+and the cross-entropy's fp32 softmax: the loss runs on `output.float()` and
+_VocabParallelCrossEntropy saves exp_logits, 4 bytes per logit of the rank's vocabulary
+shard (the paper's 4sbv/t), plus the int64 targets and, with tp > 1, the vocabulary
+shard's target mask.
+
 Megatron-LM of 2022 had no context parallelism: the scores span all model.seq_len keys.
 A mixture-of-experts layer is not this block (Megatron-LM of 2022 had only a top-1
 SwitchMLP); activations.block_saved_bytes counts such layers as the newer stack's.
@@ -81,3 +91,19 @@ def gpt_block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: i
     if recompute != "selective":
         per_token += attention_scores_bytes(model, a, tp)
     return tokens * per_token
+
+
+def gpt_root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
+                         first: bool = True, last: bool = True, sp: bool = False) -> float:
+    """Bytes the older Megatron GPT model keeps outside its blocks on one tensor-parallel rank
+    for one micro-batch of `tokens` tokens (the module docstring's last table)."""
+    a = act_bytes
+    D = model.hidden / tp if sp else model.hidden
+    n = 0.0
+    if first:  # token ids, position ids, the embedding dropout mask
+        n += tokens * (8 + 8 + DROPOUT_MASK_BYTES * D)
+    if last:  # final LayerNorm, output projection input, fp32 softmax, int64 targets
+        norm_stats = NORM_STATS_BYTES / tp if sp else NORM_STATS_BYTES
+        n += tokens * (a * D + norm_stats + a * D + 4 * model.vocab / tp + 8)
+        n += tokens if tp > 1 else 0  # the vocabulary shard's target mask
+    return n
