@@ -20,6 +20,9 @@ terms by tp; sequence parallelism also the D terms. Context parallelism divides 
 ring attention (and the hybrid's ring) saves this rank's q, output and fp32 log-sum-exp and
 the key/value heads as they are, not repeated to every head (`ring_kv_heads`: a tp rank's
 kv heads, replicated up to the Ulysses degree in the hybrid), 2a Hd + 2a K E + 4H.
+A stack release before that stack's FlashAttention (Stack.unfused_gpt_block: Megatron-LM
+before 2023-01) runs the older GPT block instead, with LayerNorm, dropout masks and the
+unfused s x s attention scores: fivefold.planner.activations_megatron2022 counts it.
 Recomputation: `full` keeps only each block's input (aD) plus, during its backward, one
 block's full set; `selective` (torchtitan's per-op policy, fivefold.memory.recompute) keeps
 the block input, the attention kernel's output and log-sum-exp and the outputs of every
@@ -42,6 +45,8 @@ from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.activations_megatron2022 import (gpt_block_saved_bytes,
+                                                       gpt_root_saved_bytes)
 from fivefold.planner.stack import FIVEFOLD, Stack
 
 
@@ -71,7 +76,11 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
                       kv_heads: int | None = None) -> float:
     """Bytes one block keeps for backward over `tokens` tokens of one micro-batch (under
     `stack`: fivefold's own count unless the stack saves as Transformer Engine does;
-    `kv_heads`: `ring_kv_heads`, for ring attention's unrepeated keys and values)."""
+    `kv_heads`: `ring_kv_heads`, for ring attention's unrepeated keys and values; a stack
+    release before its FlashAttention: the older GPT block's dense layers,
+    planner.activations_megatron2022)."""
+    if stack.unfused_gpt_block and not is_moe_layer(model, layer):
+        return gpt_block_saved_bytes(model, tokens, act_bytes, tp, sp, recompute)
     if stack.fp8_saved_inputs:
         return te_block_saved_bytes(model, tokens, act_bytes, tp, sp, recompute, layer, fp8)
     a = act_bytes
@@ -200,7 +209,10 @@ def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
     runs on this rank's 1/tp of the tokens and the head saves its all-gathered input. With
     tp > 1 the vocabulary-parallel embedding and loss each keep a bool mask per token
     (fivefold.parallel.tensor, fivefold.parallel.vocab_parallel_loss) and the loss no fp32
-    scalar; one process's cross-entropy keeps its 4-byte total weight."""
+    scalar; one process's cross-entropy keeps its 4-byte total weight. A stack release
+    before its FlashAttention keeps the older GPT model's (activations_megatron2022)."""
+    if stack.unfused_gpt_block:
+        return gpt_root_saved_bytes(model, tokens, act_bytes, tp, first, last, sp)
     a = act_bytes
     n = 8 * tokens if first else 0.0
     if first and tp > 1:

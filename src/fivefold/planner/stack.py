@@ -47,6 +47,14 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   logits buffer (a: no fp32 logits at all).
 - loss_saves_fp32: the loss keeps an fp32 log-softmax (4 bytes per logit) for backward;
   Megatron's fused loss keeps nothing beyond its logits buffer.
+- flash_attention_since: the first release (`train.stack_release`) whose attention is a
+  fused FlashAttention-class kernel. Megatron-LM merged FlashAttention on 2023-01-11
+  (merge 285068c "Merge branch 'tridao-flashattn' into 'main'" of Tri Dao's commit d693034,
+  "Integrate FlashAttention into Megatron-LM", --use-flash-attn); RoPE, SwiGLU and RMSNorm
+  followed in 2023. A release before it runs the older GPT block, whose unfused attention
+  keeps the s x s scores and whose dropouts keep their masks; its activations are arXiv
+  2205.05198's (fivefold.planner.activations_megatron2022). The date is the merge's, not
+  placed by published rows.
 - tp_overlap: tensor-parallel collectives overlap the GEMMs they feed (Transformer
   Engine's userbuffers, NeMo's tp_comm_overlap = True): only the excess over the block's
   GEMM time and (1 - overlap_eff) of it show.
@@ -232,6 +240,7 @@ class Stack:
     ring_kernel: str = "fused"  # "fused" | "math": ring CP's per-block attention kernel
     fa3_since: tuple[tuple[str, str], ...] = ()  # (architecture, first "YYYY-MM" release)
     tp_overlap_since: str = ""  # first "YYYY-MM" release with tp_overlap; "": every one
+    flash_attention_since: str = ""  # first release with fused attention; "": every one
     tp_overlap_chunks: bool = False  # tp_overlap runs its GEMMs as tp ring-exchange chunks
     fp8_param_gather_since: str | None = None  # first release gathering fp8 parameters
     fp8_sp_gather: bool = False  # fp8 + sequence parallelism: the input gather moves fp8
@@ -247,6 +256,13 @@ class Stack:
     def overlaps_tp(self) -> bool:
         """tp_overlap in this release."""
         return self.tp_overlap and self.released_since(self.tp_overlap_since)
+
+    @property
+    def unfused_gpt_block(self) -> bool:
+        """This release predates the stack's FlashAttention: its blocks are the older GPT
+        block of arXiv 2205.05198 (flash_attention_since)."""
+        return bool(self.flash_attention_since) and not self.released_since(
+            self.flash_attention_since)
 
     @property
     def gathers_fp8_params(self) -> bool:
@@ -291,7 +307,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
           loss_saves_fp32=False, tp_overlap=True, dp_overlap=True, fp8_fused_casts=True,
           fp8_saved_inputs=True, expert_group_stride_1=True, selective_modules=True,
           fa3_since=(("hopper", "2024-07"), ("blackwell", "2025-09")), tp_overlap_since="2023-05",
-          tp_overlap_chunks=True, fp8_param_gather_since="2024-09", fp8_sp_gather=True,
+          flash_attention_since="2023-01", tp_overlap_chunks=True,
+          fp8_param_gather_since="2024-09", fp8_sp_gather=True,
           source="Megatron-Core / NeMo 2.0 / Megatron-Bridge with Transformer Engine: NeMo "
                  "performance recipes (tp_comm_overlap, overlap_grad_reduce, "
                  "overlap_param_gather, cross_entropy_loss_fusion), TE fused attention"),
