@@ -97,14 +97,24 @@ def sets(parity_overrides):
     return parity_overrides + MOE
 
 
+class OneProcess(dict):
+    """The one-process Trainer's losses of 4 straight steps, by old layout's model keys,
+    trained when a test first asks for them."""
+
+    def __init__(self, sets: list[str], tmp_path_factory):
+        super().__init__()
+        self.sets, self.tmp = sets, tmp_path_factory
+
+    def __missing__(self, old: str) -> list[float]:
+        trainer = Trainer(load_config(None, self.sets + MODEL_KEYS[old]), CPU,
+                          self.tmp.mktemp("plain"))
+        self[old] = [trainer.train_step(s).loss for s in range(STEPS)]
+        return self[old]
+
+
 @pytest.fixture(scope="module")
 def one_process(sets, tmp_path_factory):
-    """The one-process Trainer's losses of 4 straight steps, by old layout's model keys."""
-    out = {}
-    for old, keys in MODEL_KEYS.items():
-        trainer = Trainer(load_config(None, sets + keys), CPU, tmp_path_factory.mktemp("plain"))
-        out[old] = [trainer.train_step(s).loss for s in range(STEPS)]
-    return out
+    return OneProcess(sets, tmp_path_factory)
 
 
 def check_resharded(tmp, layouts: dict, results: list, sets: list[str], one_process: dict):

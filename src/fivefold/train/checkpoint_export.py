@@ -281,7 +281,7 @@ def _cut_unit(flat: dict[str, torch.Tensor], kind: str, unit: str, tag: str, par
     tp_part = r"(?:\.tp\d+of\d+)?" if any_tp else ""
     pattern = re.compile(rf"{kind}\.{re.escape(unit)}\.shard(\d+)of(\d+){re.escape(tag)}{tp_part}")
     found: dict[int, tuple[int, str]] = {}
-    for k in sorted(flat):
+    for k in flat:  # an expert unit's shard may be under several tp tags: equal copies
         if m := pattern.fullmatch(k):
             found.setdefault(int(m.group(1)), (int(m.group(2)), k))
     n = next(iter(found.values()), (0, ""))[0]
