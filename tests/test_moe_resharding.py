@@ -194,7 +194,8 @@ def test_convert_of_an_ep_checkpoint_loads_in_transformers(resharded, tmp_path):
 
 
 def test_an_ep_change_of_layout_is_resharded_not_refused(moe_sets):
-    """check_layout names ep (and what moves with it) as a change to reshard, either way."""
+    """check_layout names ep, etp and tp (which the experts fold into) as changes to reshard,
+    either way; Muon's states of experts split over etp ranks it refuses, naming the key."""
     def meta(*sets):
         cfg = load_config(None, moe_sets + list(sets))
         return layout_record(plan_from_config(cfg, 4, "fp32"))
@@ -208,10 +209,14 @@ def test_an_ep_change_of_layout_is_resharded_not_refused(moe_sets):
     assert check_layout(path, meta("parallel.ep=2"), plan()) == ["parallel.ep"]
     assert "parallel.tp" in check_layout(path, meta("parallel.ep=2"),
                                          plan("parallel.ep=2", "parallel.tp=2"))
-    # tp with an MoE model folds tp into the experts' grid, whose units are not resharded
-    moe_meta = {**meta("parallel.ep=2"), "config": {"model": {"moe": {"experts": 4}}}}
-    with pytest.raises(ConfigError, match="experts' tensor-parallel grid"):
-        check_layout(path, moe_meta, plan("parallel.ep=2", "parallel.tp=2"))
+    assert check_layout(path, meta("parallel.ep=2"), plan("parallel.etp=2")) == [
+        "parallel.ep", "parallel.etp"]
+    assert {"parallel.tp", "parallel.ep", "parallel.etp"} <= set(check_layout(
+        path, meta("parallel.etp=2", "parallel.ep=2"), plan("parallel.tp=2")))
+    muon = "train.optimizer='muon'"
+    with pytest.raises(ConfigError, match="split over etp ranks") as err:
+        check_layout(path, meta(muon, "parallel.ep=2"), plan(muon, "parallel.etp=2"))
+    assert err.value.key == "parallel.ep"
 
 
 def test_a_model_mixtral_does_not_compute_is_not_exported():
@@ -230,34 +235,48 @@ def test_a_model_mixtral_does_not_compute_is_not_exported():
         assert err.value.key == f"model.moe.{key}"
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_expert_units_are_joined_into_whole_experts(ep, tmp_path):
-    """One process, no ranks: each ep rank's units of a model (its expert rows apart, as the
-    engine builds them), cut into 2 edp shards with padding, read back as the whole model bit
-    for bit; `ep_rows` then gives each ep rank exactly the rows its unit held."""
+@pytest.mark.parametrize("ep,etp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (1, 2, 1), (1, 1, 2),
+                                       (2, 2, 2)])
+def test_expert_units_are_joined_into_whole_experts(ep, etp, tp, tmp_path):
+    """One process, no ranks: each grid rank's units of a model (its expert rows and etp
+    columns apart, as the engine builds them), cut into 2 edp shards with padding, read back
+    as the whole model bit for bit; `expert_part` then gives each (ep, etp) rank exactly the
+    part its unit held. With tp 2 (which leaves the experts whole) each expert unit's shards
+    sit under different tp ranks' tags, as the edp ranks holding them have."""
     import copy
 
+    from fivefold.comm.collectives import Axis
     from fivefold.config import ModelConfig, MoEConfig
     from fivefold.models.llama import build_model
+    from fivefold.parallel.tensor import apply_tensor_parallel
     from fivefold.train.checkpoint_export import _join_flat_units
-    from fivefold.train.expert_checkpoint import ep_rows, rank_units
+    from fivefold.train.expert_checkpoint import ExpertGrid, expert_part, rank_units
 
     cfg = ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=40, vocab=67,
                       seq_len=8, moe=MoEConfig(experts=4, top_k=2, expert_ffn_hidden=24))
     model = build_model(cfg, seed=5)
+    grid = ExpertGrid(ep, etp, True)
     flat, held = {}, {}
-    for rank in range(ep):
-        for unit, params in rank_units(copy.deepcopy(model), ep, rank):
-            buffer = torch.cat([p.detach().reshape(-1) for _, p in params])
-            buffer = torch.cat([buffer, torch.zeros(buffer.numel() % 2)])  # pad to 2 shards
-            for r, piece in enumerate(buffer.chunk(2)):
-                flat[f"master.{unit}.shard{r}of2"] = piece
-            held.update({(rank, name): p.detach() for name, p in params})
-    assert any(f".experts{ep - 1}of{ep}." in key for key in flat)
+    for t in range(tp):
+        tp_model = copy.deepcopy(model)
+        tag = f".tp{t}of{tp}" if tp > 1 else ""
+        if tp > 1:
+            apply_tensor_parallel(tp_model, Axis("tp", None, tp, t, None), False)
+        for place in grid.ranks():
+            for unit, params, expert in rank_units(copy.deepcopy(tp_model), grid, *place):
+                if expert and t:
+                    continue
+                buffer = torch.cat([p.detach().reshape(-1) for _, p in params])
+                buffer = torch.cat([buffer, torch.zeros(buffer.numel() % 2)])  # 2 shards
+                for r, piece in enumerate(buffer.chunk(2)):
+                    where = f".tp{r}of{tp}" if expert and tp > 1 else tag  # edp r's tp rank
+                    flat[f"master.{unit}.shard{r}of2{where}"] = piece
+                held.update({(place, name): p.detach() for name, p in params if expert})
+    assert any(f".experts{ep - 1}of{ep}" in key for key in flat)
     state = _join_flat_units(flat, cfg, tmp_path)
     assert state.keys() == {name for name, _ in model.named_parameters()}
     for name, value in model.named_parameters():
         assert torch.equal(state[name], value.detach()), name
-        for rank in range(ep):
-            part = held.get((rank, name), held.get((0, name)))
-            assert torch.equal(ep_rows(name, state[name], ep, rank), part), (name, rank)
+        for place in grid.ranks():
+            part = expert_part(name, state[name], ep, place[0], etp, place[1])
+            assert torch.equal(part, held.get((place, name), value.detach())), (name, place)

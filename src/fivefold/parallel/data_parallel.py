@@ -77,7 +77,8 @@ from fivefold.config import TrainConfig
 from fivefold.memory.offload import HostOptimizer, HostUnit, Offload, state_kinds
 from fivefold.optim import optimizer_for, optimizer_state_bytes
 from fivefold.parallel.engine_checkpoint import EngineCheckpoint
-from fivefold.parallel.flat_unit import FlatUnit, split_expert_units, split_units
+from fivefold.parallel.flat_unit import (FlatUnit, expert_unit_tag, split_expert_units,
+                                         split_units)
 from fivefold.parallel.grad_sync import ZeroPP, grad_sync_for
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.muon_sharded import ShardedMuon, muon_axes
@@ -118,8 +119,7 @@ class DataParallelEngine(EngineCheckpoint):
         unit_axes = {False: (self.shard_axis, self.replicate_axis)}
         if expert_axes is not None:
             ep_axis, edp_axis, etp_axis = expert_axes
-            tag = f"{ep_axis.rank}of{ep_axis.size}" + (
-                f"x{etp_axis.rank}of{etp_axis.size}" if etp_axis.size > 1 else "")
+            tag = expert_unit_tag(ep_axis.rank, ep_axis.size, etp_axis.rank, etp_axis.size)
             split = split_expert_units(split_units(model), tag)
             none = C.Axis("none", None, 1, 0, mesh.ledger)
             unit_axes[True] = (none, edp_axis) if stage == 0 else (edp_axis, none)

@@ -97,6 +97,13 @@ def split_units(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramete
     return units
 
 
+def expert_unit_tag(ep_rank: int, ep: int, etp_rank: int, etp: int) -> str:
+    """What names one rank's expert units ("layers.i.experts{tag}"): its ep rank, and its
+    etp rank where etp > 1 ("1of2x0of2"); a checkpoint's keys carry it
+    (fivefold.train.expert_checkpoint)."""
+    return f"{ep_rank}of{ep}" + (f"x{etp_rank}of{etp}" if etp > 1 else "")
+
+
 def split_expert_units(split: list, tag: str) -> list[tuple[str, list, nn.Module | None, bool]]:
     """`split_units`' units with each block's stacked expert matrices apart, in a unit
     "layers.i.experts{tag}" after its block's (expert parallelism: `tag` names the ep rank,

@@ -9,9 +9,10 @@ shards, `layout`). The step is also the learning-rate schedule's whole state.
 Keys: the trainer's state dict keys carry a shard tag where pipeline stages or tp ranks hold
 different things under one name (`shard_tag`: ".pp1of2.tp0of2"); this module writes and
 `check_layout` reads the layout record. A resume under another layout (other dp, tp, pp, vpp,
-stage split, cp, ep, ZeRO stage, group or ZeRO++ switches) is resharded (fivefold.train.reshard); `check_layout`
-refuses what cannot be: PipeDream-2BW's weight versions, optimizers other than AdamW and
-Muon, and a changed global batch, which would change the data of every later step.
+stage split, cp, ep, etp, ZeRO stage, group or ZeRO++ switches) is resharded
+(fivefold.train.reshard); `check_layout` refuses what cannot be: PipeDream-2BW's weight
+versions, optimizers other than AdamW and Muon, and a changed global batch, which would
+change the data of every later step.
 
 Atomicity: everything is written into `step_00000100.partial/`; after every rank has
 finished, rank 0 writes `meta.json` and renames the folder. A rename is atomic on POSIX, so a
@@ -88,10 +89,9 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
     checkpoint cannot be taken under `plan`: another global batch (the data position is the
     step, and a step's batch is drawn by (seed, step, global batch), fivefold.train.data), or
     another layout with PipeDream-2BW (its stages' weight versions and own optimizers are not
-    resharded), or with sharded Muon (ZeRO or tp: its per-piece states are not), or with
-    expert tensor parallelism (etp, or tp with an MoE model: the experts' grid units are
-    not, fivefold.expert_grid), or with
-    another optimizer than AdamW or Muon, or than the checkpoint's."""
+    resharded), or with sharded Muon (ZeRO or tp: its per-piece states are not) or Muon on
+    the experts' tensor-parallel grid (etp > 1), or with another optimizer than AdamW or
+    Muon, or than the checkpoint's."""
     saved, now = meta.get("layout", {}), layout_record(plan)["layout"]
     saved_plan = meta.get("plan", {})
     if saved_plan.get("global_batch", plan.global_batch) != plan.global_batch:
@@ -117,16 +117,12 @@ def check_layout(path: Path, meta: dict, plan: ParallelPlan) -> list[str]:
                                f"{now[key]!r}; sharded Muon's states (under ZeRO or tp, "
                                "fivefold.parallel.muon_sharded) are not resharded: resume "
                                "with the layout that wrote it or use another --run-dir")
-    moe = meta.get("config", {}).get("model", {}).get("moe")  # tp folds into its grid
-    if max(saved_plan.get("etp", 1), plan.etp) > 1 or (
-            moe and max(saved_plan.get("tp", 1), plan.tp) > 1):
+    if plan.optimizer == "muon" and max(saved.get("parallel.etp", 1), plan.etp) > 1:
         key = changed[0]
         raise ConfigError(key, f"{path} was written with {key} = {saved[key]!r}, this run has "
-                               f"{now[key]!r}; MoE checkpoints on the experts' tensor-parallel "
-                               "grid (etp, or tp, which the experts fold into; "
-                               "fivefold.expert_grid) are not resharded yet (ep and dp "
-                               "changes are): resume with the layout that wrote it or use "
-                               "another --run-dir")
+                               f"{now[key]!r}; Muon's states of experts split over etp ranks "
+                               "are not resharded: resume with the layout that wrote it or "
+                               "use another --run-dir")
     saved_optimizer = saved_plan.get("optimizer", plan.optimizer)
     if saved_optimizer != plan.optimizer or plan.optimizer not in RESHARDED_OPTIMIZERS:
         raise ConfigError("train.optimizer", f"{path} was written with {changed[0]} = "

@@ -10,11 +10,12 @@ parameters here. With pipeline or tensor parallelism the keys also carry the ran
 them, `.pp{p}of{P}` then `.tp{t}of{T}` (fivefold.train.trainer): each pp rank's units are
 those of its stage (fivefold.parallel.pipeline.stage: the root holds what the stage has of the
 embedding, final norm and head; blocks keep their global index), and each tp rank's
-parameters are its shards (fivefold.parallel.tensor). With expert parallelism each ep rank's
-experts are a unit of their own, `layers.i.experts{e}of{E}` (fivefold.train.expert_checkpoint).
-The reader rebuilds each (pp, tp, ep) rank's model on the meta device the way the run built
-it, so it cuts every buffer by the runtime's own unit layout, joins the tp shards with
-`unshard_tensor` and stacks the ep ranks' expert rows.
+parameters are its shards (fivefold.parallel.tensor). On the experts' grid each (ep, etp)
+rank's experts are a unit of their own, `layers.i.experts{e}of{E}[x{t}of{T}]`, whose edp
+shards may sit under any tp rank's tag (fivefold.train.expert_checkpoint). The reader rebuilds
+each (pp, tp) rank's and each (pp, ep, etp) rank's model on the meta device the way the run
+built it, so it cuts every buffer by the runtime's own unit layout, joins the tp shards with
+`unshard_tensor` and the experts' etp columns and ep rows with `join_expert_parts`.
 
 `read_training_state` reads the optimizer's state the same way: the engine stores each
 unit's AdamW moments `exp_avg` and `exp_avg_sq` as flat buffers cut like the master weights
@@ -50,8 +51,8 @@ from fivefold.parallel.pipeline.schedules import V_SCHEDULES
 from fivefold.parallel.pipeline.stage import PipelineStage
 from fivefold.parallel.tensor import apply_tensor_parallel, unshard_tensor
 from fivefold.train.checkpoint import latest_checkpoint
-from fivefold.train.expert_checkpoint import (BIAS_KEYS, expert_degree, join_expert_rows,
-                                              rank_units)
+from fivefold.train.expert_checkpoint import (BIAS_KEYS, is_expert_unit, join_expert_parts,
+                                              rank_units, saved_grid)
 
 
 def is_training_run(path: Path) -> bool:
@@ -118,7 +119,7 @@ def read_training_state(step: Path, cfg: ModelConfig, names: set[str] | None = N
         match = SHARD_KEY.fullmatch(key)
         if not match or (match["kind"] != "master" and not optimizer):
             continue
-        where = (match["tag"], match["of"])
+        where = (_unit_tag(match["tag"], match["of"]), match["of"])
         if where in unit_tags:  # a flat unit's weights or AdamW moments
             kinds.add(match["kind"])
         elif where in param_tags:  # a parameter's own state (Muon's path: whole tensors)
@@ -143,6 +144,12 @@ def read_training_state(step: Path, cfg: ModelConfig, names: set[str] | None = N
 # an engine key: what, of which unit or parameter, which data-parallel shard, which rank
 SHARD_KEY = re.compile(r"(?P<kind>\w+)\.(?P<of>.+)\.shard(?P<r>\d+)of(?P<n>\d+)"
                        r"(?P<tag>(?:\.pp\d+of\d+)?(?:\.tp\d+of\d+)?)")
+
+
+def _unit_tag(tag: str, unit: str) -> str:
+    """The rank tag a unit is listed under: an expert unit's without its tp part (its edp
+    shards sit under any tp rank's, fivefold.train.expert_checkpoint)."""
+    return re.sub(r"\.tp\d+of\d+", "", tag) if is_expert_unit(unit) else tag
 
 
 def _load(state: dict, step: Path) -> None:
@@ -205,22 +212,27 @@ def _rank_model(cfg: ModelConfig, pp: int, pp_rank: int, tp: int, tp_rank: int,
 
 
 def _flat_units(keys, cfg: ModelConfig, step: Path, parallel: dict | None,
-                names: set[str] | None = None) -> list[tuple[str, str, list, int]]:
-    """(rank tag, unit name, named parameters, ep rank) of every non-empty unit of every
-    (pp, tp, ep) rank that the keys name, holding any of `names` (None: all), rebuilt on the
-    meta device (fivefold.train.expert_checkpoint `rank_units`)."""
+                names: set[str] | None = None) -> list[tuple[str, str, list, tuple | None]]:
+    """(rank tag, unit name, named parameters, grid place) of every non-empty unit that the
+    keys name, holding any of `names` (None: all), rebuilt on the meta device
+    (fivefold.train.expert_checkpoint `rank_units`): the dense units of every (pp, tp) rank,
+    the expert units of every (pp, ep, etp) rank, their place (ep rank, etp rank) and a tag
+    without tp (the dense units' place: None)."""
     pp, tp = _rank_degree(keys, "pp", step), _rank_degree(keys, "tp", step)
-    ep = expert_degree(keys, step)
+    grid = saved_grid(keys, step)
     units = []
     for pp_rank in range(pp):
+        pp_tag = f".pp{pp_rank}of{pp}" if pp > 1 else ""
         for tp_rank in range(tp):
-            tag = (f".pp{pp_rank}of{pp}" if pp > 1 else "") + (f".tp{tp_rank}of{tp}"
-                                                                if tp > 1 else "")
-            for ep_rank in range(ep):
+            tag = pp_tag + (f".tp{tp_rank}of{tp}" if tp > 1 else "")
+            for place in grid.ranks() if tp_rank == 0 else [(0, 0)]:
                 model = _rank_model(cfg, pp, pp_rank, tp, tp_rank, parallel, step)
-                for unit, params in rank_units(model, ep, ep_rank):
+                for unit, params, expert in rank_units(model, grid, *place):
+                    if expert and tp_rank:  # tp leaves the experts whole: listed once
+                        continue
                     if params and (names is None or any(n in names for n, _ in params)):
-                        units.append((tag, unit, params, ep_rank))  # a middle stage's root: none
+                        units.append((pp_tag if expert else tag, unit, params,
+                                      place if expert else None))  # a middle stage's root: none
     return units
 
 
@@ -234,38 +246,49 @@ def _join_flat_units(flat: dict[str, torch.Tensor], cfg: ModelConfig, step: Path
 def _join_units(flat: dict[str, torch.Tensor], units: list, kind: str, cfg: ModelConfig,
                 step: Path) -> dict[str, torch.Tensor]:
     """Each parameter's whole `kind` tensor ("master", "exp_avg", "exp_avg_sq": cut from the
-    units' flat buffers, joined over tp, expert rows stacked over ep; "step": its unit's step
-    count)."""
-    tp, ep = _rank_degree(flat, "tp", step), expert_degree(flat, step)
-    parts: dict[str, dict[int, list[torch.Tensor]]] = {}  # name -> ep rank -> tp shards
-    for tag, unit, params, ep_rank in units:
-        for name, tensor in _cut_unit(flat, kind, unit, tag, params, step):
-            parts.setdefault(name, {}).setdefault(ep_rank, []).append(tensor)
+    units' flat buffers, a dense one joined over tp, an expert matrix from its grid places;
+    "step": its unit's step count)."""
+    tp, grid = _rank_degree(flat, "tp", step), saved_grid(flat, step)
+    parts: dict[str, dict[tuple | None, list[torch.Tensor]]] = {}  # name -> place -> shards
+    for tag, unit, params, place in units:
+        for name, tensor in _cut_unit(flat, kind, unit, tag, params, step, place is not None):
+            parts.setdefault(name, {}).setdefault(place, []).append(tensor)
     state = {}
-    for name, by_ep in parts.items():
-        joined = {}
-        for ep_rank, shards in by_ep.items():
-            if len(shards) != tp:
-                raise CheckpointError(str(step), f"{name} is held {len(shards)} times over {tp} "
-                                                 "tp rank(s)")
-            joined[ep_rank] = (shards[0] if kind == "step" or tp == 1 else
-                               unshard_tensor(name, shards, cfg.vocab))
-        state[name] = joined[0] if kind == "step" else join_expert_rows(name, joined, ep, step)
+    for name, by_place in parts.items():
+        if kind == "step":
+            state[name] = next(iter(by_place.values()))[0]
+            continue
+        held = {place: len(shards) for place, shards in by_place.items()}
+        if None not in by_place and set(held.values()) == {1}:
+            state[name] = join_expert_parts(name, {p: s[0] for p, s in by_place.items()},
+                                            grid, step)
+        elif list(held) == [None] and held[None] == tp:
+            state[name] = (by_place[None][0] if tp == 1 else
+                           unshard_tensor(name, by_place[None], cfg.vocab))
+        else:
+            raise CheckpointError(str(step), f"{name} is held {held[None] if None in held else 0}"
+                                             f" time(s) over {tp} tp rank(s) and at "
+                                             f"{len(held) - (None in held)} expert grid place(s)")
     return state
 
 
 def _cut_unit(flat: dict[str, torch.Tensor], kind: str, unit: str, tag: str, params,
-              step: Path):
+              step: Path, any_tp: bool = False):
     """(name, tensor) of each parameter of unit `unit` of the rank tagged `tag`, cut from its
-    joined `{kind}.{unit}.shard{r}of{n}` pieces; for "step", the unit's count (the same in
-    every piece)."""
-    pattern = re.compile(rf"{kind}\.{re.escape(unit)}\.shard(\d+)of(\d+){re.escape(tag)}")
-    found = {int(m.group(1)): int(m.group(2)) for k in flat if (m := pattern.fullmatch(k))}
-    n = next(iter(found.values()), 0)
+    joined `{kind}.{unit}.shard{r}of{n}` pieces (`any_tp`: an expert unit's, whose pieces
+    sit under any tp rank's tag, fivefold.train.expert_checkpoint); for "step", the unit's
+    count (the same in every piece)."""
+    tp_part = r"(?:\.tp\d+of\d+)?" if any_tp else ""
+    pattern = re.compile(rf"{kind}\.{re.escape(unit)}\.shard(\d+)of(\d+){re.escape(tag)}{tp_part}")
+    found: dict[int, tuple[int, str]] = {}
+    for k in flat:  # an expert unit's shard may be under several tp tags: equal copies
+        if m := pattern.fullmatch(k):
+            found.setdefault(int(m.group(1)), (int(m.group(2)), k))
+    n = next(iter(found.values()), (0, ""))[0]
     if not n or sorted(found) != list(range(n)):
         raise CheckpointError(str(step), f"{kind} of unit {unit}{tag}: shards {sorted(found)} "
                                          "do not cover it")
-    pieces = [flat[f"{kind}.{unit}.shard{r}of{n}{tag}"] for r in range(n)]
+    pieces = [flat[found[r][1]] for r in range(n)]
     if kind == "step":
         if any(not torch.equal(p, pieces[0]) for p in pieces):
             raise CheckpointError(str(step), f"unit {unit}{tag}: its shards' step counts differ")

@@ -18,7 +18,9 @@ format here, in two halves:
 2. Place (`load_resharded`): the data-parallel engine lays each of its units out flat and
    keeps this rank's shard, after `shard_tensor`, the function that splits a fresh model
    over tp, has cut this rank's tp part (padding vocabulary rows with zeros, which is what
-   AdamW keeps in them); a one-rank run copies into its plain model and torch's optimizer.
+   AdamW keeps in them) and, on the experts' grid, `expert_part` its ep rank's experts and
+   etp rank's columns of them; a one-rank run copies into its plain model and torch's
+   optimizer.
 
 AdamW's state is per element, so a moment reshards exactly like its parameter; Muon runs
 where every rank holds whole matrices (ZeRO stage 0, no tp), so its momentum moves whole.
@@ -43,10 +45,11 @@ from fivefold.comm.collectives import Axis
 from fivefold.config import ModelConfig
 from fivefold.models.hf import CheckpointError
 from fivefold.parallel.data_parallel import DataParallelEngine
+from fivefold.parallel.mesh import ExpertAxes
 from fivefold.parallel.tensor import shard_tensor
 from fivefold.train.checkpoint import load_rank_extra
 from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
-from fivefold.train.expert_checkpoint import ep_rows, place_expert_biases
+from fivefold.train.expert_checkpoint import expert_part, place_expert_biases
 from fivefold.train.dist import Runtime
 
 
@@ -87,19 +90,20 @@ def place_in_plain(model: nn.Module, optimizer, weights: dict[str, torch.Tensor]
 
 def load_resharded(rt: Runtime, path: Path, cfg: ModelConfig, model: nn.Module,
                    engine: DataParallelEngine | None, optimizer, tp_axis: Axis,
-                   expert_axes: tuple[Axis, Axis] | None = None) -> dict:
+                   expert_axes: ExpertAxes | None = None) -> dict:
     """Take checkpoint `path`, written under another layout, into this rank's `engine` (or,
     on one plain rank, `model` and `optimizer`); this rank holds its `tp_axis` rank's part and,
-    with expert parallelism, its ep rank's experts (`expert_axes`: (ep, edp), as the trainer
-    holds them). Return rank 0's extra state (RNG restored)."""
+    on the experts' grid (`expert_axes`, as the trainer holds them), its ep rank's experts and
+    its etp rank's columns of them. Return rank 0's extra state (RNG restored)."""
     tp_size, tp_rank = tp_axis.size, tp_axis.rank
-    ep_size, ep_rank = (expert_axes[0].size, expert_axes[0].rank) if expert_axes else (1, 0)
+    grid = ((expert_axes.ep.size, expert_axes.ep.rank, expert_axes.etp.size,
+             expert_axes.etp.rank) if expert_axes else (1, 0, 1, 0))
     if engine:
         names = {name for unit in engine.units for name in unit.names}
         weights, states, step = read_whole_state(path, cfg, names)
 
         def local(name, full):
-            return shard_tensor(name, ep_rows(name, full, ep_size, ep_rank), tp_size, tp_rank)
+            return shard_tensor(name, expert_part(name, full, *grid), tp_size, tp_rank)
 
         engine.load_whole_state(weights, states, step, local)
     else:
