@@ -187,8 +187,8 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_zeropp_groups.py::test_hierarchical_and_zeropp_groups_on_4_ranks": [
         (4, [*MOE, EP(2), z(3), micro(2), "parallel.zero_group=2", "parallel.hpz=true",
              "cluster.gpus_per_node=2"]),
-        (4, [*MOE, "parallel.etp=2", z(3), micro(2), *ZPP, "cluster.gpus_per_node=2"]),
-        (4, [*MOE, "parallel.cp=2", z(3), micro(2), *ZPP, "cluster.gpus_per_node=2"])],
+        (4, [*MOE, "parallel.cp=2", "parallel.etp=2", z(3), micro(2), *ZPP,
+             "cluster.gpus_per_node=2"])],
     "tests/test_zeropp_groups.py::test_hierarchical_and_zeropp_groups_on_8_ranks": [
         (8, [*MOE, EP(2), z(3), micro(1), "parallel.zero_group=4", *ZPP,
              "cluster.gpus_per_node=2"]),

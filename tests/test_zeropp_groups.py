@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.parallel.expert import gather_experts
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
@@ -40,22 +40,23 @@ MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=
        "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
 ALL3 = ["parallel.qwz=true", "parallel.hpz=true", "parallel.qgz=true"]
 Z3, GPN2, GPN4 = "parallel.zero_stage=3", "cluster.gpus_per_node=2", "cluster.gpus_per_node=4"
-# (overrides, label, quantized, a ledger dimension the layout must have used)
+# (overrides, label, quantized, ledger dimensions the layout must have used)
 LAYOUTS_4 = [
     (["parallel.ep=2", Z3, "parallel.zero_group=2", "parallel.hpz=true", GPN2],
-     "ep2 ZeRO-3 zero_group 2 hpZ", False, "edp_replicate"),
-    (["parallel.etp=2", Z3, *ALL3, GPN2], "etp2 ZeRO-3 qwZ hpZ qgZ", True, "edp.inter"),
-    (["parallel.cp=2", Z3, *ALL3, GPN2], "cp2 ZeRO-3 qwZ hpZ qgZ", True, "dp_shard+cp.inter"),
+     "ep2 ZeRO-3 zero_group 2 hpZ", False, ("edp_replicate", "dp_shard.intra")),
+    (["parallel.cp=2", "parallel.etp=2", Z3, *ALL3, GPN2], "cp2 etp2 ZeRO-3 qwZ hpZ qgZ",
+     True, ("dp_shard+cp.inter", "edp.inter")),
 ]
 LAYOUTS_8 = [
     (["parallel.ep=2", Z3, "parallel.zero_group=4", *ALL3, GPN2, "parallel.micro_batch=1"],
-     "ep2 ZeRO-3 zero_group 4 qwZ hpZ qgZ", True, "edp_shard.inter"),
+     "ep2 ZeRO-3 zero_group 4 qwZ hpZ qgZ", True, ("edp_shard.inter", "edp_replicate")),
     (["parallel.etp=2", "parallel.zero_stage=2", "parallel.zero_group=4", "parallel.qgz=true",
-      GPN4, "parallel.micro_batch=1"], "etp2 ZeRO-2 zero_group 4 qgZ", True, "edp_shard.intra"),
+      GPN4, "parallel.micro_batch=1"], "etp2 ZeRO-2 zero_group 4 qgZ", True,
+     ("edp_shard.intra", "edp_replicate")),
     (["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=1", "parallel.zero_group=2"],
-     "ep2 tp2 ZeRO-1 zero_group 2", False, "edp_shard"),
+     "ep2 tp2 ZeRO-1 zero_group 2", False, ("edp_shard", "edp_replicate")),
     (["parallel.cp=2", Z3, "parallel.zero_group=2", *ALL3, GPN2],
-     "cp2 ZeRO-3 zero_group 2 qwZ hpZ qgZ", True, "dp_shard+cp.intra"),
+     "cp2 ZeRO-3 zero_group 2 qwZ hpZ qgZ", True, ("dp_shard+cp.intra", "dp_replicate")),
 ]
 ROUTED = ("moe_combine", "moe_dispatch_backward")  # sized by the routing the step did
 
@@ -81,7 +82,7 @@ def _check(world: int, layouts: list, base: list[str]) -> None:
     ref = _train(CPU, base)
     per_rank = run_on_ranks(_layouts, world, [base + sets for sets, *_ in layouts],
                             timeout_s=900)
-    for i, (sets, label, quantized, dim) in enumerate(layouts):
+    for i, (sets, label, quantized, dims) in enumerate(layouts):
         run = per_rank[0][i]
         for rank in per_rank:
             assert rank[i]["losses"] == run["losses"], label
@@ -101,7 +102,8 @@ def _check(world: int, layouts: list, base: list[str]) -> None:
         plan = training_plan(cfg, world, "cpu")
         assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(world)],
                                  [rank[i]["ledger"] for rank in per_rank], ROUTED, label)
-        assert any(d == dim for rank in per_rank for _, d, _ in rank[i]["ledger"][0]), label
+        used = {d for rank in per_rank for _, d, _ in rank[i]["ledger"][0]}
+        assert set(dims) <= used, (label, used)
 
 
 def test_hierarchical_and_zeropp_groups_on_4_ranks(parity_overrides):
@@ -111,3 +113,14 @@ def test_hierarchical_and_zeropp_groups_on_4_ranks(parity_overrides):
 @pytest.mark.slow
 def test_hierarchical_and_zeropp_groups_on_8_ranks(parity_overrides):
     _check(8, LAYOUTS_8, parity_overrides + MOE)
+
+
+def test_a_zero_group_must_hold_whole_expert_grids(tiny_overrides):
+    """ep 4 on 8 data-parallel ranks with zero_group 2: each zero group would hold half of an
+    ep grid, so no edp rank's part of a zero group exists: refused naming zero_group."""
+    cfg = load_config(None, tiny_overrides + MOE + [
+        "parallel.ep=4", "parallel.zero_stage=1", "parallel.zero_group=2",
+        "parallel.global_batch=8", "parallel.micro_batch=1"])
+    with pytest.raises(ConfigError, match="whole") as err:
+        training_plan(cfg, 8, "cpu")
+    assert err.value.key == "parallel.zero_group"
