@@ -6,7 +6,8 @@ so that its ranks are neighbours (the same node); the data-parallel degree split
 (copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
 torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
 
-`expert_axes(ep, etp)` cuts a stage's ranks into the experts' grid (fivefold.expert_grid).
+`expert_axes(ep, etp)` cuts a stage's ranks into the experts' grid (fivefold.expert_grid);
+`expert_zero_axes` cuts its edp groups by zero group (hierarchical sharding of the experts).
 
 `use_algorithms(choice, gpus_per_node)` (the `[comm]` config section, see
 fivefold.comm.choice) makes every axis handed out afterwards carry the chosen collective
