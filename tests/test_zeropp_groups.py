@@ -28,7 +28,12 @@ import torch
 from fivefold.config import ConfigError, load_config
 from fivefold.parallel.expert import gather_experts
 from fivefold.parallel.plan import training_plan
+from fivefold.comm.quantize import BLOCK
+from fivefold.planner.comm import Group
+from fivefold.planner.expert_cost import expert_groups
 from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.memory import stage_units
+from fivefold.planner.stack import stack_of
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
 from fivefold.train.trainer import Trainer
@@ -124,3 +129,19 @@ def test_a_zero_group_must_hold_whole_expert_grids(tiny_overrides):
     with pytest.raises(ConfigError, match="whole") as err:
         training_plan(cfg, 8, "cpu")
     assert err.value.key == "parallel.zero_group"
+
+
+def test_the_planner_shards_hierarchical_experts_over_their_zero_groups_part(tiny_overrides):
+    """ep 2 on 8 ranks, zero_group 4: each edp group of 4 is 2 ranks in each of the 2 zero
+    groups; the memory model shards an expert unit over those 2 and the simulator syncs it
+    over a group of 2, ep ranks apart (the runtime's edp_shard, checked by the 8-rank run)."""
+    cfg = load_config(None, tiny_overrides + MOE + [
+        "parallel.ep=2", Z3, "parallel.zero_group=4", "parallel.global_batch=8",
+        "parallel.micro_batch=1", "cluster.gpus_per_node=8"])
+    plan = training_plan(cfg, 8, "cpu")
+    assert plan.expert_shard_axis == ("edp_shard", 2)
+    *_, edp = expert_groups(stack_of("fivefold"), plan, Group.strided(4, 1, 8), 8)
+    assert (edp.size, edp.per_node) == (2, 2)
+    units = stage_units(cfg.model, plan, list(range(cfg.model.layers)), True, True, BLOCK,
+                        etp=plan.etp)
+    assert {u.shard for u in units if u.expert} == {2}
