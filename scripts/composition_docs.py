@@ -61,6 +61,7 @@ NVME_OFFLOAD = ["parallel.offload=nvme", "parallel.offload_path=/tmp"]
 FP8 = "parallel.precision=fp8"
 GALORE, LOMO, SGD = "train.optimizer=galore", "train.optimizer=lomo", "train.optimizer=sgd"
 MUON = "train.optimizer=muon"
+ZPP = ["parallel.qwz=true", "parallel.hpz=true", "parallel.qgz=true"]  # ZeRO++'s three
 TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_data_parallel.py::test_parity_with_one_process": [
         (2, [z(0), micro(1)]), (2, [z(1), micro(1)]), (2, [z(2), micro(1)]),
@@ -183,6 +184,19 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [*MOE, EP(2), z(3), micro(2), "parallel.hpz=true", "cluster.gpus_per_node=4"]),
         (4, [*MOE, EP(2), z(3), micro(2), "parallel.qwz=true", "parallel.hpz=true",
              "parallel.qgz=true", "cluster.gpus_per_node=2"])],
+    "tests/test_zeropp_groups.py::test_hierarchical_and_zeropp_groups_on_4_ranks": [
+        (4, [*MOE, EP(2), z(3), micro(2), "parallel.zero_group=2", "parallel.hpz=true",
+             "cluster.gpus_per_node=2"]),
+        (4, [*MOE, "parallel.cp=2", "parallel.etp=2", z(3), micro(2), *ZPP,
+             "cluster.gpus_per_node=2"])],
+    "tests/test_zeropp_groups.py::test_hierarchical_and_zeropp_groups_on_8_ranks": [
+        (8, [*MOE, EP(2), z(3), micro(1), "parallel.zero_group=4", *ZPP,
+             "cluster.gpus_per_node=2"]),
+        (8, [*MOE, "parallel.etp=2", z(2), micro(1), "parallel.zero_group=4",
+             "parallel.qgz=true", "cluster.gpus_per_node=4"]),
+        (8, [*MOE, EP(2), TP2, z(1), micro(2), "parallel.zero_group=2"]),
+        (8, [*MOE, "parallel.cp=2", z(3), micro(2), "parallel.zero_group=2", *ZPP,
+             "cluster.gpus_per_node=2"])],
     "tests/test_moe.py::test_moe_run_logs_load_statistics": [(1, [*MOE])],
     "tests/test_moe_token_split.py::"
     "test_moe_on_sequence_and_context_shards_matches_one_process": [

@@ -259,6 +259,9 @@ def test_set_on_a_value_not_a_table(tmp_path):
     (["model.moe.experts=8", "model.moe.expert_ffn_hidden=60", "parallel.etp=8",
       "parallel.dp=8"], "parallel.etp", "does not divide the experts' width 60"),
     (["parallel.etp=2", "parallel.dp=2"], "parallel.etp", "needs model.moe"),
+    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.ep=2",
+      "parallel.dp=2", "parallel.zero_stage=1", "parallel.zero_group=1"], "parallel.zero_group",
+     "must hold whole ep x etp = 2 expert grids"),
     (["model.moe.experts=8", "model.moe.expert_ffn_hidden=64", "model.seq_len=62",
       "parallel.tp=4", "parallel.dp=1"], "parallel.tp", "must divide them"),
     (["model.moe.expert_ffn_hidden=64", "model.moe.score='tanh'"], "model.moe.score",
@@ -531,9 +534,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
     (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.precision=fp16"], 1,
      "parallel.precision", "not loss-scaled"),
     (["parallel.ep=2"], 2, "parallel.ep", "needs model.moe"),
-    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.ep=2",
-      "parallel.zero_stage=1", "parallel.zero_group=1"], 2, "parallel.zero_group",
-     "expert parallelism"),
 ])
 def test_validate_for_training_rejects(overrides, world_size, key, fragment):
     cfg = load(*overrides)

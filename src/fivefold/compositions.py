@@ -150,13 +150,6 @@ REFUSALS: list[Refusal] = [
     Refusal("moe", ("fp16",), "parallel.precision",
             "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
             "with model.moe"),
-    Refusal("ep>1", ("zero_group",), "parallel.zero_group",
-            "expert parallelism shards the experts over the whole expert-data-parallel "
-            "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
-    Refusal("etp>1", ("zero_group", "qwz", "hpz", "qgz"), "parallel.etp",
-            "expert tensor parallelism shards the experts over their whole expert-data "
-            "group, which neither hierarchical sharding nor ZeRO++'s node groups are laid "
-            "out over; drop zero_group and turn qwz, hpz and qgz off with etp > 1"),
     Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "
@@ -198,9 +191,6 @@ REFUSALS: list[Refusal] = [
             "{parallel.schedule} with context parallelism is not built (TeraPipe's token "
             "slices are not combined with cp's token shards; 2BW's own update is not tested "
             "with cp); use 1f1b, gpipe, interleaved or zb with parallel.cp > 1"),
-    Refusal("cp>1", ("qwz", "hpz", "qgz"), "parallel.cp",
-            "ZeRO++'s node groups are not laid out over the cp ranks yet; turn qwz, hpz and "
-            "qgz off with parallel.cp > 1"),
     Refusal("cp>1", ("recompute=full", "recompute=selective"), "parallel.recompute",
             "recomputation would rerun the attention's communication, which is not counted "
             "yet; use 'none' with parallel.cp > 1"),

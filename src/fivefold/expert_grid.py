@@ -55,6 +55,13 @@ def validate_expert_grid(cfg: Config, dp: int) -> None:
                                          f"{divisors(stage // p.etp)}")
     if moe is None:
         return
+    group = (p.zero_group or dp) * p.cp * p.tp  # the stage's ranks of one zero group
+    if p.zero_stage >= 1 and group % (p.ep * p.etp):
+        raise ConfigError("parallel.zero_group", f"hierarchical sharding shards the experts "
+                                                 f"inside each zero group, whose zero_group x "
+                                                 f"cp x tp = {group} ranks must hold whole "
+                                                 f"ep x etp = {p.ep * p.etp} expert grids; "
+                                                 "choose a zero_group they divide, or drop it")
     ffn = moe.expert_ffn_hidden or cfg.model.ffn_hidden
     if ffn % p.etp:
         raise ConfigError("parallel.etp", f"{p.etp} does not divide the experts' width "

@@ -88,8 +88,8 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     check_batch_split(p, dp, world_size is not None or p.dp is not None, cfg.train.optimizer)
     check_compositions(cfg, dp, ANY_USE)
     if p.hpz or p.qgz:
-        shard = p.zero_group or dp
-        per_node = ranks_per_node(cfg.cluster.gpus_per_node, p.tp, p.cp, shard)
+        shard = (p.zero_group or dp) * p.cp  # ZeRO shards over dp x cp
+        per_node = ranks_per_node(cfg.cluster.gpus_per_node, p.tp, shard)
         if shard % per_node:
             raise ConfigError("cluster.gpus_per_node", f"{per_node} data-parallel ranks per node"
                                                        f" do not divide the shard group of "
@@ -204,10 +204,11 @@ def validate_pipeline(cfg: Config, dp: int) -> None:
                                                   "lower parallel.micro_batch")
 
 
-def ranks_per_node(gpus_per_node: int, tp: int, cp: int, shard: int) -> int:
-    """Ranks of one data-parallel shard group on a node (tp and cp ranks fill a node first):
-    ZeRO++'s hpZ and qgZ groups."""
-    return max(1, min(shard, gpus_per_node // (tp * cp)))
+def ranks_per_node(gpus_per_node: int, stride: int, shard: int) -> int:
+    """Ranks of one shard group on a node, its members `stride` ranks apart (the tp ranks
+    between two data-parallel ranks fill a node first; an edp group's, ep x etp): ZeRO++'s
+    hpZ and qgZ groups."""
+    return max(1, min(shard, gpus_per_node // stride))
 
 
 def validate_stack_release(stack: str, release) -> None:

@@ -49,7 +49,10 @@ buffer (4 bytes per parameter, K = 4 or 8) sharded like AdamW's moments.
 Expert parallelism (fivefold.parallel.expert): with `expert_axes` each MoE block's stacked
 expert matrices form a unit of their own, reduced over the "edp" ranks that hold copies of
 the same experts (all-reduced at stage 0, sharded over edp at stages 1-3) while the block's
-dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its units.
+dense parameters keep the data-parallel axes; a ZeRO-3 block gathers both its units. With
+hierarchical sharding the expert units shard over the part of their edp group inside one
+zero group and all-reduce their shard across the others (`Mesh.expert_zero_axes`), and
+ZeRO++'s node groups are cut from that part.
 
 Offload (`parallel.offload`, ZeRO-Offload / ZeRO-Infinity; fivefold.memory.offload and
 fivefold.memory.nvme_store): the first units by `ParallelPlan.offloaded_units` keep their
@@ -122,7 +125,12 @@ class DataParallelEngine(EngineCheckpoint):
             tag = expert_unit_tag(ep_axis.rank, ep_axis.size, etp_axis.rank, etp_axis.size)
             split = split_expert_units(split_units(model), tag)
             none = C.Axis("none", None, 1, 0, mesh.ledger)
+            expert_groups = mesh.expert_data_groups(ep_axis.size, etp_axis.size)
             unit_axes[True] = (none, edp_axis) if stage == 0 else (edp_axis, none)
+            if stage >= 1 and mesh.shape["dp_replicate"] > 1:  # hierarchical: edp cut too
+                shard, replicate, expert_groups = mesh.expert_zero_axes(ep_axis.size,
+                                                                        etp_axis.size)
+                unit_axes[True] = (shard, replicate)
         self.unit_shard = [unit_axes[expert][0] for *_, expert in split]
         self.unit_replicate = [unit_axes[expert][1] for *_, expert in split]
         self.is_expert = [expert for *_, expert in split]
@@ -132,11 +140,11 @@ class DataParallelEngine(EngineCheckpoint):
                       for (name, params, *_), axis in zip(split, self.unit_shard)]
         unit_nodes = [None] * len(self.units)
         if zero_pp.hpz or zero_pp.qgz:  # ZeRO++'s node groups: experts' over the edp ranks
-            nodes = {False: zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node)}
+            nodes = {False: zeropp.split_by_node(self.shard_axis, zero_pp.ranks_per_node,
+                                                 mesh.axis_groups(*shard_axes))}
             if expert_axes is not None:
-                nodes[True] = zeropp.split_by_node(
-                    expert_axes[1], zero_pp.expert_ranks_per_node,
-                    mesh.expert_data_groups(ep_axis.size, etp_axis.size))
+                nodes[True] = zeropp.split_by_node(unit_axes[True][0],
+                                                   zero_pp.expert_ranks_per_node, expert_groups)
             unit_nodes = [nodes[expert] for expert in self.is_expert]
         self.blocks = [module for _, _, module, _ in split]
         self.masters = [nn.Parameter(self._master_storage(u)) for u in self.units]

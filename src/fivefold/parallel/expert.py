@@ -117,23 +117,24 @@ def gather_experts(state: dict[str, torch.Tensor], axes: ExpertAxes) -> dict[str
     return out
 
 
-def grid_counted_masks(engine, mesh: Mesh, axes: ExpertAxes) -> list[torch.Tensor | None]:
+def grid_counted_masks(engine, mesh: Mesh) -> list[torch.Tensor | None]:
     """Over each flat unit's shard, True where this rank adds the element to the gradient
     norm, which is then summed over all of a stage's ranks (`STAGE_AXES`, and pp;
     fivefold.parallel.grad_clip), so that every element of the plain model counts once:
     a dense unit on its first data-parallel copy (stage 0: data, cp rank 0; ZeRO: the
     dp_replicate rank 0 of the shard group), with tensor parallelism's rule within it
     (fivefold.parallel.tensor.counted_masks: replicated ones, the MoE router and shared
-    experts included, on tp rank 0); an expert unit on its first edp copy (ZeRO: every
-    edp rank holds its own shard), on every ep and etp rank."""
+    experts included, on tp rank 0); an expert unit on its first copy over the axis its
+    shard is replicated on (stage 0: edp; ZeRO: none, or hierarchical sharding's
+    edp_replicate), on every ep and etp rank."""
     first = mesh.axis("dp_replicate").rank == 0
     if engine.stage == 0:
         first = first and mesh.axis("dp_shard").rank == 0 and mesh.axis("cp").rank == 0
-    expert_first = engine.stage >= 1 or axes.edp.rank == 0
     out = []
-    for unit, expert, mask in zip(engine.units, engine.is_expert,
-                                  counted_masks(engine.units, mesh.axis("tp").rank)):
-        counted = expert_first if expert else first
+    for unit, expert, mask, replicate in zip(engine.units, engine.is_expert,
+                                             counted_masks(engine.units, mesh.axis("tp").rank),
+                                             engine.unit_replicate):
+        counted = replicate.rank == 0 if expert else first
         out.append((None if expert else mask) if counted else
                    torch.zeros(unit.shard_numel, dtype=torch.bool, device=unit.device))
     return out

@@ -6,7 +6,8 @@ so that its ranks are neighbours (the same node); the data-parallel degree split
 (copies across groups). The sizes are the plan's (`ParallelPlan.mesh_shape`). Built on
 torch's DeviceMesh; no global state: the mesh is passed to whatever needs an axis.
 
-`expert_axes(ep, etp)` cuts a stage's ranks into the experts' grid (fivefold.expert_grid).
+`expert_axes(ep, etp)` cuts a stage's ranks into the experts' grid (fivefold.expert_grid);
+`expert_zero_axes` cuts its edp groups by zero group (hierarchical sharding of the experts).
 
 `use_algorithms(choice, gpus_per_node)` (the `[comm]` config section, see
 fivefold.comm.choice) makes every axis handed out afterwards carry the chosen collective
@@ -131,6 +132,41 @@ class Mesh:
         edp = stage // (ep * etp)
         ranks = torch.arange(self.world_size).view(self.shape["pp"], edp, ep, etp)
         return ranks.permute(0, 2, 3, 1).reshape(-1, edp).tolist()
+
+    def expert_zero_axes(self, ep: int, etp: int = 1) -> tuple[Axis, Axis, list[list[int]]]:
+        """Hierarchical sharding of the experts (MiCS, arXiv 2205.00119, Sec. 3, with
+        `parallel.zero_group`): each edp group of `expert_axes(ep, etp)` cut into its
+        dp_replicate parts, each the members inside one zero group (a zero group holds whole
+        ep x etp grids, fivefold.expert_grid's check), as ("edp_shard", "edp_replicate")
+        axes, and the members of every edp_shard group (the same list on every rank, for
+        ZeRO++'s node subgroups, fivefold.comm.zeropp.split_by_node)."""
+        stage = self.world_size // self.shape["pp"]
+        replicas = self.shape["dp_replicate"]
+        sizes = {"edp_replicate": replicas, "edp_shard": stage // (ep * etp * replicas),
+                 "ep": ep, "etp": etp}
+        sub = init_device_mesh(self.device_mesh.device_type, (self.shape["pp"], *sizes.values()),
+                               mesh_dim_names=("pp", *sizes))
+        shard, replicate = (self._with_algorithms(Axis(n, sub.get_group(n), sizes[n],
+                                                       dist.get_rank(sub.get_group(n)),
+                                                       self.ledger))
+                            if sizes[n] > 1 else Axis(n, None, 1, 0, self.ledger)
+                            for n in ("edp_shard", "edp_replicate"))
+        ranks = torch.arange(self.world_size).view(self.shape["pp"], *sizes.values())
+        return shard, replicate, ranks.permute(0, 1, 3, 4, 2).reshape(-1, sizes["edp_shard"]
+                                                                    ).tolist()
+
+    def axis_groups(self, *names: str) -> list[list[int]]:
+        """The global ranks of every group of `joint_axis(*names)`, in axis order, the same
+        list on every rank (torch.distributed.new_group must see every group's calls on
+        every rank, fivefold.comm.zeropp.split_by_node)."""
+        ranks = torch.arange(self.world_size).view(*(self.shape[a] for a in MESH_AXES))
+        inner = [MESH_AXES.index(n) for n in names]
+        outer = [d for d in range(len(MESH_AXES)) if d not in inner]
+        size = 1
+        for n in names:
+            size *= self.shape[n]
+        return ranks.permute(*outer, *inner).reshape(-1, size).tolist()
+
 
 class ExpertAxes(NamedTuple):
     """The experts' grid axes of a rank (`Mesh.expert_axes`)."""

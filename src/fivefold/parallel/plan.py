@@ -115,18 +115,29 @@ class ParallelPlan:
 
     @property
     def ranks_per_node(self) -> int:
-        """Ranks of one data-parallel shard group on a node (validate.ranks_per_node)."""
-        return ranks_per_node(self.gpus_per_node, self.tp, self.cp, self.zero_group)
+        """Ranks of one data-parallel shard group on a node (validate.ranks_per_node); the
+        group spans dp_shard x cp, tp ranks apart."""
+        return ranks_per_node(self.gpus_per_node, self.tp, self.zero_group * self.cp)
 
     @property
     def expert_ranks_per_node(self) -> int:
         """Ranks of one expert-data-parallel group on a node: its members are strided by
         ep x etp (the experts' grid's inner axes, fivefold.expert_grid), ZeRO++'s node groups
         of the expert units; 1 (each rank its own node) where nodes hold unequal parts of the
-        group."""
-        edp = self.expert_data_parallel
-        per_node = ranks_per_node(self.gpus_per_node, self.ep, self.etp, edp)
+        group. Of the group ZeRO shards the experts over (`expert_shard_axis`)."""
+        edp = self.expert_shard_axis[1]
+        per_node = ranks_per_node(self.gpus_per_node, self.ep * self.etp, edp)
         return per_node if edp % per_node == 0 else 1
+
+    @property
+    def expert_shard_axis(self) -> tuple[str, int]:
+        """(ledger name, size) of the axis ZeRO (stages 1-3) shards a routed-expert unit
+        over: its edp ranks, or under hierarchical sharding (dp_replicate > 1) the part of
+        them inside one zero group ("edp_shard"), replicated over "edp_replicate"
+        (fivefold.parallel.mesh.Mesh.expert_zero_axes; MiCS, arXiv 2205.00119, Sec. 3)."""
+        if self.dp_replicate > 1:
+            return "edp_shard", self.expert_data_parallel // self.dp_replicate
+        return "edp", self.expert_data_parallel
 
     @property
     def per_rank_batch(self) -> int:

@@ -30,13 +30,15 @@ def expert_groups(stack: Stack, lay: ParallelPlan, shard_group: Group, gpn: int
                   ) -> tuple[int | None, Group, Group, Group]:
     """(etp as planner.params.block_params takes it: the layout's on the experts' grid, None
     under an external stack; the etp, ep and edp groups). The grid's are etp neighbours, ep
-    groups of them etp apart, and the edp ranks ep x etp apart; an external stack's ep group
+    groups of them etp apart, and the edp ranks ep x etp apart (ZeRO: the part of them that
+    shards the experts, ParallelPlan.expert_shard_axis); an external stack's ep group
     is ep data ranks tp apart, or adjacent under its folding (expert_group_stride_1), and
     its edp the ZeRO group's ranks ep groups apart (Megatron-Core's expert data
     parallelism)."""
     if not stack.experts_follow_tp:
         return (lay.etp, Group.strided(lay.etp, 1, gpn), Group.strided(lay.ep, lay.etp, gpn),
-                Group.strided(lay.expert_data_parallel, lay.ep * lay.etp, gpn))
+                Group.strided(lay.expert_shard_axis[1] if lay.zero_stage >= 1
+                              else lay.expert_data_parallel, lay.ep * lay.etp, gpn))
     ep_stride = 1 if stack.expert_group_stride_1 else lay.tp
     edp = (Group.strided(max(1, shard_group.size // lay.ep), lay.ep * ep_stride, gpn)
            if lay.ep > 1 else shard_group)

@@ -14,8 +14,8 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
             backward), reduce-scatter each unit's gradient; with pp > 1 the root once per
             step, the blocks as the passes find them freed (ledger_pipeline.zero3_block_gathers)
   stage>=1  hierarchical sharding (zero_group < dp): all-reduce each gradient shard over
-            dp_replicate after the last micro-batch; a 4-byte fp32 all-reduce of the squared
-            gradient norm over dp_shard
+            dp_replicate (experts': edp_replicate) after the last micro-batch; a 4-byte fp32
+            all-reduce of the squared gradient norm over dp_shard
   always    a 4-byte fp32 all-reduce of the summed loss over every dp rank
   tp > 1    per micro-batch the collectives of tensor (and sequence) parallelism, see
             `_Step.tensor_parallel`, and under fp8 the tp ranks' amax exchanges
@@ -57,7 +57,7 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
 gradient reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert
-unit's collectives run on its edp group ("edp", "edp.intra", "edp.inter"). Sizes are
+unit's on its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"). Sizes are
 computed here, not read from the runtime; tests/test_planner_ledger.py holds one against the
 other.
 """
@@ -155,8 +155,8 @@ class _Step:
 
     def shard_axis(self, u: Unit) -> tuple[str, int]:
         """(axis, size) a unit's ZeRO collectives run on: ZeRO's shard axes, or for a block's
-        routed experts the edp ranks that hold copies of them."""
-        return ("edp", self.edp) if u.expert else (self.shard_dim, self.shard)
+        routed experts the edp ranks that shard them (ParallelPlan.expert_shard_axis)."""
+        return self.lay.expert_shard_axis if u.expert else (self.shard_dim, self.shard)
 
     def sync_axis(self, u: Unit) -> tuple[str, int]:
         """(axis, size) of a unit's plain data-parallel all-reduce (stage 0)."""
@@ -383,9 +383,9 @@ class _Step:
                 elif stage >= 2:
                     self.reduce_scatter(u, self.reduce, self.gb)
             if last and stage >= 1:
-                for u in (u for u in units if not u.expert):  # experts: edp holds them all
-                    self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
-                                u.shard_numel * self.gb, "grads")
+                for u in units:  # hierarchical sharding's second hop (experts' own)
+                    self.record("all_reduce", "edp_replicate" if u.expert else "dp_replicate",
+                                self.replicate, self.reduce, u.shard_numel * self.gb, "grads")
         if self.cfg.model.moe is not None and lay.expert_grid:  # every rank of the stage
             self.record("all_reduce", "+".join(STAGE_AXES), self.tokens_size * lay.tp,
                         "float32", 4, "grad_norm")

@@ -158,7 +158,7 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
         expert_shard = max(1, shard // lay.ep) if lay.zero_stage >= 1 else 1
     else:
         apart = lay.expert_grid
-        expert_shard = lay.expert_data_parallel if lay.zero_stage >= 1 else 1
+        expert_shard = lay.expert_shard_axis[1] if lay.zero_stage >= 1 else 1
     units = []
     root = root_params(model, lay.tp, first, last)
     if root:

@@ -33,7 +33,7 @@ def muon_axis(lay: ParallelPlan, expert: bool) -> tuple[str, int]:
     """(ledger name, size) of a unit's Muon axis (fivefold.parallel.muon_sharded.muon_axes)."""
     shape = lay.mesh_shape
     if expert:
-        return ("edp", lay.dp * lay.cp // lay.ep) if lay.zero_stage >= 1 else ("edp", 1)
+        return lay.expert_shard_axis if lay.zero_stage >= 1 else ("edp", 1)
     names = [a for a in (*(lay.shard_axes if lay.zero_stage else ()), "tp") if shape[a] > 1]
     size = 1
     for a in names:

@@ -58,7 +58,7 @@ class EngineUpdater(ClippedUpdater):
 
     def grads_for_norm(self):
         grads = [master.grad for master in self.engine.masters]
-        counted = (grid_counted_masks(self.engine, self.mesh, self.expert_axes)
+        counted = (grid_counted_masks(self.engine, self.mesh)
                    if self.expert_axes else counted_masks(self.engine.units, self.tp_rank))
         return grads, counted
 
