@@ -164,8 +164,8 @@ BAD = [  # (overrides, ranks, key, words of the message)
      3, "parallel.micro_batch", "run [2, 1, 1] micro-batches, but ZeRO-2 reduce-scatters"),
     (["parallel.dp_batch_shares=[2, 1, 1]", "parallel.micro_batch=1", "train.optimizer=lomo"],
      3, "parallel.micro_batch", "lomo reduces gradients inside backward"),
-    (["parallel.dp_batch_shares=[3, 1]", "parallel.pp=2"], 4, "parallel.dp_batch_shares",
-     "with parallel.pp > 1 drop dp_batch_shares"),
+    (["parallel.dp_batch_shares=[5, 3]", "parallel.pp=2", "parallel.schedule=interleaved",
+      "parallel.micro_batch=1"], 4, "parallel.micro_batch", "3 per step (3 sequences per dp"),
 ]
 
 
