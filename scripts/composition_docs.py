@@ -230,6 +230,12 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_batch_shares.py::test_more_batch_shares_match_one_process": [
         (3, ["parallel.dp_batch_shares=[1, 2, 1]", z(3)]),
         (3, ["parallel.dp_batch_shares=[2, 1, 1]", z(1), micro(1)])],
+    "tests/test_batch_shares_pipeline.py::"
+    "test_pipeline_with_batch_shares_matches_one_process_and_the_ledger": [
+        (4, [PP2, sched("1f1b"), micro(1), "parallel.dp_batch_shares=[3, 1]", z(0)])],
+    "tests/test_batch_shares_pipeline.py::"
+    "test_pipeline_with_batch_shares_under_zero1_matches_one_process": [
+        (4, [PP2, sched("1f1b"), micro(1), "parallel.dp_batch_shares=[1, 3]", z(1)])],
     "tests/test_offload_sgd.py::test_one_rank_sgd_offload_is_exact_and_records_its_bytes": [
         (1, [SGD, z(0), CPU_OFFLOAD]), (1, [SGD, z(1), *NVME_OFFLOAD]),
         (1, [SGD, z(2), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]),

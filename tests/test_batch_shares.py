@@ -20,9 +20,10 @@ import pytest
 import torch
 from parity import CPU, STEPS, assert_params_close, train_steps
 
-from fivefold.batch_shares import replica_rows, replica_slice
+from fivefold.batch_shares import dp_rank_of, replica_plan, replica_rows, replica_slice
 from fivefold.config import ConfigError, load_config
 from fivefold.parallel.plan import training_plan
+from fivefold.planner.ledger_model import predict_ledger
 from fivefold.testing import run_on_ranks
 from fivefold.train.data import BatchSampler
 from fivefold.train.run_header import layout_text
@@ -164,8 +165,8 @@ BAD = [  # (overrides, ranks, key, words of the message)
      3, "parallel.micro_batch", "run [2, 1, 1] micro-batches, but ZeRO-2 reduce-scatters"),
     (["parallel.dp_batch_shares=[2, 1, 1]", "parallel.micro_batch=1", "train.optimizer=lomo"],
      3, "parallel.micro_batch", "lomo reduces gradients inside backward"),
-    (["parallel.dp_batch_shares=[3, 1]", "parallel.pp=2"], 4, "parallel.dp_batch_shares",
-     "with parallel.pp > 1 drop dp_batch_shares"),
+    (["parallel.dp_batch_shares=[5, 3]", "parallel.pp=2", "parallel.schedule=interleaved",
+      "parallel.micro_batch=1"], 4, "parallel.micro_batch", "3 per step (3 sequences per dp"),
 ]
 
 
@@ -201,3 +202,18 @@ def test_plan_with_shares_round_trips_through_json():
                                             "parallel.global_batch=8"]), 3, "cpu")
     assert ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert plan.micro_batch == 4  # the largest replica's rows: one micro-batch each
+
+
+def test_each_replicas_pipeline_runs_its_own_micro_batch_count():
+    """pp 2 x dp 2, shares 3:1 of 8 in micro-batches of 1: replica 0's schedule runs 6
+    micro-batches and replica 1's 2, so replica 0's ranks send three times replica 1's
+    activation bytes (the 4-rank parity run: tests/test_batch_shares_pipeline.py)."""
+    cfg = load_config(None, ["parallel.dp_batch_shares=[3, 1]", "parallel.pp=2",
+                             "parallel.micro_batch=1", "parallel.global_batch=8"])
+    plan = training_plan(cfg, 4, "cpu")
+    assert [dp_rank_of(plan, r) for r in range(4)] == [0, 1, 0, 1]
+    counts = [replica_plan(plan, d).pipeline_schedules(True)[0].micro_batches for d in (0, 1)]
+    assert counts == [6, 2]
+    sent = [predict_ledger(cfg, plan, rank=r).totals()["send", "pp", "pp_activations"]
+            for r in (0, 1)]
+    assert sent[0] == 3 * sent[1]

@@ -61,7 +61,6 @@ REFUSED = [
     (1, ["parallel.precision=fp16", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.zero_stage=3",
          "parallel.global_batch=4"]),
-    (4, ["parallel.pp=2", "parallel.dp_batch_shares=[3, 1]"]),
     (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",
          "cluster.gpus_per_node=2"]),
     (2, ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=1",

@@ -17,7 +17,14 @@ more micro-batches than the others, which is only sound where gradients are redu
 per step (DDP, ZeRO-1): ZeRO-2/3 reduce-scatter every micro-batch, expert parallelism
 exchanges tokens every micro-batch, and LOMO and GaLore's data-parallel update reduce inside
 backward, so there every replica must run the same number of micro-batches
-(`check_batch_split`). Nothing here touches torch (validation imports it).
+(`check_batch_split`).
+
+Under a pipeline (parallel.pp > 1) each replica's pp ranks run the schedule built for the
+replica's own micro-batch count (`replica_plan`): its stages exchange activations only with
+each other, so the replicas' schedules need not match, and they meet only in the gradient
+sync, once per step for DDP and ZeRO-1 (the engine reduces each unit after its last backward,
+in the same order on every replica). The ledger model predicts a rank's step from the same
+replica plan. Nothing here touches torch (validation imports it).
 """
 
 from __future__ import annotations
@@ -54,6 +61,23 @@ def replica_batch(plan, dp_rank: int) -> tuple[int, int]:
     replica runs its own rows as one micro-batch."""
     _, rows = replica_slice(plan.global_batch, plan.dp, plan.dp_batch_shares, dp_rank)
     return rows, min(plan.micro_batch, rows)
+
+
+def replica_plan(plan, dp_rank: int):
+    """The even ParallelPlan that runs a step as replica `dp_rank` of `plan` does: every
+    replica taking this one's rows in micro-batches of this one's size (the pipeline
+    schedule's micro-batch count, message sizes); `plan` itself without shares. Its global
+    batch is not `plan`'s: the loss still divides by the whole global batch's tokens."""
+    if not plan.dp_batch_shares:
+        return plan
+    rows, micro = replica_batch(plan, dp_rank)
+    return plan.replace(global_batch=rows * plan.dp, micro_batch=micro, dp_batch_shares=None)
+
+
+def dp_rank_of(plan, rank: int) -> int:
+    """The data-parallel replica of global rank `rank` (mesh axes pp, dp, cp, tp, outermost
+    first: fivefold.parallel.mesh)."""
+    return rank // (plan.cp * plan.tp) % plan.dp
 
 
 def shares_text(plan) -> str:

@@ -154,10 +154,6 @@ REFUSALS: list[Refusal] = [
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "
             "'gpipe', '1f1b', 'interleaved' or 'zb', or zero_stage 0, 1 or 2"),
-    Refusal("dp_batch_shares", ("pp>1",), "parallel.dp_batch_shares",
-            "uneven batch shares run through the data-parallel step, not the pipeline "
-            "executor, whose schedule gives every replica the same micro-batch count: with "
-            "parallel.pp > 1 drop dp_batch_shares (uneven stages: parallel.stage_layers)"),
     Refusal("pp>1", ("hpz",), "parallel.hpz",
             "hpZ keeps a block's node-local shard from its forward to its backward, which a "
             "pipeline schedule interleaves across micro-batches; turn hpZ off with "

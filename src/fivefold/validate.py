@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from fivefold.batch_shares import check_batch_split
+from fivefold.batch_shares import check_batch_split, replica_rows
 from fivefold.cluster_groups import validate_groups
 from fivefold.compositions import ANY_USE, REFUSALS, check_compositions
 from fivefold.config import Config, ConfigError
@@ -188,20 +188,18 @@ def validate_pipeline(cfg: Config, dp: int) -> None:
                                                         "'pipedream-2bw', or set it to false")
     if p.pp == 1:
         return
-    per_rank = p.global_batch // dp
-    micro = per_rank // (p.micro_batch or per_rank)
-    if p.schedule == "interleaved" and micro > p.pp and micro % p.pp:
-        raise ConfigError("parallel.micro_batch", f"the interleaved schedule sends micro-batches "
-                                                  f"round the {p.pp} stages in groups of pp: "
-                                                  f"{micro} per step ({per_rank} sequences per dp"
-                                                  f" rank / micro_batch {p.micro_batch}) must be "
-                                                  f"a multiple of {p.pp}, or at most {p.pp}")
-    if p.schedule == "pipedream-2bw" and micro < p.pp:
-        raise ConfigError("parallel.micro_batch", f"PipeDream-2BW needs at least pp = {p.pp} "
-                                                  f"micro-batches per step, got {micro} "
-                                                  f"({per_rank} sequences per dp rank / "
-                                                  f"micro_batch {p.micro_batch or per_rank}); "
-                                                  "lower parallel.micro_batch")
+    for per_rank in sorted(set(replica_rows(p.global_batch, dp, p.dp_batch_shares))):
+        micro = per_rank // (p.micro_batch or per_rank)  # each replica's own schedule
+        if p.schedule == "interleaved" and micro > p.pp and micro % p.pp:
+            raise ConfigError("parallel.micro_batch", f"the interleaved schedule sends "
+                              f"micro-batches round the {p.pp} stages in groups of pp: {micro}"
+                              f" per step ({per_rank} sequences per dp rank / micro_batch "
+                              f"{p.micro_batch}) must be a multiple of {p.pp}, or at most {p.pp}")
+        if p.schedule == "pipedream-2bw" and micro < p.pp:
+            raise ConfigError("parallel.micro_batch", f"PipeDream-2BW needs at least pp = "
+                              f"{p.pp} micro-batches per step, got {micro} ({per_rank} "
+                              f"sequences per dp rank / micro_batch {p.micro_batch or per_rank}"
+                              "); lower parallel.micro_batch")
 
 
 def ranks_per_node(gpus_per_node: int, stride: int, shard: int) -> int:

@@ -57,9 +57,9 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
 gradient reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert
-unit's on its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"). Sizes are
-computed here, not read from the runtime; tests/test_planner_ledger.py holds one against the
-other.
+unit's on its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"); under
+`parallel.dp_batch_shares` a rank's step is its replica's (fivefold.batch_shares.replica_plan).
+Sizes are computed here, not read from the runtime (tests/test_planner_ledger.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fivefold.batch_shares import dp_rank_of, replica_plan
 from fivefold.comm.ledger import Ledger
 from fivefold.config import Config
 from fivefold.expert_grid import STAGE_AXES
@@ -91,11 +92,11 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
                    galore_refresh: bool = False) -> Ledger:
     """The ledger `Trainer.train_step` records on global rank `rank` under plan `lay` (for
     GaLore on the engine, of a step without subspace refresh unless `galore_refresh`)."""
-    quantized = lay.qwz or lay.qgz
+    lay = replica_plan(lay, dp_rank_of(lay, rank))  # dp_batch_shares: this rank's replica
     pp_rank = lay.pp_rank_of(rank)
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
-    units = stage_units(cfg.model, lay, layers, first, last, QUANT_BLOCK if quantized else 1,
-                        etp=lay.etp)
+    units = stage_units(cfg.model, lay, layers, first, last,
+                        QUANT_BLOCK if lay.qwz or lay.qgz else 1, etp=lay.etp)
     if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
         units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     moe_layers = sum(is_moe_layer(cfg.model, i) for i in layers)

@@ -10,11 +10,13 @@ offloaded units' master, moments and fp32 gradient (fivefold.planner.memory's ta
 Activations are one micro-batch's saved bytes on this rank (this stage's blocks and its
 share of the root, fivefold.planner.activations), which the trainer measures with
 saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
-in-flight micro-batches of them, which the report states but does not measure.
+in-flight micro-batches of them, which the report states but does not measure. Under
+`parallel.dp_batch_shares` a rank's micro-batches are its replica's (batch_shares.replica_plan).
 """
 
 from __future__ import annotations
 
+from fivefold.batch_shares import dp_rank_of, replica_plan
 from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.activations import block_saved_bytes, ring_kv_heads, root_saved_bytes
@@ -29,6 +31,7 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
     (offload's tiers), activations_per_micro_batch, micro_batches_in_flight}
     of global rank `rank` under `plan`, in bytes."""
     m = cfg.model
+    plan = replica_plan(plan, dp_rank_of(plan, rank))  # dp_batch_shares: its micro-batches
     layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
     if plan.update in ("engine", "galore-dp"):
         states = predict_ledger(cfg, plan, rank).model_state_bytes

@@ -13,7 +13,8 @@ its gradient synchronization and scales each micro-batch's summed cross-entropy 
 1 / (tokens of the global batch), times fp16's loss scale (fivefold.train.loss_scale). The
 update that follows is the trainer's one synchronous update (the engine's updater:
 clipping over the plan's axes, then the engine's step). The step's summed
-cross-entropy comes back the same on every pp rank. PipeDream-2BW
+cross-entropy comes back the same on every pp rank. With `parallel.dp_batch_shares` each
+replica's schedule has its own micro-batch count (fivefold.batch_shares.replica_plan). PipeDream-2BW
 (fivefold.parallel.pipeline.pipedream_2bw) updates each stage itself, right after the
 stage's last backward of the step, with its own optimizer, data-parallel all-reduce and
 per-stage clipping; it reports no global gradient norm (NaN) and its loss reaches the first
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.batch_shares import replica_plan
 from fivefold.comm.collectives import Axis
 from fivefold.config import Config
 from fivefold.models.llama import build_model
@@ -61,6 +63,7 @@ class PipelineStep:
         self.pp_axis = axes["pp"]
         self.loss_scale = 1.0 / global_tokens
         self.asynchronous = plan.asynchronous
+        plan = replica_plan(plan, axes["dp"].rank)  # dp_batch_shares: this replica's count
         if plan.asynchronous:  # the stage's optimizer steps inside the schedule
             self.pipe = PipeDream2BWEngine(stage, self.pp_axis, plan.micro_batches,
                                            cfg.train.steps, updater.optimizer,
