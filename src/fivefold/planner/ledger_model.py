@@ -39,20 +39,18 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
             over its Muon axis, and the exact optimizer state (fivefold.planner.muon_cost);
             GaLore on the engine (tp, pp or ZeRO-3) its gradient all-gathers, tp projections
             and refreshes (`galore_refresh`; fivefold.planner.ledger_galore) and its state
-  MoE       after the step, one float64 all-reduce over every rank of the stage that routes
-            other tokens of the stage's MoE layers' load statistics (experts + 2 numbers
-            each: fivefold.train.moe_stats). On the experts' grid (ep, etp or tp > 1;
-            fivefold.expert_grid) each block's routed experts are a unit of their own,
-            synced over the edp ranks (all-reduced at stage 0, sharded over edp at stages
-            1-3), the gradient norm is one 4-byte all-reduce over all of the stage's ranks,
-            and per micro-batch come the all-to-alls of `_Step.expert_parallel`, at balanced
-            routing; an MoE block has no tensor-parallel MLP region (it runs on the rank's
-            1/tp of the tokens). Where tensor, sequence or context parallelism splits a
-            micro-batch, the load statistics are reduced over the routing axes, the expert
-            rows are a rank's share's, and fivefold.planner.moe_ledger's
-            `token_split_records` adds the balancing counts' all-reduce, over tp the router's
-            and shared experts' gradient all-reduces and, without sequence parallelism, the
-            all-gathers of the layer's output and input gradient
+  MoE       after the step, one float64 all-reduce over the stage's routing ranks of the
+            MoE layers' load statistics (experts + 2 numbers each: train.moe_stats). On the
+            experts' grid (ep, etp or tp > 1; fivefold.expert_grid) each block's routed
+            experts are a unit of their own, synced over the edp ranks (all-reduced at stage
+            0, sharded at 1-3), the gradient norm one 4-byte all-reduce over the stage, and
+            per micro-batch the all-to-alls of `_Step.expert_parallel` at balanced routing;
+            an MoE block has no tensor-parallel MLP region (it runs on 1/tp of the tokens).
+            Where tp, sp or cp splits a micro-batch, the statistics are reduced over the
+            routing axes, the expert rows are a rank's share's, and moe_ledger's
+            `token_split_records` adds the balancing counts' all-reduce, over tp the
+            router's and shared experts' gradient all-reduces and, without sequence
+            parallelism, the all-gathers of the layer's output and input gradient
 
 ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
 scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
