@@ -52,12 +52,12 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
             router's and shared experts' gradient all-reduces and, without sequence
             parallelism, the all-gathers of the layer's output and input gradient
 
-ZeRO++ (fivefold.comm.zeropp): qwZ sends the weight all-gathers as int8 values plus one fp32
-scale per block of 256; hpZ runs the backward all-gathers inside the node; qgZ replaces each
-gradient reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert
-unit's on its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"); under
-`parallel.dp_batch_shares` a rank's step is its replica's (fivefold.batch_shares.replica_plan).
-Sizes are computed here, not read from the runtime (tests/test_planner_ledger.py).
+ZeRO++ (fivefold.comm.zeropp): qwZ sends weight all-gathers as int8 plus an fp32 scale per
+256 values; hpZ runs backward all-gathers inside the node; qgZ replaces each gradient
+reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert unit's on
+its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"). With dp_batch_shares a rank's
+step is its replica's (batch_shares.replica_plan). Sizes are computed here, not read from the
+runtime (tests/test_planner_ledger.py).
 """
 
 from __future__ import annotations
