@@ -56,8 +56,7 @@ ZeRO++ (fivefold.comm.zeropp): qwZ sends weight all-gathers as int8 plus an fp32
 256 values; hpZ runs backward all-gathers inside the node; qgZ replaces each gradient
 reduce-scatter by two int8 all-to-alls (within, then across nodes); a routed-expert unit's on
 its edp (or edp_shard) group ("edp", "edp.intra", "edp.inter"). With dp_batch_shares a rank's
-step is its replica's (batch_shares.replica_plan). Sizes are computed here, not read from the
-runtime (tests/test_planner_ledger.py).
+step is its replica's (batch_shares.replica_plan). Sizes are computed, not read from a run.
 """
 
 from __future__ import annotations
