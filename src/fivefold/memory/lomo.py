@@ -24,7 +24,7 @@ gradient (tests/test_galore_dp.py).
 
 With ZeRO (`sharded`, parallel.zero_stage 1 or 2: LOMO keeps neither optimizer state nor a
 whole gradient, so both stages shard the same thing, the update) each gradient is
-reduce-scattered instead (fivefold.parallel.grad_sync.reduce_scatter_tensor), each rank
+reduce-scattered instead (fivefold.parallel.grad_reduce.reduce_scatter_tensor), each rank
 updates its slice of the parameter and all-gathers the parameter back, the same bytes as the
 all-reduce; the norm sums every rank's slices in one 4-byte all-reduce per step
 (tests/test_lomo_zero.py).
@@ -40,7 +40,8 @@ from torch import nn
 
 from fivefold.comm import collectives as C
 from fivefold.config import TrainConfig
-from fivefold.parallel.grad_sync import gather_tensor, reduce_scatter_tensor, tensor_shard
+from fivefold.parallel.grad_reduce import (all_reduce_grad, gather_tensor, reduce_scatter_tensor,
+                                           tensor_shard)
 
 
 class FusedSGD:
@@ -65,7 +66,7 @@ class FusedSGD:
         if self.sharded:
             return self._on_sharded_gradient(q, grad)
         if self.axis is not None:  # one copy of the summed gradient on every rank
-            C.all_reduce(grad, self.axis, "grads")
+            all_reduce_grad(grad, self.axis)
         if self.measure:
             self.norms[self.index[id(q)]] = torch.linalg.vector_norm(grad)
         if self.apply:
