@@ -124,9 +124,7 @@ class FusedSGD:
         `check` sees the norm after the update."""
         self.norms, self.lr, self.coef, self.unscale = {}, lr, torch.ones(()), unscale
         two_pass = math.isfinite(max_norm)
-        if unscale is not None and not two_pass:
-            raise ValueError("fp16 LOMO needs the two-pass clipping (a finite max_norm) to "
-                             "detect an overflow before any update")
+        assert unscale is None or two_pass, "fp16 LOMO finds overflows in the clipping pass"
         if two_pass:
             self.measure, self.apply = True, False
             loss.backward(retain_graph=True)
