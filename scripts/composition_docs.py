@@ -152,6 +152,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [SGD, "parallel.cp=2"])],
     "tests/test_lomo_zero.py::test_lomo_with_zero_matches_one_process_and_the_ledger": [
         (2, [LOMO, z(1)]), (2, [LOMO, z(2), "train.grad_clip=0"])],
+    "tests/test_lomo_fp16.py::test_fp16_lomo_is_fp16_sgd_fused_into_backward": [
+        (1, [LOMO, FP16]), (1, [SGD, FP16, "train.beta1=0"])],
+    "tests/test_lomo_fp16.py::test_fp16_lomo_on_2_ranks_matches_one_process": [
+        (2, [LOMO, FP16]), (2, [LOMO, FP16, z(1)]), (2, [LOMO, FP16, z(2)])],
     "tests/test_reliability.py::test_lomo_skips_before_its_applying_pass": [
         (1, ["train.optimizer=lomo", "train.on_nonfinite=skip"])],
     "tests/test_reliability.py::test_nonfinite_guard_agrees_across_ranks": [

@@ -76,10 +76,12 @@ def test_keys_set_alongside_auto_are_held_fixed(tiny_overrides):
     (["parallel.stage_layers=[1, 1]"], 2, "parallel.stage_layers", "cuts the blocks"),
     (["parallel.tp=3"], 2, "parallel.auto", "parallel.tp = 3"),  # 3 divides no head count
     ([], 3, "parallel.auto", "no layout for 3 rank(s)"),  # 8 sequences split over no dp
-    # LOMO with fp16 loss scaling runs on no searched layout of 2 ranks (LOMO on none but
-    # data-parallel ones, fp16 on none of those): the reason named is one of the user's own
-    # keys, not the recompute modes most candidates are refused for
-    (["parallel.precision=fp16", "train.optimizer=lomo"], 2, "parallel.auto",
+    # LOMO with fp16 loss scaling and no clipping runs on no searched layout of 2 ranks
+    # (LOMO on none but data-parallel ones, fp16 LOMO on none without clipping): the reason
+    # named is one of the user's own keys, not the recompute modes most candidates are
+    # refused for
+    (["parallel.precision=fp16", "train.optimizer=lomo", "train.grad_clip=0"], 2,
+     "parallel.auto",
      "(e.g. config error in `train.optimizer`"),
 ])
 def test_impossible_auto_configs_are_config_errors(extra, world, key, words, tiny_overrides):

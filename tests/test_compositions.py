@@ -97,7 +97,7 @@ REFUSED = [
     (1, ["train.optimizer=lomo", "train.grad_clip=0", "train.on_nonfinite=skip"]),
     (2, ["train.optimizer=lomo", "parallel.zero_stage=3"]),
     (1, ["train.optimizer=lomo", "parallel.micro_batch=2"]),
-    (1, ["train.optimizer=lomo", "parallel.precision=fp16"]),
+    (1, ["train.optimizer=lomo", "parallel.precision=fp16", "train.grad_clip=0"]),
 ]
 
 

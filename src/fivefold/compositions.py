@@ -229,8 +229,11 @@ REFUSALS: list[Refusal] = [
     Refusal("optimizer=lomo", ("accumulation",), "parallel.micro_batch",
             "LOMO applies the update during backward, so it cannot accumulate micro-batches: "
             "leave micro_batch unset or set it to {parallel.global_batch}"),
-    Refusal("optimizer=lomo", ("fp16",), "parallel.precision",
-            "LOMO with fp16 loss scaling is not implemented; use bf16 or fp32"),
+    Refusal("optimizer=lomo", ("fp16",), "train.grad_clip",
+            "LOMO with fp16 loss scaling detects an overflow in the first of its two passes "
+            "(the one that measures the gradient norm for clipping); without clipping each "
+            "gradient is applied before an overflow could be known: set train.grad_clip > 0, "
+            "or use bf16 or fp32", when=("grad_clip=0",)),
 ]
 
 

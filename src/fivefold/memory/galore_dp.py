@@ -74,6 +74,7 @@ from fivefold.config import TrainConfig
 from fivefold.memory.galore import adam_direction, galore_rank, refresh_seed, subspace
 from fivefold.memory.row_bucket import RowBucket
 from fivefold.optim import is_block_matrix
+from fivefold.parallel.grad_reduce import all_reduce_grad, reduce_scatter_grad
 
 
 @dataclass
@@ -201,7 +202,7 @@ class GaLoreDataParallel:
         if self.refreshing:
             full = self._pack(self.bucket if self.bucket is not None and not self.projected
                               else self.grads.empty(device), self.grads)
-            C.all_reduce(full, self.axis, "grads")
+            all_reduce_grad(full, self.axis)
             if not self.projected:
                 self.full = full  # clipped whole, then refreshed from, in `step`
                 return
@@ -211,14 +212,13 @@ class GaLoreDataParallel:
                 self.steps.mine(self.shard, i).copy_(self.grads.mine(segment, i) @ proj)
             self.steps.rest_of(self.shard).copy_(self.grads.rest_of(segment))
         elif self.stage == 0:
-            C.all_reduce(self._pack(self.bucket, self.reduced), self.axis, "grads")
+            all_reduce_grad(self._pack(self.bucket, self.reduced), self.axis)
         elif self.stage == 1:
-            C.reduce_scatter(self.shard, self._pack(self.bucket, self.reduced), self.axis,
-                             "grads")
+            reduce_scatter_grad(self.shard, self._pack(self.bucket, self.reduced), self.axis)
         else:
             part = torch.empty_like(self.shard)
-            C.reduce_scatter(part, self._pack(self.reduced.empty(device), self.reduced),
-                             self.axis, "grads")
+            reduce_scatter_grad(part, self._pack(self.reduced.empty(device), self.reduced),
+                                self.axis)
             self.shard += part
 
     def _segment(self) -> torch.Tensor:

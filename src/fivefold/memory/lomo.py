@@ -24,10 +24,19 @@ gradient (tests/test_galore_dp.py).
 
 With ZeRO (`sharded`, parallel.zero_stage 1 or 2: LOMO keeps neither optimizer state nor a
 whole gradient, so both stages shard the same thing, the update) each gradient is
-reduce-scattered instead (fivefold.parallel.grad_sync.reduce_scatter_tensor), each rank
+reduce-scattered instead (fivefold.parallel.grad_reduce.reduce_scatter_tensor), each rank
 updates its slice of the parameter and all-gathers the parameter back, the same bytes as the
 all-reduce; the norm sums every rank's slices in one 4-byte all-reduce per step
 (tests/test_lomo_zero.py).
+
+With fp16 loss scaling (fivefold.train.loss_scale; the paper trains in fp16 with dynamic loss
+scaling, Sec. 3.3) the loss arrives multiplied by the scale S and `unscale` (fp32 1/S) is
+multiplied into each gradient right after its reduction, before it is measured or applied,
+as the synchronous path unscales the reduced gradients before clipping. The overflow check
+rides on the two-pass clipping: a first pass whose norm is not finite skips the second pass,
+so nothing is applied, and the updater halves S. Without clipping (one pass) each gradient
+is applied before any overflow could be known, so fp16 LOMO requires train.grad_clip > 0
+(fivefold.compositions).
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from torch import nn
 
 from fivefold.comm import collectives as C
 from fivefold.config import TrainConfig
-from fivefold.parallel.grad_sync import gather_tensor, reduce_scatter_tensor, tensor_shard
+from fivefold.parallel.grad_reduce import (all_reduce_grad, gather_tensor, reduce_scatter_tensor,
+                                           tensor_shard)
 
 
 class FusedSGD:
@@ -55,6 +65,7 @@ class FusedSGD:
         self.norms: dict[int, torch.Tensor] = {}  # parameter index: its gradient's norm
         self.measure = self.apply = False
         self.lr, self.coef = 0.0, torch.ones(())
+        self.unscale: torch.Tensor | None = None  # fp16: 1/S, multiplied into each gradient
         for q in self.params:
             q.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -65,7 +76,9 @@ class FusedSGD:
         if self.sharded:
             return self._on_sharded_gradient(q, grad)
         if self.axis is not None:  # one copy of the summed gradient on every rank
-            C.all_reduce(grad, self.axis, "grads")
+            all_reduce_grad(grad, self.axis)
+        if self.unscale is not None:
+            grad = grad.mul(self.unscale)
         if self.measure:
             self.norms[self.index[id(q)]] = torch.linalg.vector_norm(grad)
         if self.apply:
@@ -78,6 +91,8 @@ class FusedSGD:
         """ZeRO: this rank's slice of the summed gradient; measure it, or update the slice of
         `q` with it and gather `q` whole again."""
         part = reduce_scatter_tensor(grad, self.axis)
+        if self.unscale is not None:
+            part = part.mul(self.unscale)
         if self.measure:  # this rank's slice: `_norm` sums them over the ranks
             self.norms[self.index[id(q)]] = torch.linalg.vector_norm(part)
         if self.apply:
@@ -99,19 +114,24 @@ class FusedSGD:
         return square.sqrt()
 
     def step(self, loss: torch.Tensor, lr: float, max_norm: float,
-             check: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
-        """Backward of `loss` with the update fused in; the gradient norm before clipping.
-        With a finite `max_norm` a first backward measures the norm (two passes), and
-        `check(norm)` (the trainer's non-finite guard) decides before any update whether
-        the second pass runs at all; with one pass `check` sees the norm after the update."""
-        self.norms, self.lr, self.coef = {}, lr, torch.ones(())
+             check: Callable[[torch.Tensor], bool] | None = None,
+             unscale: torch.Tensor | None = None) -> torch.Tensor:
+        """Backward of `loss` with the update fused in; the gradient norm before clipping
+        (of the unscaled gradients). With a finite `max_norm` a first backward measures the
+        norm (two passes), and `check(norm)` (the trainer's non-finite guard) decides before
+        any update whether the second pass runs at all, as does an fp16 overflow (`unscale`
+        given, 1/S of a loss multiplied by S: a norm that is not finite); with one pass
+        `check` sees the norm after the update."""
+        self.norms, self.lr, self.coef, self.unscale = {}, lr, torch.ones(()), unscale
         two_pass = math.isfinite(max_norm)
+        assert unscale is None or two_pass, "fp16 LOMO finds overflows in the clipping pass"
         if two_pass:
             self.measure, self.apply = True, False
             loss.backward(retain_graph=True)
             norm = self._norm()
             self.measure = False
-            if check is not None and not check(norm):
+            keep = check is None or check(norm)
+            if not keep or (unscale is not None and not torch.isfinite(norm)):
                 return norm  # nothing applied; the retained graph goes with `loss`
             self.coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self.measure, self.apply = not two_pass, True

@@ -35,8 +35,9 @@ reduce-scatters gradients as int8 through two all-to-all hops, qwZ quantizes the
 weight all-gathers, hpZ keeps a node-local secondary weight shard from forward to backward so
 that the backward all-gather stays inside the node.
 
-`reduce_scatter_tensor`, `tensor_shard` and `gather_tensor` are ZeRO-1/2 for one tensor at a
-time, for LOMO (fivefold.memory.lomo), whose update runs inside backward per parameter.
+Gradients outside the flat units (LOMO's per parameter, GaLore-dp's bucket, PipeDream-2BW's
+stage gradients, sequence parallelism's partial sums) are reduced by
+fivefold.parallel.grad_reduce; no other module writes a gradient collective.
 """
 
 from __future__ import annotations
@@ -320,35 +321,6 @@ class GatherAndFree(ShardedSync):
     def release_root(self) -> None:
         self._root_held = False
         self.units[0].free_full()
-
-
-def reduce_scatter_tensor(grad: torch.Tensor, axis: C.Axis) -> torch.Tensor:
-    """ZeRO-1/2 for one tensor (an update fused into backward, fivefold.memory.lomo): this
-    rank's slice of `grad` summed over `axis`, the tensor laid out flat and zero-padded to a
-    multiple of the axis size, rank r holding the r-th equal slice (as `FlatUnit` cuts)."""
-    size = -(-grad.numel() // axis.size)
-    flat = torch.zeros(size * axis.size, dtype=grad.dtype, device=grad.device)
-    flat[:grad.numel()].copy_(grad.reshape(-1))
-    part = torch.empty(size, dtype=grad.dtype, device=grad.device)
-    C.reduce_scatter(part, flat, axis, "grads")
-    return part
-
-
-def tensor_shard(tensor: torch.Tensor, axis: C.Axis) -> torch.Tensor:
-    """A copy of this rank's slice of `tensor` in `reduce_scatter_tensor`'s layout."""
-    size = -(-tensor.numel() // axis.size)
-    lo = min(axis.rank * size, tensor.numel())
-    hi = min(lo + size, tensor.numel())
-    shard = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
-    shard[:hi - lo].copy_(tensor.reshape(-1)[lo:hi])
-    return shard
-
-
-def gather_tensor(tensor: torch.Tensor, shard: torch.Tensor, axis: C.Axis) -> None:
-    """Set `tensor` in place from every rank's `shard` (`reduce_scatter_tensor`'s layout)."""
-    full = torch.empty(shard.numel() * axis.size, dtype=shard.dtype, device=shard.device)
-    C.all_gather(full, shard, axis, "params")
-    tensor.copy_(full[:tensor.numel()].view_as(tensor))
 
 
 def grad_sync_for(stage: int, *args, **stage3) -> AllReduceSync:

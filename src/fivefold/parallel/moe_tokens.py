@@ -37,7 +37,8 @@ from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.models.moe import MoE
 from fivefold.parallel.expert import is_expert_param
-from fivefold.parallel.tensor_comm import all_reduced, gather_sequence
+from fivefold.parallel.grad_reduce import sum_moe_shared_grads
+from fivefold.parallel.tensor_comm import gather_sequence
 
 
 class BalanceCounts:
@@ -100,4 +101,4 @@ def apply_moe_token_split(model: nn.Module, token_group: Axis, tp_axis: Axis | N
                 lambda mod, args, out: _GatherShares.apply(out, tp_axis))
         for name, param in module.named_parameters():
             if not is_expert_param(f"mlp.{name}"):
-                param.register_hook(lambda grad: all_reduced(grad, tp_axis, "moe_sp_grads"))
+                sum_moe_shared_grads(param, tp_axis)

@@ -75,8 +75,9 @@ from fivefold.config import ModelConfig
 from fivefold.models.description import MOE_PLACEMENTS, VOCAB_PARTS, name_in_part, placement
 from fivefold.models.llama import Transformer
 from fivefold.models.moe import MoE
-from fivefold.parallel.tensor_comm import (SharedRegather, all_reduced, copy_to_tp,
-                                           gather_from_sp, gather_stacked, linear_regathered,
+from fivefold.parallel.grad_reduce import sum_norm_gain_grads
+from fivefold.parallel.tensor_comm import (SharedRegather, copy_to_tp, gather_from_sp,
+                                           gather_stacked, linear_regathered,
                                            reduce_from_tp, scatter_to_sp)
 
 
@@ -297,7 +298,7 @@ def apply_tensor_parallel(model: Transformer, tp_axis: Axis,
     if sp:  # replicated gains see T/t tokens per rank: their gradients are partial sums
         for name, param in model.named_parameters():  # (MoE layers: fivefold.parallel.moe_tokens)
             if split_dim(name) is None and name_in_part(name) not in MOE_PLACEMENTS:
-                param.register_hook(lambda grad: all_reduced(grad, tp_axis, "sp_norm_grads"))
+                sum_norm_gain_grads(param, tp_axis)
     return model
 
 

@@ -31,11 +31,14 @@ class LossScale:
         """What each micro-batch's loss is multiplied by before backward."""
         return self.scale
 
+    def inverse(self) -> torch.Tensor:
+        """fp32 1/S, what GradScaler.unscale_ multiplies by (S is a power of two: exact)."""
+        return torch.tensor(self.scale, dtype=torch.float64).reciprocal().float()
+
     @torch.no_grad()
     def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Divide the scale out of `grads` in place (multiplying by fp32 1/S, as
-        GradScaler.unscale_ does; S is a power of two, so this is exact)."""
-        inv = torch.tensor(self.scale, dtype=torch.float64).reciprocal().float()
+        """Divide the scale out of `grads` in place (multiplying by `inverse()`)."""
+        inv = self.inverse()
         for g in grads:
             g.mul_(inv.to(g.device))
 

@@ -50,6 +50,7 @@ from torch.func import functional_call
 from fivefold.comm import collectives as C
 from fivefold.comm.collectives import Axis
 from fivefold.parallel.grad_clip import clip_grad_norm_
+from fivefold.parallel.grad_reduce import all_reduce_grads
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.p2p_plan import Exchange, Step
 from fivefold.parallel.pipeline.schedules import (RECV_LOSS, RECV_TIED_GRAD,
@@ -241,10 +242,7 @@ class PipeDream2BWEngine(PipelineEngine):
         if step in self.head_grads:  # the last stage's share of the tied matrix
             grads["tok_embeddings.weight"] += self.head_grads.pop(step)
         if self.dp_axis is not None and self.dp_axis.size > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads.values()])
-            C.all_reduce(flat, self.dp_axis, "grads")
-            for g, part in zip(grads.values(), flat.split([g.numel() for g in grads.values()])):
-                g.copy_(part.view_as(g))
+            all_reduce_grads(list(grads.values()), self.dp_axis)
         clip_grad_norm_(list(grads.values()), self.max_norm, [])
         newest = self.versions[step]
         spare = (self.versions.pop(step - 1) if step >= 1 else

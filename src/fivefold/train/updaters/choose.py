@@ -38,7 +38,7 @@ def build_updater(model: nn.Module, plan: ParallelPlan, mesh: Mesh, train: Train
         return EngineUpdater(model, plan, mesh, train, device, compute, rank,
                              norm_axes(plan, mesh, expert_axes), expert_axes)
     if plan.update == "lomo":
-        return LomoUpdater(model, train, dp_axis, plan.zero_stage >= 1)
+        return LomoUpdater(model, train, dp_axis, plan.zero_stage >= 1, fp16)
     if plan.update == "galore-dp":
         return GaLoreUpdater(model, train, plan.zero_stage, dp_axis, mesh.ledger,
                              norm_axes(plan, mesh, expert_axes), fp16)

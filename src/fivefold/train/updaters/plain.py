@@ -88,10 +88,13 @@ class StageUpdater(PlainUpdater):
 class LomoUpdater(PlainUpdater):
     """LOMO (fivefold.memory.lomo): no optimizer object; the step's one micro-batch's
     backward is deferred to `update`, which runs it with SGD fused in (two passes with
-    clipping, the guard deciding between them), after the trainer has summed the loss."""
+    clipping, the guard deciding between them), after the trainer has summed the loss.
+    With fp16 the loss is multiplied by the loss scale there and the scale updated from the
+    first pass's norm: an overflow skips the second pass (fivefold.memory.lomo)."""
 
-    def __init__(self, model: nn.Module, train: TrainConfig, dp_axis: Axis, sharded: bool):
-        ClippedUpdater.__init__(self, [], False)
+    def __init__(self, model: nn.Module, train: TrainConfig, dp_axis: Axis, sharded: bool,
+                 fp16: bool):
+        ClippedUpdater.__init__(self, [], fp16)
         self.model, self.optimizer = model, None
         self.lomo = FusedSGD(model, train, dp_axis if dp_axis.size > 1 else None, sharded)
         self.loss: torch.Tensor | None = None
@@ -101,7 +104,12 @@ class LomoUpdater(PlainUpdater):
 
     def update(self, lr: float, clip: float, keep: Keep) -> torch.Tensor:
         loss, self.loss = self.loss, None
-        return self.lomo.step(loss, lr, clip, keep)
+        scale = self.loss_scale
+        if scale is None:
+            return self.lomo.step(loss, lr, clip, keep)
+        norm = self.lomo.step(loss * scale.factor, lr, clip, keep, scale.inverse())
+        scale.update(not bool(torch.isfinite(norm)))
+        return norm
 
     def zero_grad(self) -> None:
         self.loss = None
