@@ -85,7 +85,6 @@ REFUSED = [
          "parallel.micro_batch=1"]),
     (4, ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=terapipe"]),
     (4, ["parallel.cp=2", "parallel.zero_stage=3", "parallel.qwz=true"]),
-    (2, ["parallel.cp=2", "parallel.recompute=full"]),
     (2, ["parallel.zero_group=2"]),
     (2, ["parallel.pp=2", "parallel.schedule=zb", "parallel.recompute=full"]),
     (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.recompute=selective",

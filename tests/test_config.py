@@ -501,8 +501,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "a tp rank holds 2 (model.heads 8 / tp 4)"),
     (["parallel.cp=8", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=4", "parallel.tp=4"],
      32, "parallel.cp_ulysses", "a tp rank holds 2 (model.heads 8 / tp 4)"),
-    (["parallel.cp=2", "parallel.recompute=full"], 2, "parallel.recompute",
-     "rerun the attention's communication"),
     (["parallel.zero_group=2"], 2, "parallel.zero_group", "set parallel.zero_stage to 1, 2"),
     (["parallel.recompute=selective", "parallel.pp=2", "parallel.schedule=terapipe"], 2,
      "parallel.schedule", "'selective' is not supported with terapipe"),

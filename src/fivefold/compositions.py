@@ -201,9 +201,6 @@ REFUSALS: list[Refusal] = [
     Refusal("cp>1", ("qwz", "hpz", "qgz"), "parallel.cp",
             "ZeRO++'s node groups are not laid out over the cp ranks yet; turn qwz, hpz and "
             "qgz off with parallel.cp > 1"),
-    Refusal("cp>1", ("recompute=full", "recompute=selective"), "parallel.recompute",
-            "recomputation would rerun the attention's communication, which is not counted "
-            "yet; use 'none' with parallel.cp > 1"),
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),

@@ -254,15 +254,15 @@ class _Step:
 
     def context_parallel(self) -> None:
         """One micro-batch's attention exchanges on the cp axes, per block of the stage
-        (fivefold.parallel.context). Ulysses (degree u, the "cp" axis, or "cp_ulysses" in
-        the hybrid): four all-to-alls forward (q, k, v to head shards, the output back) of
-        this rank's T/cp tokens and their four inverses backward, key/value heads
-        replicated up to u when they are fewer. Ring (degree n, "cp", or "cp_ring" across
-        the Ulysses groups): on the T/n tokens and heads/u heads a rank then holds, the
-        forward passes the stacked key/value block (2 x B x K x T/n x E) n - 1 times round
-        the ring, the backward passes it n - 1 times again and the accumulating dK/dV
-        block n times, in fp32 when the compute dtype has 16 bits."""
-        lay, m = self.lay, self.cfg.model
+        (fivefold.parallel.context). Ulysses (degree u, the "cp" axis, or "cp_ulysses" in the
+        hybrid): four all-to-alls forward (q, k, v to head shards, the output back) of this rank's
+        T/cp tokens and their four inverses backward, key/value heads replicated up to u when they
+        are fewer. Ring (degree n, "cp", or "cp_ring" across the Ulysses groups): on the T/n tokens
+        and heads/u heads a rank then holds, the forward passes the stacked key/value block (2 x B
+        x K x T/n x E) n - 1 times round the ring, the backward passes it n - 1 times again and the
+        accumulating dK/dV block n times, in fp32 when the compute dtype has 16 bits. Recomputation
+        (full or selective) repeats the forward's (wo's input is their output)."""
+        lay, m, passes = self.lay, self.cfg.model, 2 if self.lay.recompute != "none" else 1
         ring, ulysses = lay.context_degrees
         hybrid = ring > 1 and ulysses > 1
         shard_tokens = lay.micro_batch * m.seq_len // lay.cp
@@ -274,16 +274,16 @@ class _Step:
             for _ in range(self.blocks):
                 for purpose, n_heads in sizes.items():
                     nbytes = shard_tokens * n_heads * m.d_head * self.pb
-                    self.record("all_to_all", dim, ulysses, self.param, nbytes, purpose)
-                    self.record("all_to_all", dim, ulysses, self.param, nbytes,
-                                purpose + "_grad")
+                    for suffix in ("",) * passes + ("_grad",):
+                        self.record("all_to_all", dim, ulysses, self.param, nbytes,
+                                    purpose + suffix)
         if ring > 1:
             ring_tokens, ring_kv_heads = shard_tokens * ulysses, kv_heads // ulysses
             kv = 2 * ring_tokens * ring_kv_heads * m.d_head
             dim = "cp_ring" if hybrid else "cp"
             acc, acc_bytes = ("float32", 4) if self.pb == 2 else (self.param, self.pb)
             for _ in range(self.blocks):
-                for _ in range(2 * (ring - 1)):
+                for _ in range((passes + 1) * (ring - 1)):
                     for op in ("send", "recv"):
                         self.record(op, dim, ring, self.param, kv * self.pb, "cp_kv")
                 for _ in range(ring):
