@@ -172,6 +172,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [FP16, micro(2)]), (2, [FP16, z(1)]), (2, [FP16, z(2)]),
         (2, [FP16, z(3), micro(2)]), (2, [FP16, TP2]), (2, [FP16, "parallel.cp=2"]),
         (2, [FP16, PP2, micro(2)])],
+    "tests/test_fp16_moe.py::test_fp16_router_gradient_carries_the_scaled_aux_losses": [
+        (1, [FP16, *MOE, micro(2)])],
+    "tests/test_fp16_moe.py::test_fp16_moe_layouts_match_one_process": [
+        (2, [FP16, *MOE, EP(2), micro(2)]), (2, [FP16, *MOE, TP2, micro(2)])],
     "tests/test_fp16_layouts.py::test_fp16_offload_matches_one_process": [
         (1, [FP16, z(1), "parallel.offload=cpu"])],
     "tests/test_restart.py::test_sigkilled_rank_restarts_and_ends_bit_identical": [

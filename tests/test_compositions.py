@@ -58,7 +58,6 @@ REFUSED = [
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=terapipe",
          "parallel.global_batch=4"]),
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb"]),
-    (1, ["parallel.precision=fp16", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=1", "parallel.zero_group=2", "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),
     (4, ["parallel.etp=2", "parallel.zero_stage=1", "parallel.zero_group=2",
          "model.moe.experts=4", "model.moe.expert_ffn_hidden=32"]),

@@ -526,8 +526,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "LOMO with fp16 loss scaling"),
     (["train.optimizer=galore", "parallel.cp=2"], 2, "train.optimizer",
      "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3"),
-    (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.precision=fp16"], 1,
-     "parallel.precision", "not loss-scaled"),
     (["parallel.ep=2"], 2, "parallel.ep", "needs model.moe"),
     (["model.moe.experts=4", "model.moe.expert_ffn_hidden=64", "parallel.ep=2",
       "parallel.zero_stage=1", "parallel.zero_group=1"], 2, "parallel.zero_group",

@@ -147,9 +147,6 @@ REFUSALS: list[Refusal] = [
     Refusal("fp8", ("schedule=zb", "schedule=zbv", "schedule=dualpipev"), "parallel.schedule",
             "the zero-bubble weight pass would re-run the fp8 linear's whole backward (and its "
             "tp scale exchange); use another schedule with precision 'fp8'"),
-    Refusal("moe", ("fp16",), "parallel.precision",
-            "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
-            "with model.moe"),
     Refusal("ep>1", ("zero_group",), "parallel.zero_group",
             "expert parallelism shards the experts over the whole expert-data-parallel "
             "group; hierarchical sharding with ep is not built: drop parallel.zero_group"),
