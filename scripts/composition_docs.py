@@ -212,6 +212,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_fp8.py::test_fp8_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, micro(4)]), (2, [FP8, z(3), micro(2)]), (2, [FP8, PP2, micro(2)]),
         (2, [FP8, TP2]), (2, [FP8, TP2, "parallel.fp8_recipe=rowwise"])],
+    "tests/test_fp8_split_tokens.py::test_fp8_sp_and_cp_match_the_one_process_fp8_run": [
+        (2, [FP8, TP2, SP]), (2, [FP8, "parallel.cp=2"]),
+        (2, [FP8, "parallel.cp=2", "parallel.fp8_recipe=rowwise"]),
+        (2, [FP8, "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.fp8_recipe=rowwise"])],
     "tests/test_fp8_moe.py::test_fp8_moe_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, *MOE, EP(2), micro(2)]), (2, [FP8, *MOE, TP2, micro(2)])],
     "tests/test_offload.py::test_offload_on_2_ranks_matches_in_memory_and_one_process": [

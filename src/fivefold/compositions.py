@@ -134,13 +134,9 @@ REFUSALS: list[Refusal] = [
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
             "with precision 'fp8'"),
-    Refusal("fp8", ("sequence_parallel",), "parallel.sequence_parallel",
-            "sequence parallelism's re-gathered linear inputs are not fp8 linears yet; turn it "
-            "off with precision 'fp8'"),
     Refusal("fp8", ("cp>1",), "parallel.cp",
-            "context parallelism splits each sequence, so the activations' fp8 scales would "
-            "cover other tokens than the one-process run's; use parallel.cp = 1 with "
-            "precision 'fp8'"),
+            "the MoE experts' fp8 scales are each rank's own rows', which context "
+            "parallelism splits: use parallel.cp = 1 with fp8 and model.moe", when=("moe",)),
     Refusal("fp8", ("schedule=terapipe",), "parallel.schedule",
             "TeraPipe's token slices would give each slice its own activation scales; use "
             "another schedule with precision 'fp8'"),
