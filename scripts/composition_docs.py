@@ -215,6 +215,7 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_fp8_split_tokens.py::test_fp8_sp_and_cp_match_the_one_process_fp8_run": [
         (2, [FP8, TP2, SP]), (2, [FP8, "parallel.cp=2"]),
         (2, [FP8, "parallel.cp=2", "parallel.fp8_recipe=rowwise"]),
+        (2, [FP8, "parallel.cp=2", "parallel.recompute=selective"]),
         (2, [FP8, "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.fp8_recipe=rowwise"])],
     "tests/test_fp8_moe.py::test_fp8_moe_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, *MOE, EP(2), micro(2)]), (2, [FP8, *MOE, TP2, micro(2)])],

@@ -14,7 +14,8 @@ rounding boundaries). Measured on 2 shared CPU cores: tp 2 + sp losses within 4.
 parameters 6.7e-3; cp 2 ring tensorwise 1.5e-7 and 2.1e-7; ring rowwise 2.8e-5 and 4.4e-3,
 Ulysses rowwise 2.3e-5 and 8.9e-4. The ledger: on the CPU fp8 training communicates in fp32
 outside its linears, so each rank's record equals `predict_ledger` of the fp32 config, plus
-the fp8 config's predicted "fp8_amax" all-gathers (over tp and over cp), exactly.
+the fp8 config's predicted "fp8_amax" all-gathers (over tp and over cp), exactly; with
+selective recomputation (slow) the forward's exchanges run twice.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ FP8 = ["parallel.precision=fp8", "train.eps=1e-6", f"train.steps={STEPS}"]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 ROWWISE = ["parallel.fp8_recipe=rowwise"]
 FAST = {"tp2-sp": SP, "cp2-ring": ["parallel.cp=2"]}
-SLOW = {"cp2-ring-rowwise": ["parallel.cp=2", *ROWWISE],
+SLOW = {"cp2-ring-selective": ["parallel.cp=2", "parallel.recompute=selective"],
+        "cp2-ring-rowwise": ["parallel.cp=2", *ROWWISE],
         "cp2-ulysses-rowwise": ["parallel.cp=2", "parallel.cp_mode=ulysses", *ROWWISE]}
 
 

@@ -32,8 +32,9 @@ def _over(dim: str, size: int, blocks: int, per_block: list[int]) -> list[Record
 
 
 def _passes(lay: ParallelPlan) -> int:
-    """How often a block's forward runs: twice under full recomputation."""
-    return 2 if lay.recompute == "full" else 1
+    """How often a block's forward runs: twice under recomputation, selective too (its
+    cache keeps matmul outputs, but the fp8 linear's amax exchange runs again)."""
+    return 2 if lay.recompute != "none" else 1
 
 
 def _tp_amaxes(cfg: Config, lay: ParallelPlan) -> list[int]:
@@ -41,7 +42,7 @@ def _tp_amaxes(cfg: Config, lay: ParallelPlan) -> list[int]:
     operand whose reduction spans the split dim: tensorwise the 7 weights and the inputs of
     wo and w2; rowwise the inputs and weights of wo and w2 (their contracted dim is split);
     backward, the output gradients of the 5 column-parallel linears, and rowwise also their
-    weights (contracted along the split output dim). Full recomputation repeats the forward
+    weights (contracted along the split output dim). Recomputation repeats the forward
     ones."""
     D = cfg.model.hidden
     tokens = lay.micro_batch * cfg.model.seq_len // lay.cp
@@ -60,7 +61,7 @@ def _tp_amaxes(cfg: Config, lay: ParallelPlan) -> list[int]:
 
 def _cp_amaxes(cfg: Config, lay: ParallelPlan) -> list[int]:
     """Per block, the amaxes (elements each) agreed over cp, those reducing over the tokens:
-    tensorwise each linear's input forward (again under full recomputation) and its output
+    tensorwise each linear's input forward (again under recomputation) and its output
     gradient backward; rowwise, for each weight gradient, the output gradient's and the
     input's amax per column (this tp rank's output and input features)."""
     m, t = cfg.model, lay.tp
