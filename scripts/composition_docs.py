@@ -157,12 +157,11 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [z(1), micro(2), "train.on_nonfinite=skip"]),
         (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"]),
         (2, [GALORE, z(2), micro(2), "train.on_nonfinite=skip"])],
+    "tests/test_context_recompute.py::test_ring_recompute_matches_one_process_and_the_ledger": [
+        (2, ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.recompute=full"])],
     "tests/test_context_recompute.py::"
-    "test_ring_and_ulysses_recompute_match_one_process_and_the_ledger": [
-        (2, ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.recompute=full"]),
-        (2, ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.recompute=selective"])],
-    "tests/test_context_recompute.py::"
-    "test_hybrid_sp_and_pipeline_recompute_match_one_process_and_the_ledger": [
+    "test_ulysses_hybrid_sp_and_pipeline_recompute_match_one_process_and_the_ledger": [
+        (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.recompute=selective"]),
         (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2",
              "parallel.recompute=full"]),
         (4, ["parallel.cp=2", TP2, SP, "parallel.recompute=selective"]),

@@ -10,9 +10,9 @@ the forward exchanges twice (fivefold.planner.ledger_model, `_Step.context_paral
 Tolerances: tests/test_context_parallel.py's (fp32 on CPU at lr 1e-3 and Adam eps 1e-6, 5
 steps: losses 2e-5 relative, gradient norms 1e-4 relative, parameters 1e-5 + 1e-4 relative),
 against the plain one-process run (recomputation itself changes nothing, tests/test_train.py).
-The ledger: every key of every rank's bytes and wire bytes, exactly. Ring with full and Ulysses
-with selective recomputation on 2 ranks in the default suite; on 4 ranks (slow) the hybrid,
-ring under tp 2 with sequence parallelism, and Ulysses under a 2-stage pipeline.
+The ledger: every key of every rank's bytes and wire bytes, exactly. Ring with full
+recomputation on 2 ranks in the default suite; on 4 ranks (slow) Ulysses with selective, the
+hybrid, ring under tp 2 with sequence parallelism, and Ulysses under a 2-stage pipeline.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
 
 LAYOUTS = {
-    2: [["parallel.cp=2", "parallel.cp_mode=ring", "parallel.recompute=full"],
-        ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.recompute=selective"]],
-    4: [["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2",
+    2: [["parallel.cp=2", "parallel.cp_mode=ring", "parallel.recompute=full"]],
+    4: [["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.recompute=selective"],
+        ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2",
          "parallel.recompute=full"],
         ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=2",
          "parallel.sequence_parallel=true", "parallel.recompute=selective"],
@@ -79,14 +79,14 @@ def _check(world, overrides, tmp_path):
         assert_params_close(params, reference.params, label, atol=1e-5, rtol=1e-4)
 
 
-def test_ring_and_ulysses_recompute_match_one_process_and_the_ledger(overrides, tmp_path):
-    """cp 2: ring with full, Ulysses with selective recomputation (module docstring)."""
+def test_ring_recompute_matches_one_process_and_the_ledger(overrides, tmp_path):
+    """cp 2: ring with full recomputation (module docstring)."""
     _check(2, overrides, tmp_path)
 
 
 @pytest.mark.slow
-def test_hybrid_sp_and_pipeline_recompute_match_one_process_and_the_ledger(overrides,
-                                                                            tmp_path):
-    """cp 4 hybrid with full; cp 2 ring x tp 2 with sequence parallelism, selective; cp 2
-    Ulysses x pp 2, full (module docstring)."""
+def test_ulysses_hybrid_sp_and_pipeline_recompute_match_one_process_and_the_ledger(
+        overrides, tmp_path):
+    """cp 4 Ulysses with selective; cp 4 hybrid with full; cp 2 ring x tp 2 with sequence
+    parallelism, selective; cp 2 Ulysses x pp 2, full (module docstring)."""
     _check(4, overrides, tmp_path)

@@ -15,7 +15,8 @@ parameters 6.7e-3; cp 2 ring tensorwise 1.5e-7 and 2.1e-7; ring rowwise 2.8e-5 a
 Ulysses rowwise 2.3e-5 and 8.9e-4. The ledger: on the CPU fp8 training communicates in fp32
 outside its linears, so each rank's record equals `predict_ledger` of the fp32 config, plus
 the fp8 config's predicted "fp8_amax" all-gathers (over tp and over cp), exactly; with
-selective recomputation (slow) the forward's exchanges run twice.
+selective recomputation the forward's exchanges run twice. The default suite trains cp 2
+ring tensorwise and counts the sp block's saved bytes; the rest is under `-m slow`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from fivefold.train.trainer import Trainer
 FP8 = ["parallel.precision=fp8", "train.eps=1e-6", f"train.steps={STEPS}"]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 ROWWISE = ["parallel.fp8_recipe=rowwise"]
-FAST = {"tp2-sp": SP, "cp2-ring": ["parallel.cp=2"]}
-SLOW = {"cp2-ring-selective": ["parallel.cp=2", "parallel.recompute=selective"],
+FAST = {"cp2-ring": ["parallel.cp=2"]}  # and the sp block's saved bytes
+SLOW = {"tp2-sp": SP, "cp2-ring-selective": ["parallel.cp=2", "parallel.recompute=selective"],
         "cp2-ring-rowwise": ["parallel.cp=2", *ROWWISE],
         "cp2-ulysses-rowwise": ["parallel.cp=2", "parallel.cp_mode=ulysses", *ROWWISE]}
 
@@ -72,7 +73,7 @@ def _on_ranks(rt, sets, layouts, tmp):
 
 
 @pytest.mark.parametrize("layouts", [FAST, pytest.param(SLOW, marks=pytest.mark.slow)],
-                         ids=["tp-sp-and-cp", "rowwise-cp"])
+                         ids=["cp", "sp-rowwise-recompute"])
 def test_fp8_sp_and_cp_match_the_one_process_fp8_run(layouts, parity_overrides, tmp_path):
     """Module docstring's bounds and ledger; under sp a block saves what fp32 saves."""
     sets = parity_overrides + FP8
