@@ -162,10 +162,24 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [z(1), micro(2), "train.on_nonfinite=skip"]),
         (2, [PP2, sched("1f1b"), micro(2), "train.on_nonfinite=skip"]),
         (2, [GALORE, z(2), micro(2), "train.on_nonfinite=skip"])],
+    "tests/test_context_recompute.py::test_ring_recompute_matches_one_process_and_the_ledger": [
+        (2, ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.recompute=full"])],
+    "tests/test_context_recompute.py::"
+    "test_ulysses_hybrid_sp_and_pipeline_recompute_match_one_process_and_the_ledger": [
+        (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.recompute=selective"]),
+        (4, ["parallel.cp=4", "parallel.cp_mode=hybrid", "parallel.cp_ulysses=2",
+             "parallel.recompute=full"]),
+        (4, ["parallel.cp=2", TP2, SP, "parallel.recompute=selective"]),
+        (4, ["parallel.cp=2", "parallel.cp_mode=ulysses", PP2, micro(2),
+             "parallel.recompute=full"])],
     "tests/test_fp16_layouts.py::test_fp16_layouts_match_one_process": [
         (2, [FP16, micro(2)]), (2, [FP16, z(1)]), (2, [FP16, z(2)]),
         (2, [FP16, z(3), micro(2)]), (2, [FP16, TP2]), (2, [FP16, "parallel.cp=2"]),
         (2, [FP16, PP2, micro(2)])],
+    "tests/test_fp16_moe.py::test_fp16_router_gradient_carries_the_scaled_aux_losses": [
+        (1, [FP16, *MOE, micro(2)])],
+    "tests/test_fp16_moe.py::test_fp16_moe_layouts_match_one_process": [
+        (2, [FP16, *MOE, EP(2), micro(2)]), (2, [FP16, *MOE, TP2, micro(2)])],
     "tests/test_fp16_layouts.py::test_fp16_offload_matches_one_process": [
         (1, [FP16, z(1), "parallel.offload=cpu"])],
     "tests/test_restart.py::test_sigkilled_rank_restarts_and_ends_bit_identical": [
@@ -215,6 +229,11 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_fp8.py::test_fp8_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, micro(4)]), (2, [FP8, z(3), micro(2)]), (2, [FP8, PP2, micro(2)]),
         (2, [FP8, TP2]), (2, [FP8, TP2, "parallel.fp8_recipe=rowwise"])],
+    "tests/test_fp8_split_tokens.py::test_fp8_sp_and_cp_match_the_one_process_fp8_run": [
+        (2, [FP8, TP2, SP]), (2, [FP8, "parallel.cp=2"]),
+        (2, [FP8, "parallel.cp=2", "parallel.fp8_recipe=rowwise"]),
+        (2, [FP8, "parallel.cp=2", "parallel.recompute=selective"]),
+        (2, [FP8, "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.fp8_recipe=rowwise"])],
     "tests/test_fp8_moe.py::test_fp8_moe_layouts_match_the_one_process_fp8_run": [
         (2, [FP8, *MOE, EP(2), micro(2)]), (2, [FP8, *MOE, TP2, micro(2)])],
     "tests/test_offload.py::test_offload_on_2_ranks_matches_in_memory_and_one_process": [

@@ -89,7 +89,7 @@ def _train(rt, sets, run_dir, steps=STEPS):
     losses = [trainer.train_step(s).loss for s in range(steps)]
     params = full_parameters(trainer)
     if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes[0])
+        params = gather_experts(params, trainer.expert_axes)
     return losses, params
 
 

@@ -134,22 +134,15 @@ REFUSALS: list[Refusal] = [
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
             "with precision 'fp8'"),
-    Refusal("fp8", ("sequence_parallel",), "parallel.sequence_parallel",
-            "sequence parallelism's re-gathered linear inputs are not fp8 linears yet; turn it "
-            "off with precision 'fp8'"),
     Refusal("fp8", ("cp>1",), "parallel.cp",
-            "context parallelism splits each sequence, so the activations' fp8 scales would "
-            "cover other tokens than the one-process run's; use parallel.cp = 1 with "
-            "precision 'fp8'"),
+            "the MoE experts' fp8 scales are each rank's own rows', which context "
+            "parallelism splits: use parallel.cp = 1 with fp8 and model.moe", when=("moe",)),
     Refusal("fp8", ("schedule=terapipe",), "parallel.schedule",
             "TeraPipe's token slices would give each slice its own activation scales; use "
             "another schedule with precision 'fp8'"),
     Refusal("fp8", ("schedule=zb", "schedule=zbv", "schedule=dualpipev"), "parallel.schedule",
             "the zero-bubble weight pass would re-run the fp8 linear's whole backward (and its "
             "tp scale exchange); use another schedule with precision 'fp8'"),
-    Refusal("moe", ("fp16",), "parallel.precision",
-            "the MoE auxiliary losses' gradients are not loss-scaled; use 'bf16' or 'fp32' "
-            "with model.moe"),
     Refusal("schedule=terapipe", ("zero=3",), "parallel.schedule",
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "
@@ -187,9 +180,6 @@ REFUSALS: list[Refusal] = [
             "{parallel.schedule} with context parallelism is not built (TeraPipe's token "
             "slices are not combined with cp's token shards; 2BW's own update is not tested "
             "with cp); use 1f1b, gpipe, interleaved or zb with parallel.cp > 1"),
-    Refusal("cp>1", ("recompute=full", "recompute=selective"), "parallel.recompute",
-            "recomputation would rerun the attention's communication, which is not counted "
-            "yet; use 'none' with parallel.cp > 1"),
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),

@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
                    else not has_fp8_units(mesh.device_type))
         recipe = Fp8Recipe(plan.fp8_recipe, plan.fp8_tensors, emulate)
-        apply_fp8(model, recipe, tp_axis)
+        apply_fp8(model, recipe, tp_axis, cp_axis)
         apply_fp8_to_experts(model, recipe)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)

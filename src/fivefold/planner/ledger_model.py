@@ -19,7 +19,7 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
   always    a 4-byte fp32 all-reduce of the summed loss over every dp rank
   tp > 1    per micro-batch the collectives of tensor (and sequence) parallelism, see
             `_Step.tensor_parallel`, and under fp8 the tp ranks' amax exchanges
-            (`_Step.fp8_scales`); a 4-byte fp32 all-reduce of the gradient norm over tp;
+            (fivefold.planner.fp8_ledger); a 4-byte fp32 all-reduce of the gradient norm over tp;
             every unit holds this rank's shards (vocabulary padded to a multiple of tp)
   pp > 1    the sends and receives of the rank's schedule (fivefold.planner.ledger_pipeline),
             4-byte fp32 all-reduces of the loss and the gradient norm over pp; the units
@@ -71,6 +71,7 @@ from fivefold.expert_grid import STAGE_AXES
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.fp8_ledger import fp8_amax_records
 from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
                                                zero3_block_gathers)
 from fivefold.planner.ledger_galore import galore_engine_ledger
@@ -223,44 +224,18 @@ class _Step:
                 self.record("all_reduce", "tp", t, self.param, act, "tp_activations")
         if self.last:
             self.record("all_gather", "tp", t, "float32", t * 3 * tokens * 4, "vocab_loss")
-        if lay.precision == "fp8":
-            self.fp8_scales(tokens)
-
-    def fp8_scales(self, tokens: int) -> None:
-        """One micro-batch's fp8 amax all-gathers over tp (fivefold.parallel.fp8.scaling),
-        each of t fp32 amaxes (tensorwise: one number; rowwise: one per row), per block:
-        forward, the amax of every operand whose reduction spans the split dim: tensorwise
-        the 7 weights and the inputs of wo and w2; rowwise the inputs and weights of wo and
-        w2 (their contracted dim is split); backward, the output gradients of the 5
-        column-parallel linears, and rowwise also their weights (contracted along the split
-        output dim). Full recomputation repeats the forward ones."""
-        lay, t, D = self.lay, self.lay.tp, self.cfg.model.hidden
-        column = 3 + (2 if self.cfg.model.ffn_type == "swiglu" else 1)  # wq, wk, wv, w1 (w3)
-        if lay.fp8_recipe == "tensorwise":
-            forward = [1] * ((column + 2) * ("weight" in lay.fp8_tensors)
-                             + 2 * ("input" in lay.fp8_tensors))
-            backward = [1] * (column * ("grad_output" in lay.fp8_tensors))
-        else:
-            forward = ([tokens] * 2 * ("input" in lay.fp8_tensors)
-                       + [D] * 2 * ("weight" in lay.fp8_tensors))
-            backward = ([tokens] * column * ("grad_output" in lay.fp8_tensors)
-                        + [D] * column * ("weight" in lay.fp8_tensors))
-        passes = 2 if lay.recompute == "full" else 1
-        for _ in range(self.blocks):
-            for numel in forward * passes + backward:
-                self.record("all_gather", "tp", t, "float32", t * numel * 4, "fp8_amax")
 
     def context_parallel(self) -> None:
         """One micro-batch's attention exchanges on the cp axes, per block of the stage
-        (fivefold.parallel.context). Ulysses (degree u, the "cp" axis, or "cp_ulysses" in
-        the hybrid): four all-to-alls forward (q, k, v to head shards, the output back) of
-        this rank's T/cp tokens and their four inverses backward, key/value heads
-        replicated up to u when they are fewer. Ring (degree n, "cp", or "cp_ring" across
-        the Ulysses groups): on the T/n tokens and heads/u heads a rank then holds, the
-        forward passes the stacked key/value block (2 x B x K x T/n x E) n - 1 times round
-        the ring, the backward passes it n - 1 times again and the accumulating dK/dV
-        block n times, in fp32 when the compute dtype has 16 bits."""
-        lay, m = self.lay, self.cfg.model
+        (fivefold.parallel.context). Ulysses (degree u, the "cp" axis, or "cp_ulysses" in the
+        hybrid): four all-to-alls forward (q, k, v to head shards, the output back) of this rank's
+        T/cp tokens and their four inverses backward, key/value heads replicated up to u when they
+        are fewer. Ring (degree n, "cp", or "cp_ring" across the Ulysses groups): on the T/n tokens
+        and heads/u heads a rank then holds, the forward passes the stacked key/value block (2 x B
+        x K x T/n x E) n - 1 times round the ring, the backward passes it n - 1 times again and the
+        accumulating dK/dV block n times, in fp32 when the compute dtype has 16 bits. Recomputation
+        (full or selective) repeats the forward's (wo's input is their output)."""
+        lay, m, passes = self.lay, self.cfg.model, 2 if self.lay.recompute != "none" else 1
         ring, ulysses = lay.context_degrees
         hybrid = ring > 1 and ulysses > 1
         shard_tokens = lay.micro_batch * m.seq_len // lay.cp
@@ -272,16 +247,16 @@ class _Step:
             for _ in range(self.blocks):
                 for purpose, n_heads in sizes.items():
                     nbytes = shard_tokens * n_heads * m.d_head * self.pb
-                    self.record("all_to_all", dim, ulysses, self.param, nbytes, purpose)
-                    self.record("all_to_all", dim, ulysses, self.param, nbytes,
-                                purpose + "_grad")
+                    for suffix in ("",) * passes + ("_grad",):
+                        self.record("all_to_all", dim, ulysses, self.param, nbytes,
+                                    purpose + suffix)
         if ring > 1:
             ring_tokens, ring_kv_heads = shard_tokens * ulysses, kv_heads // ulysses
             kv = 2 * ring_tokens * ring_kv_heads * m.d_head
             dim = "cp_ring" if hybrid else "cp"
             acc, acc_bytes = ("float32", 4) if self.pb == 2 else (self.param, self.pb)
             for _ in range(self.blocks):
-                for _ in range(2 * (ring - 1)):
+                for _ in range((passes + 1) * (ring - 1)):
                     for op in ("send", "recv"):
                         self.record(op, dim, ring, self.param, kv * self.pb, "cp_kv")
                 for _ in range(ring):
@@ -366,6 +341,9 @@ class _Step:
                 self.expert_parallel()
             for record in token_split_records(self.cfg, lay, self.layers, self.param, self.pb):
                 self.record(*record)
+            if lay.precision == "fp8":  # the linears' amax exchanges over tp and cp
+                for record in fp8_amax_records(self.cfg, lay, self.blocks):
+                    self.record(*record)
             if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)
                     self.gather(u, backward=False)

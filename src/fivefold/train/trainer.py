@@ -153,8 +153,6 @@ class Trainer:
         self.model_name = m.preset if init_from is None else f"from {describe_source(init_from)}"
         if init_from is not None:  # the weights are in: say from where
             self.say(f"loaded {param_count(m) / 1e6:.2f}M parameters {self.model_name}")
-        for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss
-            moe.aux_grad_scale = 1.0 / self.global_tokens
         positions = rank_token_positions(plan, self.mesh, m.seq_len)  # cp: this rank's tokens
         self.train_sampler = DataOrder(BatchSampler(self.data.train, m.seq_len,
                                                     plan.global_batch, cfg.train.seed, 0,
@@ -233,6 +231,8 @@ class Trainer:
         start = time.perf_counter()
         self.ledger.start_step(step)
         self.model.train()
+        for _, moe in moe_layers(self.model):  # the aux losses scale as the token loss does
+            moe.aux_grad_scale = self._loss_factor() / self.global_tokens  # fp16: times S
         lr = lr_at(step, self.cfg.train, self.schedule_steps)
         if self.pipeline:
             loss_sum = self.pipeline.passes(step, lr, self._loss_factor())

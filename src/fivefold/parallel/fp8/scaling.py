@@ -17,7 +17,13 @@ and the maximum taken, so every rank scales its shard exactly as the one-process
 the whole tensor and the quantized shard is the shard of the quantized whole. Data and
 pipeline parallelism need nothing: a rank's weights are whole (ZeRO-3 gathers them before
 the forward), and activation scales are per micro-batch, which a layout computes on the
-same micro-batch as the one-process run with the same micro_batch.
+same micro-batch as the one-process run with the same micro_batch. Sequence parallelism
+needs nothing either: its regions' linears take the gathered sequence (and the row-parallel
+ones' output gradient is gathered too). Context parallelism splits every micro-batch's
+tokens (the rows of x and dy) over the cp ranks: where an amax reduces over the tokens
+(tensorwise x and dy; rowwise, the weight gradient's x and dy along M) the cp ranks'
+partial amaxes are all-gathered over "cp" as well ("fp8_amax"), so each scale covers the
+one-process run's tokens.
 """
 
 from __future__ import annotations
@@ -32,14 +38,17 @@ AMAX_EPS = 1e-12
 
 
 def agreed_amax(t: torch.Tensor, dim: int | None, shard_dim: int | None,
-                axis: Axis | None) -> torch.Tensor:
+                axis: Axis | None, token_axis: Axis | None = None) -> torch.Tensor:
     """amax of `t` (2-D) over `dim` (None: the whole tensor; else kept as size 1), the same
-    on every rank of `axis` when `t` is this rank's shard along `shard_dim`."""
+    on every rank of `axis` when `t` is this rank's shard along `shard_dim`, and on every
+    rank of `token_axis` when those ranks hold the other rows (tokens, dim 0) of `t`."""
     low, high = torch.aminmax(t.detach()) if dim is None else torch.aminmax(
         t.detach(), dim=dim, keepdim=True)
     amax = torch.maximum(-low, high)
     if axis is not None and axis.size > 1 and shard_dim is not None and dim in (None, shard_dim):
         amax = gather_stacked(amax, axis, "fp8_amax").amax(0)
+    if token_axis is not None and token_axis.size > 1 and dim in (None, 0):
+        amax = gather_stacked(amax, token_axis, "fp8_amax").amax(0)
     return amax.float()
 
 
