@@ -114,6 +114,10 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, ["parallel.pp=4", "model.layers=8", V2, sched("zbv"), micro(1)]),
         (4, [*MOE, EP(2), PP2, V2, sched("zbv"), z(1), micro(1)]),
         (4, [*MOE, EP(2), PP2, V2, sched("dualpipev"), z(0), micro(1)])],
+    "tests/test_zero_bubble_layouts.py::test_zero_bubble_layouts_match_one_process_and_the_ledger": [
+        (4, [PP2, TP2, SP, sched("zb"), micro(2)]),
+        (4, [PP2, TP2, SP, V2, sched("zbv"), micro(2)]),
+        (4, [PP2, TP2, SP, V2, sched("dualpipev"), micro(2)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_runs_in_the_trainer": [
         (2, [PP2, sched("pipedream-2bw"), micro(2)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_resumes_exactly": [

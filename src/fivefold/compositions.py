@@ -181,16 +181,10 @@ REFUSALS: list[Refusal] = [
               "head (the last stage): its root unit is finished by two passes, which ZeRO-2 "
               "and ZeRO-3 reduce-scatter one at a time; use parallel.zero_stage 0 or 1 with "
               "{parallel.schedule}") for s in ("zbv", "dualpipev")),
-    *(Refusal(f"schedule={s}", ("sequence_parallel",), "parallel.sequence_parallel",
-              "the zero-bubble weight pass would re-run sequence parallelism's shared "
-              "re-gather; turn it off or use another schedule") for s in ("zbv", "dualpipev")),
     Refusal("schedule=zb", ("zero=2", "zero=3"), "parallel.zero_stage",
             "a zero-bubble I pass computes an MoE layer's weight gradients and the W pass the "
             "rest of its block, which ZeRO-2 and ZeRO-3 reduce-scatter one pass at a time; use "
             "parallel.zero_stage 0 or 1 with 'zb' and model.moe", when=("moe",)),
-    Refusal("schedule=zb", ("sequence_parallel",), "parallel.sequence_parallel",
-            "the zero-bubble weight pass would re-run sequence parallelism's shared "
-            "re-gather; turn it off or use another schedule"),
     Refusal("schedule=pipedream-2bw", ("tp>1", *SHARDED), "parallel.schedule",
             "PipeDream-2BW keeps its own weight versions and optimizer: use it with "
             "parallel.tp = 1 and parallel.zero_stage = 0"),

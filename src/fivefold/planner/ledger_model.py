@@ -28,8 +28,8 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
             own blocks' tensor-parallel collectives, the embedding's on the first stage, the
             final norm's and the vocabulary loss's on the last; messages of (B, T, D) per tp
             rank, (B, T/t, D) with sequence parallelism; the lent tied head is the tp rank's
-            vocabulary rows; a zero-bubble W pass issues no collective (the executor records
-            the final norm's output before Megatron's f, so f's all-reduce runs once, in I)
+            vocabulary rows; a zero-bubble split repeats no collective (f's all-reduce runs
+            once, in I; sequence parallelism's re-gathers and norm-gain sums once, in W)
   cp > 1    per micro-batch and block, the attention's exchanges on the cp axis
             (fivefold.parallel.context; `_Step.context_parallel`); gradients are synced, and
             ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size

@@ -9,7 +9,11 @@ matrix multiplies that I skipped, accumulated into `.grad` as a full backward wo
 output recorded is the module's own, taken before any other forward hook rewrites it: tensor
 parallelism's hook on the final norm wraps its output in Megatron's f (copy_to_tp), whose
 backward is an all-reduce; recorded after f, each W would run that all-reduce again. So W
-issues no collective: every one on the activation-gradient chain runs once, in I.
+issues no collective on the activation-gradient chain: every one there runs once, in I. The
+collectives a W does issue are sequence parallelism's, which only weight gradients need: the
+re-gather of a region's input, once per region and micro-batch, which I skips
+(fivefold.parallel.tensor_comm says why in W rather than I), and the all-reduce of a norm
+gain's gradient, run where that gradient is computed.
 
 A module that owns parameters and holds parameter-owning modules too (an MoE layer: its
 stacked experts, and a router whose weight it applies itself) is not split: the path from its
