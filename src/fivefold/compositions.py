@@ -201,13 +201,12 @@ REFUSALS: list[Refusal] = [
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),
-    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=zbv", "schedule=dualpipev",
-                                 "schedule=terapipe", "schedule=pipedream-2bw"),
+    *(Refusal(f"recompute={r}", ("schedule=terapipe", "schedule=pipedream-2bw"),
               "parallel.schedule",
               "parallel.recompute = '{parallel.recompute}' is not supported with "
-              "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
-              "or weight versions) that recomputation would bypass; use recompute = 'none' "
-              "with it, or 1f1b") for r in ("full", "selective")),
+              "{parallel.schedule}: it keeps per-pass state (key/value caches or weight "
+              "versions) that recomputation would bypass; use recompute = 'none' with it, or "
+              "1f1b") for r in ("full", "selective")),
     Refusal("optimizer=galore", ("cp>1", "ep>1", "etp>1", "zero_group", "qwz", "hpz", "qgz"),
             "train.optimizer",
             "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3 "

@@ -32,7 +32,8 @@ from fivefold.config import Config, ParallelConfig
 from fivefold.expert_grid import expert_data_degree
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule
-from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
+from fivefold.validate import (SPLIT_SCHEDULES, context_degrees, ranks_per_node,
+                               validate_for_training)
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -264,6 +265,11 @@ class ParallelPlan:
         """Whether the schedule places its two chunks per rank in a V (the last stage on
         pp rank 0, next to the first)."""
         return self.schedule in V_SCHEDULES
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backward into I and W (zero-bubble; pp > 1 only)."""
+        return self.pp > 1 and self.schedule in SPLIT_SCHEDULES
 
     def pipeline_schedules(self, tied_embeddings: bool) -> tuple[Schedule, Schedule]:
         """(training, evaluation) action lists of a synchronous schedule, as the executor

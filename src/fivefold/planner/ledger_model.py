@@ -201,14 +201,14 @@ class _Step:
         and selective recomputation run each block's forward again in backward
         (fivefold.memory.recompute; selective takes some outputs from its cache but runs the
         collectives again) up to the last tensor the backward needs (torch's early stop):
-        the collectives that open the two regions and the attention's closing one run again,
-        the MLP's closing one, whose output nothing in the block saves, does not."""
+        the two regions' openings and the attention's close run again; the MLP's close,
+        whose output nothing saves, only where a split backward recomputes whole blocks."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
         # an MoE block's MLP is no region (whole on every tp rank, or on its sp shard)
         regions, ends = 2 * self.blocks - self.moe_layers, int(self.first) + int(self.last)
-        again = self.blocks if lay.recompute != "none" else 0  # per block: attention's close
+        again = (regions if lay.split_backward else self.blocks) if lay.recompute != "none" else 0
         opened = regions if lay.recompute != "none" else 0  # every region's opening again
         if lay.sequence_parallel:
             for op, count, purpose in (
