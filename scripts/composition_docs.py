@@ -123,7 +123,11 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, [PP2, TP2, SP, V2, sched("dualpipev"), micro(2), SELECTIVE]),
         (4, [PP2, TP2, V2, sched("zbv"), micro(2), TIED, SELECTIVE]),
         (4, [PP2, TP2, V2, sched("dualpipev"), micro(2), FULL]),
-        (4, [PP2, TP2, sched("zb"), micro(2), SELECTIVE])],
+        (4, [PP2, TP2, sched("zb"), micro(2), SELECTIVE]),
+        (4, [PP2, V2, sched("zbv"), micro(1), TIED, z(2)]),
+        (4, [PP2, V2, sched("dualpipev"), micro(1), z(3)]),
+        (4, [*MOE, PP2, sched("zb"), micro(2), z(2)]),
+        (4, [*MOE, PP2, sched("zb"), micro(1), z(3)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_runs_in_the_trainer": [
         (2, [PP2, sched("pipedream-2bw"), micro(2)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_resumes_exactly": [

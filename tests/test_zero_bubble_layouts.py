@@ -41,12 +41,15 @@ STEPS = 3
 PP_TP = ["parallel.pp=2", "parallel.tp=2", "model.layers=4"]
 SP = PP_TP + ["parallel.sequence_parallel=true"]
 V = ["parallel.vpp=2"]
+PP_DP = ["parallel.pp=2", "model.layers=4"]  # dp 2: the rest of the 4 ranks
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
+       "model.moe.aux_loss_weight=0.01"]
 FULL, SELECTIVE = "parallel.recompute=full", "parallel.recompute=selective"
 TIED = "model.tied_embeddings=true"
 
 
-def zb(name: str, *sets: str) -> list[str]:
-    return [f"parallel.schedule={name}", "parallel.micro_batch=2", *sets]
+def zb(name: str, *sets: str, micro: int = 2) -> list[str]:
+    return [f"parallel.schedule={name}", f"parallel.micro_batch={micro}", *sets]
 
 
 LAYOUTS = {  # group -> [(overrides, label)], all on 4 ranks
@@ -58,6 +61,14 @@ LAYOUTS = {  # group -> [(overrides, label)], all on 4 ranks
         (zb("zbv", *PP_TP, *V, TIED, SELECTIVE), "zbv pp2 x tp2 tied, selective recompute"),
         (zb("dualpipev", *PP_TP, *V, FULL), "dualpipev pp2 x tp2, full recompute"),
         (zb("zb", *PP_TP, SELECTIVE), "zb pp2 x tp2, selective recompute")],
+    "4 zero": [  # pp 2 x dp 2: ZeRO-2/3 reduce-scatter a unit once per pass that adds to it
+        (zb("zbv", *PP_DP, *V, TIED, "parallel.zero_stage=2", micro=1),
+         "zbv pp2 x dp2 tied, ZeRO-2, 4 micro-batches"),
+        (zb("dualpipev", *PP_DP, *V, "parallel.zero_stage=3", micro=1),
+         "dualpipev pp2 x dp2, ZeRO-3, 4 micro-batches"),
+        (zb("zb", *PP_DP, *MOE, "parallel.zero_stage=2"), "zb pp2 x dp2 MoE, ZeRO-2"),
+        (zb("zb", *PP_DP, *MOE, "parallel.zero_stage=3", micro=1),
+         "zb pp2 x dp2 MoE, ZeRO-3, 4 micro-batches")],
 }
 SLOW = [pytest.mark.slow, pytest.mark.timeout(2400)]  # minutes on 2 shared cores
 
@@ -82,11 +93,13 @@ def base(parity_overrides) -> list[str]:
     return parity_overrides + [f"train.steps={STEPS}"]
 
 
-@pytest.mark.parametrize("group", ["4", pytest.param("4 slow", marks=SLOW)])
+@pytest.mark.parametrize("group", ["4", pytest.param("4 slow", marks=SLOW),
+                                   pytest.param("4 zero", marks=SLOW)])
 def test_zero_bubble_layouts_match_one_process_and_the_ledger(group, base, tmp_path):
     """pp 2 x tp 2: ZB-H1 with sequence parallelism and full recomputation (slow: every
     zero-bubble schedule with sequence parallelism, and with full and selective
-    recomputation): losses, parameters and every rank's ledger."""
+    recomputation; pp 2 x dp 2: the V schedules with ZeRO-2 and ZeRO-3, ZB-H1 with MoE and
+    ZeRO-2 and ZeRO-3): losses, parameters and every rank's ledger."""
     world, layouts = 4, LAYOUTS[group]
     runs = run_on_ranks(_on_ranks, world, base, [s for s, _ in layouts], str(tmp_path),
                         timeout_s=2000)
@@ -140,8 +153,8 @@ def _one_rank_step(stage, schedule: str, ledger: Ledger) -> dict[str, torch.Tens
     return {n: q.grad for n, q in stage.named_parameters()}
 
 
-def _stage():
-    cfg = load_config(None, TINY)
+def _stage(cfg=None):
+    cfg = cfg or load_config(None, TINY)
     return build_pipeline_stage(cfg, plan_from_config(cfg, 1), 0, torch.device("cpu"))
 
 
@@ -188,3 +201,38 @@ def test_recomputed_blocks_run_their_forward_once_more_and_w_reuses_it(recompute
         assert runs == ({"outside": 4} if name == "1f1b" else {"outside": 4, "I": 4}), runs
     for name, g in grads["1f1b"].items():
         torch.testing.assert_close(grads["zb"][name], g, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_zero2_reduces_a_moe_block_after_each_of_its_two_passes(monkeypatch):
+    """ZeRO-2 on one rank, 2 MoE blocks, 2 micro-batches: under 1F1B each unit is
+    reduce-scattered once per micro-batch; under ZB each block's unit twice (after I, which
+    computes the MoE layer's weights, and after W, the rest), the root once, and the reduced
+    gradients are 1F1B's (rtol 1e-5). Before, a unit that no single pass finished was never
+    reduced."""
+    from fivefold.parallel import grad_sync
+    from fivefold.parallel.data_parallel import DataParallelEngine
+    from fivefold.parallel.mesh import Mesh
+
+    cfg = load_config(None, TINY + MOE)
+    calls = Counter()
+    scatter = grad_sync.AllReduceSync._reduce_scatter
+
+    def counted(self, out, full, i):
+        calls[i] += 1
+        return scatter(self, out, full, i)
+
+    monkeypatch.setattr(grad_sync.AllReduceSync, "_reduce_scatter", counted)
+    grads = {}
+    for name in ("1f1b", "zb"):
+        calls.clear()
+        ledger, stage = Ledger(), _stage(cfg)
+        mesh = Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}, "cpu", ledger)
+        engine = DataParallelEngine(stage, 2, mesh, cfg.train, torch.device("cpu"))
+        tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+        PipelineEngine(stage, build_schedule(name, 1, 2), C.Axis("pp", None, 1, 0, ledger),
+                       grad_sync=engine).train_step(tokens[:, :-1], tokens[:, 1:], 1e-2)
+        grads[name] = [m.grad.clone() for m in engine.masters]
+        per_unit = [2] + [2 * (2 if name == "zb" else 1)] * 2  # root, then the 2 blocks
+        assert [calls[i] for i in range(3)] == per_unit, (name, calls)
+    for i, g in enumerate(grads["1f1b"]):
+        torch.testing.assert_close(grads["zb"][i], g, atol=1e-7, rtol=1e-5, msg=str(i))

@@ -176,15 +176,6 @@ REFUSALS: list[Refusal] = [
     Refusal("schedule=terapipe", ("tp>1",), "parallel.schedule",
             "TeraPipe's sliced attention runs outside the tensor-parallel regions; use "
             "parallel.tp = 1 or another schedule"),
-    *(Refusal(f"schedule={s}", ("zero=2", "zero=3"), "parallel.zero_stage",
-              "a V schedule's first rank holds the embedding (stage 0) and the final norm and "
-              "head (the last stage): its root unit is finished by two passes, which ZeRO-2 "
-              "and ZeRO-3 reduce-scatter one at a time; use parallel.zero_stage 0 or 1 with "
-              "{parallel.schedule}") for s in ("zbv", "dualpipev")),
-    Refusal("schedule=zb", ("zero=2", "zero=3"), "parallel.zero_stage",
-            "a zero-bubble I pass computes an MoE layer's weight gradients and the W pass the "
-            "rest of its block, which ZeRO-2 and ZeRO-3 reduce-scatter one pass at a time; use "
-            "parallel.zero_stage 0 or 1 with 'zb' and model.moe", when=("moe",)),
     Refusal("schedule=pipedream-2bw", ("tp>1", *SHARDED), "parallel.schedule",
             "PipeDream-2BW keeps its own weight versions and optimizer: use it with "
             "parallel.tp = 1 and parallel.zero_stage = 0"),

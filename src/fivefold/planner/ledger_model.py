@@ -9,7 +9,7 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
   stage 0   last micro-batch: all-reduce each unit's gradient buffer over all dp ranks
   stage 1   last micro-batch: reduce-scatter each buffer over dp_shard; after the step,
             all-gather each unit's parameters
-  stage 2   every micro-batch: reduce-scatter each unit's gradient; all-gather after the step
+  stage 2   every backward pass: reduce-scatter each unit's gradient; all-gather after the step
   stage 3   every micro-batch: all-gather the root once and each block twice (forward and
             backward), reduce-scatter each unit's gradient; with pp > 1 the root once per
             step, the blocks as the passes find them freed (ledger_pipeline.zero3_block_gathers)
@@ -73,8 +73,8 @@ from fivefold.expert_grid import STAGE_AXES
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
-from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
-                                               zero3_block_gathers)
+from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages,
+                                               stage_layers_of_rank, zero3_block_gathers)
 from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -349,15 +349,13 @@ class _Step:
         if stage == 3 and lay.pp > 1:
             if root:  # held from the step's first action to its end
                 self.gather(root, backward=False)
-            per_block: list[list[Unit]] = []  # each block's units: dense, then its experts
-            for u in blocks:
-                if u.expert:
-                    per_block[-1].append(u)
-                else:
-                    per_block.append([u])
+            starts = [k for k, u in enumerate(blocks) if not u.expert] + [len(blocks)]
+            per_block = [blocks[a:b] for a, b in zip(starts, starts[1:])]  # dense, experts
             for j, backward in zero3_block_gathers(self.cfg, lay, self.pp_rank):
                 for u in per_block[j]:
                     self.gather(u, backward)
+        dense = [*([root] if root else []), *(u for u in blocks if not u.expert)]
+        passes = dict(zip(map(id, dense), gradient_passes(self.cfg, lay, self.pp_rank)))
         for j in range(micro):
             last = j == micro - 1
             if lay.tp > 1:
@@ -381,7 +379,8 @@ class _Step:
                 elif stage == 1 and last:
                     self.reduce_scatter(u, self.param, self.pb)
                 elif stage >= 2:
-                    self.reduce_scatter(u, self.reduce, self.gb)
+                    for _ in range(passes.get(id(u), 1)):
+                        self.reduce_scatter(u, self.reduce, self.gb)
             if last and stage >= 1:
                 for u in (u for u in units if not u.expert):  # experts: edp holds them all
                     self.record("all_reduce", "dp_replicate", self.replicate, self.reduce,
