@@ -21,8 +21,10 @@ the ZB authors' Megatron implementation (arXiv 2401.10241, Sec. 2; sail-sg's
 zero-bubble-pipeline-parallelism) likewise defers the sequence-parallel all-gather of a
 linear's input together with its weight-gradient GEMM to W. Between I and W a unit then keeps
 only the sequence shard, as sequence parallelism promises, and the bytes moved are a full
-backward's: one re-gather per region and micro-batch. Collectives are flat (gloo takes no stacked buffers):
-`gather_stacked` and `reduce_scatter_stacked` lay the ranks' parts out along a leading dim.
+backward's: one re-gather per region and micro-batch.
+
+Collectives are flat (gloo takes no stacked buffers): `gather_stacked` and
+`reduce_scatter_stacked` lay the ranks' parts out along a leading dim.
 
 Explicit autograd functions, not DTensor, so that every collective goes through
 fivefold.comm.collectives and is recorded in the ledger on the "tp" axis with a purpose:

@@ -34,9 +34,10 @@ recomputation is done once, in I, and W reuses it: while I runs, the same hooks 
 parameter-owning module's output as the recomputation produces it (`recomputed_outputs`), and
 W starts from those, whose graph holds real tensors. As in the ZB paper's split (Sec. 2),
 what W needs, the inputs of the weight-gradient products, lives from I to W: here the
-recomputed graph of the unit's blocks, which is about what a unit without recomputation keeps. For W to find every module, a checkpoint
-taken in a forward that W follows recomputes its whole block (torch's early stop off), which
-also runs the MLP's closing collective again (fivefold.planner.ledger_model counts it).
+recomputed graph of the unit's blocks, about what a unit without recomputation keeps. For W
+to find every module, a checkpoint taken in a forward that W follows recomputes its whole
+block (torch's early stop off), which also runs the MLP's closing collective again
+(fivefold.planner.ledger_model counts it).
 """
 
 from __future__ import annotations
