@@ -28,7 +28,6 @@ CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "pipedream-2bw",
              "terapipe")
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V (pipeline.schedules_v)
-SPLIT_SCHEDULES = ("zb", *V_SCHEDULES)  # zero-bubble: backward split into I and W
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "nvme")  # fivefold.memory.offload
 OFFLOAD_KERNELS = ("foreach", "fused")
