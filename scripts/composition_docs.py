@@ -33,6 +33,8 @@ MODEL = ["model.layers=4", "model.hidden=64", "model.heads=4", "model.kv_heads=2
 PP2, TP2, SP = "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"
 FP16 = "parallel.precision=fp16"
 V2 = "parallel.vpp=2"  # the V schedules' two chunks per rank
+FULL, SELECTIVE = "parallel.recompute=full", "parallel.recompute=selective"
+TIED = "model.tied_embeddings=true"
 
 
 def z(stage: int) -> str:
@@ -115,6 +117,18 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (4, ["parallel.pp=4", "model.layers=8", V2, sched("zbv"), micro(1)]),
         (4, [*MOE, EP(2), PP2, V2, sched("zbv"), z(1), micro(1)]),
         (4, [*MOE, EP(2), PP2, V2, sched("dualpipev"), z(0), micro(1)])],
+    "tests/test_zero_bubble_layouts.py::test_zero_bubble_layouts_match_one_process_and_the_ledger": [
+        (4, [PP2, TP2, SP, sched("zb"), micro(2), FULL]),
+        (4, [PP2, TP2, SP, sched("zb"), micro(2)]),
+        (4, [PP2, TP2, SP, V2, sched("zbv"), micro(2), TIED, FULL]),
+        (4, [PP2, TP2, SP, V2, sched("dualpipev"), micro(2), SELECTIVE]),
+        (4, [PP2, TP2, V2, sched("zbv"), micro(2), TIED, SELECTIVE]),
+        (4, [PP2, TP2, V2, sched("dualpipev"), micro(2), FULL]),
+        (4, [PP2, TP2, sched("zb"), micro(2), SELECTIVE]),
+        (4, [PP2, V2, sched("zbv"), micro(1), TIED, z(2)]),
+        (4, [PP2, V2, sched("dualpipev"), micro(1), z(3)]),
+        (4, [*MOE, PP2, sched("zb"), micro(2), z(2)]),
+        (4, [*MOE, PP2, sched("zb"), micro(1), z(3)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_runs_in_the_trainer": [
         (2, [PP2, sched("pipedream-2bw"), micro(2)])],
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_resumes_exactly": [

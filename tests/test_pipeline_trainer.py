@@ -313,8 +313,6 @@ def test_stage_takes_pretrained_weights_by_name(base):
     (["parallel.precision='fp16'", "parallel.schedule='pipedream-2bw'",
       "parallel.micro_batch=1"], "parallel.precision"),
     (["parallel.tp=2", "parallel.schedule='terapipe'"], "parallel.schedule"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule='zb'"],
-     "parallel.sequence_parallel"),
     (["parallel.tp=2", "parallel.schedule='pipedream-2bw'", "parallel.micro_batch=1"],
      "parallel.schedule"),
 ])

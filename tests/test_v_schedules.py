@@ -111,10 +111,6 @@ def test_replay_hides_a_pairs_communication_behind_the_other_half():
     (["parallel.schedule=dualpipev", "parallel.vpp=2"], "parallel.pp", "parallel.pp >= 2"),
     (["parallel.schedule=dualpipev", "parallel.pp=2", "parallel.vpp=3"], "parallel.vpp",
      "two chunks"),
-    (["parallel.schedule=zbv", "parallel.pp=2", "parallel.vpp=2", "parallel.zero_stage=2"],
-     "parallel.zero_stage", "root unit"),
-    (["parallel.schedule=dualpipev", "parallel.pp=2", "parallel.vpp=2",
-      "parallel.recompute=full"], "parallel.schedule", "not supported with dualpipev"),
 ])
 def test_v_schedule_configs_are_checked(sets, key, words):
     cfg = load_config(None, ["model.layers=4", "parallel.global_batch=8"] + sets)

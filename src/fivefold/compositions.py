@@ -158,21 +158,6 @@ REFUSALS: list[Refusal] = [
     Refusal("schedule=terapipe", ("tp>1",), "parallel.schedule",
             "TeraPipe's sliced attention runs outside the tensor-parallel regions; use "
             "parallel.tp = 1 or another schedule"),
-    *(Refusal(f"schedule={s}", ("zero=2", "zero=3"), "parallel.zero_stage",
-              "a V schedule's first rank holds the embedding (stage 0) and the final norm and "
-              "head (the last stage): its root unit is finished by two passes, which ZeRO-2 "
-              "and ZeRO-3 reduce-scatter one at a time; use parallel.zero_stage 0 or 1 with "
-              "{parallel.schedule}") for s in ("zbv", "dualpipev")),
-    *(Refusal(f"schedule={s}", ("sequence_parallel",), "parallel.sequence_parallel",
-              "the zero-bubble weight pass would re-run sequence parallelism's shared "
-              "re-gather; turn it off or use another schedule") for s in ("zbv", "dualpipev")),
-    Refusal("schedule=zb", ("zero=2", "zero=3"), "parallel.zero_stage",
-            "a zero-bubble I pass computes an MoE layer's weight gradients and the W pass the "
-            "rest of its block, which ZeRO-2 and ZeRO-3 reduce-scatter one pass at a time; use "
-            "parallel.zero_stage 0 or 1 with 'zb' and model.moe", when=("moe",)),
-    Refusal("schedule=zb", ("sequence_parallel",), "parallel.sequence_parallel",
-            "the zero-bubble weight pass would re-run sequence parallelism's shared "
-            "re-gather; turn it off or use another schedule"),
     Refusal("schedule=pipedream-2bw", ("tp>1", *SHARDED), "parallel.schedule",
             "PipeDream-2BW keeps its own weight versions and optimizer: use it with "
             "parallel.tp = 1 and parallel.zero_stage = 0"),
@@ -183,13 +168,12 @@ REFUSALS: list[Refusal] = [
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),
-    *(Refusal(f"recompute={r}", ("schedule=zb", "schedule=zbv", "schedule=dualpipev",
-                                 "schedule=terapipe", "schedule=pipedream-2bw"),
+    *(Refusal(f"recompute={r}", ("schedule=terapipe", "schedule=pipedream-2bw"),
               "parallel.schedule",
               "parallel.recompute = '{parallel.recompute}' is not supported with "
-              "{parallel.schedule}: it keeps per-pass state (split backward, key/value caches "
-              "or weight versions) that recomputation would bypass; use recompute = 'none' "
-              "with it, or 1f1b") for r in ("full", "selective")),
+              "{parallel.schedule}: it keeps per-pass state (key/value caches or weight "
+              "versions) that recomputation would bypass; use recompute = 'none' with it, or "
+              "1f1b") for r in ("full", "selective")),
     Refusal("optimizer=galore", ("cp>1", "ep>1", "etp>1", "zero_group", "qwz", "hpz", "qgz"),
             "train.optimizer",
             "GaLore runs with data, tensor and pipeline parallelism and ZeRO 0-3 "

@@ -65,10 +65,14 @@ class FlatUnit:
         return mask[self.shard_slice]
 
     def flatten_grads(self, out: torch.Tensor) -> torch.Tensor:
-        """Copy the parameters' .grad into `out` (padded length), zeros in the padding."""
+        """Copy the parameters' .grad into `out` (padded length), zeros in the padding and
+        where a parameter has none (a pass that computed only some of the unit's)."""
         out[self.numel:].zero_()
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            out[off:off + n].copy_(p.grad.reshape(-1))
+            if p.grad is None:
+                out[off:off + n].zero_()
+            else:
+                out[off:off + n].copy_(p.grad.reshape(-1))
         return out
 
     # -- ZeRO-3: the full buffer exists only while the unit computes

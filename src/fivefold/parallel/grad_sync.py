@@ -110,7 +110,7 @@ class AllReduceSync:
     # unit's parameters over the passes flagged `last` until all are in, so a unit whose
     # parameters two passes finish (a V schedule's first rank: the embedding in stage 0's
     # last backward, the final norm and head in the last stage's) is reduced after both.
-    # Stage 2 reduces every pass, counting each pass on its own.
+    # Stage 2 reduces every pass, counting each pass on its own (ShardedSync).
     reduces_every_pass = False
 
     def prepare_backward(self, last: bool) -> None:
@@ -197,9 +197,30 @@ class ReduceScatterSync(AllReduceSync):
 
 class ShardedSync(ReduceScatterSync):
     """Stage 2: each micro-batch's unit gradient is flattened, reduce-scattered and added to
-    a persistent shard in `reduce_dtype`; at most MAX_INFLIGHT_REDUCE_SCATTERS at once."""
+    a persistent shard in `reduce_dtype`; at most MAX_INFLIGHT_REDUCE_SCATTERS at once.
+
+    A unit whose parameters two passes finish (a V schedule's first rank's root unit: the
+    final norm and head in the last stage's backward, the embedding in stage 0's; a
+    zero-bubble MoE block: the MoE layer's weights in I, the rest in W) is reduce-scattered
+    after each of them, for what that pass added (zeros for the others), when the next
+    gradient pass or the step's end finds it partly done: reduce-scatters add up, so the
+    shard is the same sum, in two collectives instead of one."""
 
     reduces_every_pass = True
+
+    def prepare_backward(self, last: bool) -> None:
+        self._reduce_partial()
+        super().prepare_backward(last)
+
+    def finish(self) -> None:
+        self._reduce_partial()
+        super().finish()
+
+    def _reduce_partial(self) -> None:
+        for i, ready in enumerate(self._ready):
+            if ready:
+                self._ready[i] = 0
+                self._reduce(i)
 
     def _buffers(self, dtype: torch.dtype) -> list[torch.Tensor | None]:
         return [None] * len(self.units)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fivefold.batch_shares import replica_rows
 from fivefold.config import Config, ParallelConfig
 from fivefold.expert_grid import expert_data_degree
+from fivefold.parallel.pipeline.actions import SPLIT_SCHEDULES
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule
 from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
@@ -275,6 +276,11 @@ class ParallelPlan:
         """Whether the schedule places its two chunks per rank in a V (the last stage on
         pp rank 0, next to the first)."""
         return self.schedule in V_SCHEDULES
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backward into I and W (zero-bubble; pp > 1 only)."""
+        return self.pp > 1 and self.schedule in SPLIT_SCHEDULES
 
     def pipeline_schedules(self, tied_embeddings: bool) -> tuple[Schedule, Schedule]:
         """(training, evaluation) action lists of a synchronous schedule, as the executor

@@ -15,8 +15,16 @@ sharded along the sequence and splits each all-reduce into its two halves:
 and the column-parallel linears of a region store only this rank's sequence shard of their
 input, gathering it again in backward for the weight gradient (`linear_regathered`, as the
 same section describes). One `SharedRegather` per region makes the region's linears (wq, wk,
-wv or w1, w3) share a single re-gather. Collectives are flat (gloo takes no stacked buffers):
-`gather_stacked` and `reduce_scatter_stacked` lay the ranks' parts out along a leading dim.
+wv or w1, w3) share a single re-gather. Under zero-bubble's split backward the re-gather runs
+in the W pass, with the weight gradients that read it, and not in the I pass (`_walk_needs`):
+the ZB authors' Megatron implementation (arXiv 2401.10241, Sec. 2; sail-sg's
+zero-bubble-pipeline-parallelism) likewise defers the sequence-parallel all-gather of a
+linear's input together with its weight-gradient GEMM to W. Between I and W a unit then keeps
+only the sequence shard, as sequence parallelism promises, and the bytes moved are a full
+backward's: one re-gather per region and micro-batch.
+
+Collectives are flat (gloo takes no stacked buffers): `gather_stacked` and
+`reduce_scatter_stacked` lay the ranks' parts out along a leading dim.
 
 Explicit autograd functions, not DTensor, so that every collective goes through
 fivefold.comm.collectives and is recorded in the ledger on the "tp" axis with a purpose:
@@ -149,6 +157,19 @@ class SharedRegather:
         return full
 
 
+def _walk_needs(ctx, i: int) -> bool:
+    """Whether the backward now running reaches the node that input `i` of `ctx`'s op feeds.
+
+    A built-in op computes only the gradients the current walk asks for; a custom function's
+    `needs_input_grad` says only what could be asked. Zero-bubble's split backward
+    (fivefold.parallel.pipeline.split_backward) walks the graph twice: I asks for the input
+    gradient alone, W for the weight's alone. Asking the engine which edges this walk will
+    follow keeps I from re-gathering the input and W from computing the input gradient again.
+    """
+    node = ctx.next_functions[i][0]
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
 class _LinearRegathered(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BTD, x_local_BSD, weight, shared):
@@ -161,9 +182,9 @@ class _LinearRegathered(torch.autograd.Function):
     def backward(ctx, grad_BTO):
         x_local, weight = ctx.saved_tensors
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and _walk_needs(ctx, 0):
             grad_x = grad_BTO.matmul(weight.to(grad_BTO.dtype))
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and _walk_needs(ctx, 2):
             x_BTD = ctx.shared.gather(x_local)
             grad_w = grad_BTO.flatten(0, -2).t().matmul(x_BTD.flatten(0, -2).to(grad_BTO.dtype))
             grad_w = grad_w.to(weight.dtype)

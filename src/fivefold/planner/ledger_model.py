@@ -9,7 +9,7 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
   stage 0   last micro-batch: all-reduce each unit's gradient buffer over all dp ranks
   stage 1   last micro-batch: reduce-scatter each buffer over dp_shard; after the step,
             all-gather each unit's parameters
-  stage 2   every micro-batch: reduce-scatter each unit's gradient; all-gather after the step
+  stage 2   every backward pass: reduce-scatter each unit's gradient; all-gather after the step
   stage 3   every micro-batch: all-gather the root once and each block twice (forward and
             backward), reduce-scatter each unit's gradient; with pp > 1 the root once per
             step, the blocks as the passes find them freed (ledger_pipeline.zero3_block_gathers)
@@ -28,8 +28,8 @@ follows the data-parallel engine step by step, per flat unit of the rank's pipel
             own blocks' tensor-parallel collectives, the embedding's on the first stage, the
             final norm's and the vocabulary loss's on the last; messages of (B, T, D) per tp
             rank, (B, T/t, D) with sequence parallelism; the lent tied head is the tp rank's
-            vocabulary rows; a zero-bubble W pass issues no collective (the executor records
-            the final norm's output before Megatron's f, so f's all-reduce runs once, in I)
+            vocabulary rows; a zero-bubble split repeats no collective (f's all-reduce runs
+            once, in I; sequence parallelism's re-gathers and norm-gain sums once, in W)
   cp > 1    per micro-batch and block, the attention's exchanges on the cp axis
             (fivefold.parallel.context; `_Step.context_parallel`); gradients are synced, and
             ZeRO shards, over dp x cp: the dp_shard collectives run on "dp_shard+cp" (size
@@ -72,8 +72,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.fp8_ledger import fp8_amax_records
-from fivefold.planner.ledger_pipeline import (pipeline_messages, stage_layers_of_rank,
-                                               zero3_block_gathers)
+from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages,
+                                               stage_layers_of_rank, zero3_block_gathers)
 from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -200,14 +200,14 @@ class _Step:
         and selective recomputation run each block's forward again in backward
         (fivefold.memory.recompute; selective takes some outputs from its cache but runs the
         collectives again) up to the last tensor the backward needs (torch's early stop):
-        the collectives that open the two regions and the attention's closing one run again,
-        the MLP's closing one, whose output nothing in the block saves, does not."""
+        the two regions' openings and the attention's close run again; the MLP's close,
+        whose output nothing saves, only where a split backward recomputes whole blocks."""
         lay, t, m = self.lay, self.lay.tp, self.cfg.model
         tokens = lay.micro_batch * m.seq_len // lay.cp  # this cp rank's share
         act = tokens * m.hidden * self.pb
         # an MoE block's MLP is no region (whole on every tp rank, or on its sp shard)
         regions, ends = 2 * self.blocks - self.moe_layers, int(self.first) + int(self.last)
-        again = self.blocks if lay.recompute != "none" else 0  # per block: attention's close
+        again = (regions if lay.split_backward else self.blocks) if lay.recompute != "none" else 0
         opened = regions if lay.recompute != "none" else 0  # every region's opening again
         if lay.sequence_parallel:
             for op, count, purpose in (
@@ -322,15 +322,13 @@ class _Step:
         if stage == 3 and lay.pp > 1:
             if root:  # held from the step's first action to its end
                 self.gather(root, backward=False)
-            per_block: list[list[Unit]] = []  # each block's units: dense, then its experts
-            for u in blocks:
-                if u.expert:
-                    per_block[-1].append(u)
-                else:
-                    per_block.append([u])
+            starts = [k for k, u in enumerate(blocks) if not u.expert] + [len(blocks)]
+            per_block = [blocks[a:b] for a, b in zip(starts, starts[1:])]  # dense, experts
             for j, backward in zero3_block_gathers(self.cfg, lay, self.pp_rank):
                 for u in per_block[j]:
                     self.gather(u, backward)
+        dense = [*([root] if root else []), *(u for u in blocks if not u.expert)]
+        passes = dict(zip(map(id, dense), gradient_passes(self.cfg, lay, self.pp_rank)))
         for j in range(micro):
             last = j == micro - 1
             if lay.tp > 1:
@@ -357,7 +355,8 @@ class _Step:
                 elif stage == 1 and last:
                     self.reduce_scatter(u, self.param, self.pb)
                 elif stage >= 2:
-                    self.reduce_scatter(u, self.reduce, self.gb)
+                    for _ in range(passes.get(id(u), 1)):
+                        self.reduce_scatter(u, self.reduce, self.gb)
             if last and stage >= 1:
                 for u in units:  # hierarchical sharding's second hop (experts' own)
                     self.record("all_reduce", "edp_replicate" if u.expert else "dp_replicate",

@@ -28,6 +28,7 @@ are complete; an I leaves its blocks gathered for the W.
 from __future__ import annotations
 
 from fivefold.config import Config
+from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline import schedules as S
 from fivefold.parallel.pipeline.partition import slice_bounds, stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan
@@ -75,6 +76,19 @@ def stage_layers_of_rank(cfg: Config, lay: ParallelPlan, pp_rank: int
     return [i for s in ids for i in ranges[s]], 0 in ids, stages - 1 in ids
 
 
+def gradient_passes(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[int]:
+    """Per non-expert unit of pp rank `pp_rank` (its root unit when it holds an end, then each
+    block's), the backward passes that compute its gradients in one micro-batch, each of which
+    ZeRO-2/3 reduce-scatters (fivefold.parallel.grad_sync.ShardedSync): 2 for a V schedule's
+    first rank's root (the last stage's pass and stage 0's) and for an MoE block's under a
+    split backward (I computes the MoE layer's weights, W the rest;
+    fivefold.parallel.pipeline.split_backward), else 1."""
+    layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
+    root = [2 if lay.v_shape and first and last else 1] if lay.pp == 1 or first or last else []
+    return root + [2 if lay.split_backward and is_moe_layer(cfg.model, i) else 1
+                   for i in layers]
+
+
 def zero3_block_gathers(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[tuple[int, bool]]:
     """(position among the rank's blocks, backward) of each all-gather of block weights that
     ZeRO-3 issues on pp rank `pp_rank` in one step (fivefold.parallel.data_parallel)."""
@@ -83,7 +97,8 @@ def zero3_block_gathers(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[tu
     ranges = stage_layer_ranges(m, lay.pp * lay.vpp, lay.stage_layers)
     layers, _, _ = stage_layers_of_rank(cfg, lay, pp_rank)
     where = {layer: j for j, layer in enumerate(layers)}
-    gathered, out = [False] * len(layers), []
+    split_moe = {j for j, i in enumerate(layers) if lay.split_backward and is_moe_layer(m, i)}
+    gathered, out, finished = [False] * len(layers), [], set()
 
     def gather(j: int, backward: bool) -> None:
         if 0 <= j < len(layers) and not gathered[j]:
@@ -94,6 +109,10 @@ def zero3_block_gathers(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[tu
         if a.kind not in (S.F, S.B, S.I, S.W):
             continue
         blocks = [where[i] for i in ranges[a.stage]]
+        if a.kind != S.F:  # an I that computed an MoE block's weights: reduced, freed now
+            for j in finished:
+                gathered[j] = False
+            finished.clear()
         if a.kind == S.F:
             for j in blocks:
                 gather(j, False)
@@ -104,6 +123,8 @@ def zero3_block_gathers(cfg: Config, lay: ParallelPlan, pp_rank: int) -> list[tu
                 gather(j, True)
                 gather(j - 1, True)  # the prefetch
                 gathered[j] = gathered[j] and a.kind == S.I
+                if a.kind == S.I and j in split_moe:
+                    finished.add(j)
         else:
             for j in blocks:
                 gathered[j] = False

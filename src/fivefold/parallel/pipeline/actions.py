@@ -25,6 +25,7 @@ GRADIENT_KINDS = (B, W)  # the actions that accumulate weight gradients
 SENDS = (SEND_ACT, SEND_GRAD, SEND_TIED_WEIGHT, SEND_TIED_GRAD, SEND_LOSS)
 RECVS = (RECV_ACT, RECV_GRAD, RECV_TIED_WEIGHT, RECV_TIED_GRAD, RECV_LOSS)
 SYNC_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "terapipe") + V_SCHEDULES
+SPLIT_SCHEDULES = ("zb",) + V_SCHEDULES  # zero-bubble: backward split into I and W
 
 
 @dataclass(frozen=True)

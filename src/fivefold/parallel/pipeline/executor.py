@@ -242,7 +242,7 @@ class PipelineEngine:
 
     def _backward_input(self, a: Action) -> None:
         st = self.state[(a.stage, a.mb, a.slice)]
-        backward_input(st, self._tied_leaf(a.stage), self.eager)
+        backward_input(st, self._tied_leaf(a.stage), self.eager, self.stage)
 
     def _backward_weight(self, a: Action) -> None:
         backward_weight(self.state.pop((a.stage, a.mb, a.slice)))

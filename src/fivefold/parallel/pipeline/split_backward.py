@@ -9,7 +9,11 @@ matrix multiplies that I skipped, accumulated into `.grad` as a full backward wo
 output recorded is the module's own, taken before any other forward hook rewrites it: tensor
 parallelism's hook on the final norm wraps its output in Megatron's f (copy_to_tp), whose
 backward is an all-reduce; recorded after f, each W would run that all-reduce again. So W
-issues no collective: every one on the activation-gradient chain runs once, in I.
+issues no collective on the activation-gradient chain: every one there runs once, in I. The
+collectives a W does issue are sequence parallelism's, which only weight gradients need: the
+re-gather of a region's input, once per region and micro-batch, which I skips
+(fivefold.parallel.tensor_comm says why in W rather than I), and the all-reduce of a norm
+gain's gradient, run where that gradient is computed.
 
 A module that owns parameters and holds parameter-owning modules too (an MoE layer: its
 stacked experts, and a router whose weight it applies itself) is not split: the path from its
@@ -20,6 +24,20 @@ into `.grad` as a full backward does. So on a stage with such weights I accumula
 gradients too, and the executor tells data parallelism before it (`last_gradient_steps`).
 The MoE layers under zero-bubble schedules had no such rule before: the router's weight,
 applied by its MoE layer rather than by calling the router, got no gradient in a W.
+
+Recomputation (fivefold.memory.recompute; Chen et al., arXiv 1604.06174) keeps only a block's
+input from the forward; torch's non-reentrant checkpoint runs the block's forward again in
+the first backward walk that needs a saved tensor, and again in every later walk, since it
+keeps what it recomputed per walk. I and W are two walks, so W on the forward's outputs would
+run the forward a second time (and its tensor-parallel collectives with it). Instead the
+recomputation is done once, in I, and W reuses it: while I runs, the same hooks record each
+parameter-owning module's output as the recomputation produces it (`recomputed_outputs`), and
+W starts from those, whose graph holds real tensors. As in the ZB paper's split (Sec. 2),
+what W needs, the inputs of the weight-gradient products, lives from I to W: here the
+recomputed graph of the unit's blocks, about what a unit without recomputation keeps. For W
+to find every module, a checkpoint taken in a forward that W follows recomputes its whole
+block (torch's early stop off), which also runs the MLP's closing collective again
+(fivefold.planner.ledger_model counts it).
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from fivefold.parallel.pipeline.p2p_plan import Step
 from fivefold.parallel.pipeline.schedules import B, I, W
@@ -48,40 +67,75 @@ def eager_weights(stage: PipelineStage) -> list[torch.nn.Parameter]:
     return list(out.values())
 
 
-@contextlib.contextmanager
-def capture_weight_ops(stage: PipelineStage, eager: list[torch.nn.Parameter]):
-    """Record (output, own parameters) of every parameter-owning module run in the block,
-    but for the modules whose weights are `eager`.
-
-    The hook is put first (`prepend`), so it sees the module's own output before a hook
-    installed earlier (tensor parallelism's on the final norm) replaces it."""
-    ops: list[tuple[torch.Tensor, list[torch.nn.Parameter]]] = []
+def _hooked(stage: PipelineStage, eager: list[torch.nn.Parameter], record):
+    """`record(module, output)` as a first forward hook of every parameter-owning module of
+    the stage but those whose weights are `eager`, for outputs that require a gradient."""
     skip = {id(p) for p in eager}
 
     def hook(module, args, output):
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if params and isinstance(output, torch.Tensor) and output.requires_grad:
-            ops.append((output, params))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            record(module, output)
 
-    handles = [m.register_forward_hook(hook, prepend=True) for m in stage.modules()
-               if _owns_params(m) and not any(id(p) in skip for p in m.parameters())]
+    return [m.register_forward_hook(hook, prepend=True) for m in stage.modules()
+            if _owns_params(m) and not any(id(p) in skip for p in m.parameters())]
+
+
+@contextlib.contextmanager
+def capture_weight_ops(stage: PipelineStage, eager: list[torch.nn.Parameter]):
+    """Record (output, own parameters, module) of every parameter-owning module run in the
+    block, but for the modules whose weights are `eager`.
+
+    The hook is put first (`prepend`), so it sees the module's own output before a hook
+    installed earlier (tensor parallelism's on the final norm) replaces it. A recomputed
+    block (module docstring) runs its whole forward again: early stop is off for the
+    checkpoints taken here."""
+    ops: list[tuple[torch.Tensor, list[torch.nn.Parameter], torch.nn.Module]] = []
+
+    def record(module, output):
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            ops.append((output, params, module))
+
+    handles = _hooked(stage, eager, record)
     stage.capture = ops
     try:
-        yield ops
+        with set_checkpoint_early_stop(False):
+            yield ops
     finally:
         stage.capture = None
         for handle in handles:
             handle.remove()
 
 
-def backward_input(st: dict, tied: list[torch.Tensor], eager: list[torch.nn.Parameter]) -> None:
+@contextlib.contextmanager
+def recomputed_outputs(stage: PipelineStage, eager: list[torch.nn.Parameter]):
+    """{module: output} of the parameter-owning modules that a recomputation (fivefold.memory
+    .recompute) runs again while inside: during I, the outputs W takes instead of the
+    forward's."""
+    again: dict[torch.nn.Module, torch.Tensor] = {}
+    handles = _hooked(stage, eager, again.__setitem__)
+    try:
+        yield again
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def backward_input(st: dict, tied: list[torch.Tensor], eager: list[torch.nn.Parameter],
+                   stage: PipelineStage) -> None:
     """I of one unit whose state `st` holds its forward's "output", "input" (not on the first
     stage), "ops" (capture_weight_ops) and the "output_grad" received: sets "input_grad" and
-    "deferred" (W's work); the borrowed tied head's and the eager weights' gradients are
-    accumulated now."""
+    "deferred" (W's work, on the recomputed outputs where the walk recomputed blocks); the
+    borrowed tied head's and the eager weights' gradients are accumulated now."""
+    with recomputed_outputs(stage, eager) as again:
+        _walk_input(st, tied, eager, again)
+
+
+def _walk_input(st: dict, tied: list[torch.Tensor], eager: list[torch.nn.Parameter],
+                again: dict) -> None:
     ops = st.pop("ops")
     first = [st["input"]] if "input" in st else []
-    outs = [y for y, _ in ops]
+    outs = [y for y, _, _ in ops]
     if not eager:
         got = torch.autograd.grad([st["output"]], first + outs + tied,
                                   [st.pop("output_grad", None)], retain_graph=True,
@@ -98,7 +152,7 @@ def backward_input(st: dict, tied: list[torch.Tensor], eager: list[torch.nn.Para
             y.grad = None
     if first:
         st["input_grad"] = got[0]
-    st["deferred"] = [(y, dy, params) for (y, params), dy in
+    st["deferred"] = [(again.get(module, y), dy, params) for (y, params, module), dy in
                       zip(ops, got[len(first):len(first) + len(ops)]) if dy is not None]
 
 

@@ -73,7 +73,7 @@ class PipelineStage(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.token_positions: torch.Tensor | None = None  # cp: this rank's tokens (llama.py)
-        self.capture: list | None = None  # (output, params) of the head while capturing (ZB)
+        self.capture: list | None = None  # (output, params, module) while capturing (ZB)
         self.token_loss_sum = cross_entropy_sum
         self.sequence_shards = 1
 
@@ -115,7 +115,7 @@ class PipelineStage(nn.Module):
         weight = self.output_weight()
         logits_BTV = F.linear(self.norm(x), weight)
         if self.capture is not None and isinstance(weight, nn.Parameter):
-            self.capture.append((logits_BTV, [weight]))
+            self.capture.append((logits_BTV, [weight], None))  # no module: not recomputed
         if targets_BT is None:
             return logits_BTV
         return self.token_loss_sum(logits_BTV, targets_BT)
