@@ -160,6 +160,9 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [GALORE, TP2, SP]), (2, [GALORE, TP2, SP, *MOE]),
         (4, [GALORE, TP2, PP2, sched("1f1b")]),
         (4, [GALORE, TP2, z(3), micro(1)])],
+    "tests/test_galore_fp8.py::test_galore_fp8_layouts_match_one_process": [
+        (2, [GALORE, FP8, "parallel.dp=2", micro(4)]), (2, [GALORE, FP8, TP2]),
+        (2, [GALORE, FP8, PP2, sched("1f1b")]), (2, [GALORE, FP8, z(3), micro(1)])],
     "tests/test_sgd_layouts.py::test_sgd_on_every_layout_matches_one_process_and_the_ledger": [
         (2, [SGD, z(0)]), (2, [SGD, z(1), micro(1)]), (2, [SGD, z(2)]),
         (2, [SGD, z(3), micro(1)]), (2, [SGD, TP2, SP]), (2, [SGD, PP2, micro(1)]),

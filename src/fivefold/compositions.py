@@ -183,9 +183,6 @@ REFUSALS: list[Refusal] = [
     Refusal("galore_reduce=projected", ("tp>1", "pp>1", "zero=3"), "train.galore_reduce",
             "'projected' is the reduction of GaLore with data parallelism alone (ZeRO 0-2, "
             "fivefold.memory.galore_dp); with tp, pp or ZeRO-3 use 'full'"),
-    *(Refusal("optimizer=galore", ("fp8",), "parallel.precision",
-              "GaLore over several ranks or ZeRO is not built with fp8 linears; use bf16 or "
-              "fp32, or one rank", when=(w,)) for w in ("dp>1", "tp>1", "pp>1", "zero=3")),
     Refusal("on_nonfinite=skip", ("schedule=pipedream-2bw",), "train.on_nonfinite",
             "PipeDream-2BW updates each stage inside its schedule, before any global norm is "
             "known, so a step cannot be skipped: use 'stop', or a synchronous schedule"),
