@@ -2,8 +2,10 @@
 
 pp 2 x dp 2 with ZeRO-3 and hpZ on 4 gloo ranks, cluster.gpus_per_node = 2 (each shard
 group's backward all-gathers run on its own intra-node subgroup, "dp_shard.intra"), trains 5
-steps with each schedule below (several micro-batches per step, so forwards and backwards of
-other micro-batches fall between a block's first forward and its last backward). hpZ changes
+steps under interleaved 1F1B (vpp 2; 4 micro-batches per step, so forwards and backwards of
+other micro-batches fall between a block's first forward and its last backward). Slow: the
+same under 1F1B and ZB (its I and W passes), and pp 2 x dp 4 on 8 ranks under 1F1B, where
+the node group (2 ranks) is half the shard group. hpZ changes
 no arithmetic (the node-local copy holds the very values the forward gathered), so the
 tolerances are tests/test_pipeline_parity.py's: losses rel 2e-5, parameters atol 1e-5 +
 rtol 1e-4 (tests/parity.py). Every rank's ledger of the first step equals `predict_ledger`:
@@ -14,6 +16,7 @@ to its last backward (fivefold.parallel.grad_sync.GatherAndFree).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fivefold.config import load_config
@@ -25,8 +28,8 @@ from parity import CPU, STEPS, assert_ledgers_predicted, assert_params_close, fu
 
 HPZ = ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",
        "cluster.gpus_per_node=2", "parallel.micro_batch=1"]  # 4 micro-batches per dp rank
-SCHEDULES = [["parallel.schedule=1f1b"], ["parallel.schedule=zb"],
-             ["parallel.schedule=interleaved", "parallel.vpp=2"]]
+INTERLEAVED = [["parallel.schedule=interleaved", "parallel.vpp=2"]]
+MORE_SCHEDULES = [["parallel.schedule=1f1b"], ["parallel.schedule=zb"]]
 
 
 def _train(rt, sets: list[str]) -> dict:
@@ -43,13 +46,12 @@ def _layouts(rt, layouts: list[list[str]]) -> list[dict]:
     return [_train(rt, sets) for sets in layouts]
 
 
-def test_pp2_dp2_zero3_hpz_matches_one_process(parity_overrides):
-    base = parity_overrides + ["model.layers=4"]
+def _check(base: list[str], world: int, schedules: list[list[str]]) -> None:
     ref = _train(CPU, base)
-    layouts = [base + HPZ + s for s in SCHEDULES]
-    per_rank = run_on_ranks(_layouts, 4, layouts, timeout_s=600)
+    layouts = [base + HPZ + s for s in schedules]
+    per_rank = run_on_ranks(_layouts, world, layouts, timeout_s=600)
     for i, sets in enumerate(layouts):
-        label = " ".join(SCHEDULES[i])
+        label = f"{world} ranks " + " ".join(schedules[i])
         last_stage = per_rank[-1][i]  # the loss is the last stage's
         torch.testing.assert_close(last_stage["losses"], ref["losses"], rtol=2e-5, atol=0,
                                    msg=label)
@@ -59,8 +61,22 @@ def test_pp2_dp2_zero3_hpz_matches_one_process(parity_overrides):
         assert params.keys() == ref["params"].keys(), label
         assert_params_close(params, ref["params"], label)
         cfg = load_config(None, sets)
-        plan = training_plan(cfg, 4, "cpu")
-        assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(4)],
+        plan = training_plan(cfg, world, "cpu")
+        assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(world)],
                                  [rank[i]["ledger"] for rank in per_rank], (), label)
         used = {d for rank in per_rank for _, d, _ in rank[i]["ledger"][0]}
         assert "dp_shard.intra" in used, (label, used)
+
+
+def test_pp2_dp2_zero3_hpz_matches_one_process(parity_overrides):
+    _check(parity_overrides + ["model.layers=4"], 4, INTERLEAVED)
+
+
+@pytest.mark.slow
+def test_pp2_dp2_zero3_hpz_under_1f1b_and_zb_matches_one_process(parity_overrides):
+    _check(parity_overrides + ["model.layers=4"], 4, MORE_SCHEDULES)
+
+
+@pytest.mark.slow
+def test_pp2_dp4_zero3_hpz_matches_one_process(parity_overrides):
+    _check(parity_overrides + ["model.layers=4"], 8, [["parallel.schedule=1f1b"]])
