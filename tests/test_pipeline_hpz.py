@@ -1,17 +1,17 @@
 """ZeRO++'s hpZ (arXiv 2306.10209, Sec. 3.2) under a pipeline schedule, against one process.
 
-pp 2 x dp 2 with ZeRO-3 and hpZ on 4 gloo ranks, cluster.gpus_per_node = 2 (each shard
-group's backward all-gathers run on its own intra-node subgroup, "dp_shard.intra"), trains 5
-steps under interleaved 1F1B (vpp 2; 4 micro-batches per step, so forwards and backwards of
-other micro-batches fall between a block's first forward and its last backward). Slow: the
-same under 1F1B and ZB (its I and W passes), and pp 2 x dp 4 on 8 ranks under 1F1B, where
-the node group (2 ranks) is half the shard group. hpZ changes
-no arithmetic (the node-local copy holds the very values the forward gathered), so the
-tolerances are tests/test_pipeline_parity.py's: losses rel 2e-5, parameters atol 1e-5 +
-rtol 1e-4 (tests/parity.py). Every rank's ledger of the first step equals `predict_ledger`:
-every backward gather of a block (ledger_pipeline.zero3_block_gathers) runs inside the node,
-which holds only when the secondary shard lives from the step's first forward of the block
-to its last backward (fivefold.parallel.grad_sync.GatherAndFree).
+pp 2 x dp 2 with ZeRO-3 and hpZ on 4 gloo ranks, cluster.gpus_per_node = 2 (each shard group's
+backward all-gathers run on its own intra-node subgroup, "dp_shard.intra"), trains 5 steps
+under interleaved 1F1B (vpp 2; 4 micro-batches per step, so forwards and backwards of other
+micro-batches fall between a block's first forward and its last backward). Slow: the same
+under 1F1B, ZB (its I and W passes), GPipe and 1F1B with full recomputation, and pp 2 x dp 4
+on 8 ranks under 1F1B, where the node group (2 ranks) is half the shard group. hpZ changes no
+arithmetic (the node-local copy holds the very values the forward gathered), so the tolerances
+are tests/test_pipeline_parity.py's: losses rel 2e-5, parameters atol 1e-5 + rtol 1e-4
+(tests/parity.py). Every rank's ledger of the first step equals `predict_ledger`: every
+backward gather of a block (ledger_pipeline.zero3_block_gathers) runs inside the node, which
+holds only when the secondary shard lives from the step's first forward of the block to its
+last backward (fivefold.parallel.grad_sync.GatherAndFree).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from parity import CPU, STEPS, assert_ledgers_predicted, assert_params_close, fu
 HPZ = ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",
        "cluster.gpus_per_node=2", "parallel.micro_batch=1"]  # 4 micro-batches per dp rank
 INTERLEAVED = [["parallel.schedule=interleaved", "parallel.vpp=2"]]
-MORE_SCHEDULES = [["parallel.schedule=1f1b"], ["parallel.schedule=zb"]]
+MORE_SCHEDULES = [["parallel.schedule=1f1b"], ["parallel.schedule=zb"], ["parallel.schedule=gpipe"],
+                  ["parallel.schedule=1f1b", "parallel.recompute=full"]]
 
 
 def _train(rt, sets: list[str]) -> dict:
@@ -73,7 +74,7 @@ def test_pp2_dp2_zero3_hpz_matches_one_process(parity_overrides):
 
 
 @pytest.mark.slow
-def test_pp2_dp2_zero3_hpz_under_1f1b_and_zb_matches_one_process(parity_overrides):
+def test_pp2_dp2_zero3_hpz_other_schedules_match_one_process(parity_overrides):
     _check(parity_overrides + ["model.layers=4"], 4, MORE_SCHEDULES)
 
 
