@@ -134,6 +134,13 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_pipeline_trainer.py::test_pipedream_2bw_resumes_exactly": [
         (2, [PP2, sched("pipedream-2bw"), micro(2), "parallel.global_batch=4",
              "train.optimizer=muon"])],
+    "tests/test_pipeline_hpz.py::test_pp2_dp2_zero3_hpz_matches_one_process": [
+        (4, [PP2, z(3), "parallel.hpz=true", "cluster.gpus_per_node=2", micro(1),
+             sched("interleaved"), V2])],
+    "tests/test_pipeline_hpz.py::test_pp2_dp2_zero3_hpz_other_schedules_match_one_process": [
+        (4, [PP2, z(3), "parallel.hpz=true", "cluster.gpus_per_node=2", micro(1), *sets])
+        for sets in ([sched("1f1b")], [sched("zb")], [sched("gpipe")],
+                     [sched("1f1b"), "parallel.recompute=full"])],
     "tests/test_pipeline_parity.py::test_parity_with_one_process": [
         (2, ["model.layers=7", PP2, sched("terapipe"), micro(4)])],
     "tests/test_context_parallel.py::test_parity_with_one_process": [

@@ -60,8 +60,6 @@ REFUSED = [
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb"]),
     (2, ["parallel.pp=2", "parallel.schedule=terapipe", "parallel.zero_stage=3",
          "parallel.global_batch=4"]),
-    (4, ["parallel.pp=2", "parallel.zero_stage=3", "parallel.hpz=true",
-         "cluster.gpus_per_node=2"]),
     (2, ["parallel.pp=2", "parallel.schedule=pipedream-2bw", "parallel.micro_batch=1",
          "parallel.precision=fp16"]),
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=terapipe"]),

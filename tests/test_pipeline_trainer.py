@@ -309,7 +309,6 @@ def test_stage_takes_pretrained_weights_by_name(base):
 
 @pytest.mark.parametrize("sets, key", [
     (["parallel.zero_stage=3", "parallel.schedule='terapipe'"], "parallel.schedule"),
-    (["parallel.zero_stage=3", "parallel.hpz=true"], "parallel.hpz"),
     (["parallel.precision='fp16'", "parallel.schedule='pipedream-2bw'",
       "parallel.micro_batch=1"], "parallel.precision"),
     (["parallel.tp=2", "parallel.schedule='terapipe'"], "parallel.schedule"),

@@ -147,10 +147,6 @@ REFUSALS: list[Refusal] = [
             "TeraPipe's token slices reach back into earlier slices' keys and values, so a "
             "block's backward is not one pass that ZeRO-3 can gather and free around; use "
             "'gpipe', '1f1b', 'interleaved' or 'zb', or zero_stage 0, 1 or 2"),
-    Refusal("pp>1", ("hpz",), "parallel.hpz",
-            "hpZ keeps a block's node-local shard from its forward to its backward, which a "
-            "pipeline schedule interleaves across micro-batches; turn hpZ off with "
-            "parallel.pp > 1"),
     Refusal("schedule=pipedream-2bw", ("fp16",), "parallel.precision",
             "PipeDream-2BW steps each stage's optimizer inside its schedule, outside the "
             "loss-scaled update (fivefold.train.updaters); use 'bf16' (GPU) or 'fp32' with "

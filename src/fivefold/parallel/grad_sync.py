@@ -33,7 +33,11 @@ unit's shard is all-reduced across its replicas in `final_grad`, the second hop 
 reduce-scatter within the shard group. ZeRO++ (arXiv 2306.10209; fivefold.comm.zeropp): qgZ
 reduce-scatters gradients as int8 through two all-to-all hops, qwZ quantizes the stage-3
 weight all-gathers, hpZ keeps a node-local secondary weight shard from forward to backward so
-that the backward all-gather stays inside the node.
+that the backward all-gather stays inside the node. The secondary shard is cut at the first
+forward gather of a step that finds none and dropped at the unit's reduce in the step's last
+backward pass (`last`): a pipeline schedule's interleaved forwards and backwards of other
+micro-batches then all find it (the weights do not change within a step), so every backward
+all-gather runs inside the node.
 
 Gradients outside the flat units (LOMO's per parameter, GaLore-dp's bucket, PipeDream-2BW's
 stage gradients, sequence parallelism's partial sums) are reduced by
@@ -257,7 +261,7 @@ class GatherAndFree(ShardedSync):
         super().__init__(*args)
         self.model, self.blocks = model, blocks
         self.before_gather: Callable[[int], None] = lambda i: None
-        self.secondary: dict[int, torch.Tensor] = {}  # hpZ: node-local shards, fwd->bwd
+        self.secondary: dict[int, torch.Tensor] = {}  # hpZ: node-local shards, step-long
         self._prefetch: dict[int, object] = {}
         self._root_held = False  # under a pipeline: the root outlives each forward
 
@@ -265,7 +269,8 @@ class GatherAndFree(ShardedSync):
         super()._reduce(i)
         if i > 0:
             self.units[i].free_full()
-            self.secondary.pop(i, None)
+            if self._last:  # the step's last backward of unit i: its weights change next
+                self.secondary.pop(i, None)
 
     def finish(self) -> None:
         super().finish()
@@ -310,7 +315,8 @@ class GatherAndFree(ShardedSync):
         def before_block(i):
             def hook(module, args):
                 self._ensure_gathered(i)
-                if self.zero_pp.hpz and torch.is_grad_enabled():  # kept until i's backward
+                if (self.zero_pp.hpz and torch.is_grad_enabled()
+                        and i not in self.secondary):  # kept until i's last backward
                     g = self.unit_nodes[i].intra
                     self.secondary[i] = self.units[i].full.view(g.size, -1)[g.rank].clone()
                 if i < last:

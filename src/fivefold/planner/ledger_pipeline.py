@@ -22,7 +22,9 @@ it and finds it freed, so how many all-gathers a step issues depends on the acti
 same list is walked with the engine's rules: an F gathers each of the virtual stage's blocks
 (and prefetches the rank's next one) and frees it after; a B or I gathers each block in
 reverse (and prefetches the rank's previous one); a B or W frees a block once its gradients
-are complete; an I leaves its blocks gathered for the W.
+are complete; an I leaves its blocks gathered for the W. With hpZ every backward gather
+runs inside the node (ledger_model's `gather`): the block's secondary shard lives from its
+first forward of the step to its last backward (fivefold.parallel.grad_sync.GatherAndFree).
 """
 
 from __future__ import annotations
