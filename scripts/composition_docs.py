@@ -259,7 +259,9 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
         (2, [FP8, "parallel.cp=2", "parallel.recompute=selective"]),
         (2, [FP8, "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.fp8_recipe=rowwise"])],
     "tests/test_fp8_moe.py::test_fp8_moe_layouts_match_the_one_process_fp8_run": [
-        (2, [FP8, *MOE, EP(2), micro(2)]), (2, [FP8, *MOE, TP2, micro(2)])],
+        (2, [FP8, *MOE, EP(2), micro(2)]), (2, [FP8, *MOE, TP2, micro(2)]),
+        (2, [FP8, *MOE, TP2, SP, micro(2)]), (2, [FP8, *MOE, "parallel.cp=2", micro(2)]),
+        (2, [FP8, *MOE, "parallel.cp=2", "parallel.fp8_recipe=rowwise", micro(2)])],
     "tests/test_offload.py::test_offload_on_2_ranks_matches_in_memory_and_one_process": [
         *((2, [z(stage), CPU_OFFLOAD]) for stage in (0, 1, 3)),
         (2, [z(2), CPU_OFFLOAD, "parallel.offload_fraction=0.5"]),

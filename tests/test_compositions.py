@@ -53,8 +53,6 @@ REFUSED = [
     (1, ["parallel.offload=cpu", "train.optimizer=muon"]),
     (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "train.optimizer=galore"]),
     (1, ["parallel.precision=fp8", "train.optimizer=lomo"]),
-    (2, ["parallel.precision=fp8", "parallel.cp=2", "model.moe.experts=4",
-         "model.moe.expert_ffn_hidden=32"]),
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=terapipe",
          "parallel.global_batch=4"]),
     (2, ["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb"]),

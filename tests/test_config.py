@@ -513,8 +513,6 @@ def test_data_paths_that_exist_are_accepted(tmp_path):
      "this device has no fp8 matrix units"),
     (["parallel.precision=fp8", "train.optimizer=lomo"], 1, "train.optimizer",
      "keeps no fp32 master weights"),
-    (["parallel.precision=fp8", "parallel.cp=2", "model.moe.experts=4",
-      "model.moe.expert_ffn_hidden=64"], 2, "parallel.cp", "experts' fp8 scales"),
     (["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=zb",
       "parallel.micro_batch=1"], 2, "parallel.schedule", "zero-bubble weight pass"),
     (["parallel.precision=fp8", "parallel.pp=2", "parallel.schedule=terapipe"], 2,

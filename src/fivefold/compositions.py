@@ -134,9 +134,6 @@ REFUSALS: list[Refusal] = [
             "LOMO updates the compute-dtype weights inside backward and keeps no fp32 master "
             "weights, which fp8 training rounds from; use 'adamw', 'muon', 'sgd' or 'galore' "
             "with precision 'fp8'"),
-    Refusal("fp8", ("cp>1",), "parallel.cp",
-            "the MoE experts' fp8 scales are each rank's own rows', which context "
-            "parallelism splits: use parallel.cp = 1 with fp8 and model.moe", when=("moe",)),
     Refusal("fp8", ("schedule=terapipe",), "parallel.schedule",
             "TeraPipe's token slices would give each slice its own activation scales; use "
             "another schedule with precision 'fp8'"),

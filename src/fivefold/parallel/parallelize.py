@@ -21,7 +21,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
   5. fp8 linears (`plan.precision = "fp8"`, fivefold.parallel.fp8): every block's attention
      and MLP linear, plain or tensor-parallel, becomes an `Fp8Linear` of the plan's recipe,
      emulated in fp32 unless the device has fp8 units (or `plan.fp8_emulate` says); MoE
-     layers' experts and shared experts in fp8 too, their routers not (fp8.experts),
+     layers' experts and shared experts in fp8 too, their routers not, with amaxes agreed
+     over the ranks that split a micro-batch's tokens (fp8.experts),
   6. activation recomputation (`plan.recompute = "full"` or `"selective"`,
      fivefold.memory.recompute),
   7. torch.compile of each block (`compile_blocks`, the train.compile switch).
@@ -86,15 +87,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         model.token_positions = positions.to(model.rope_cos.device)
     if plan.ep > 1 or plan.etp > 1:
         apply_expert_parallel(model, mesh.expert_axes(plan.ep, plan.etp))
-    if model.cfg.moe is not None and plan.token_split_axes:
-        apply_moe_token_split(model, mesh.joint_axis(*plan.token_split_axes),
-                              tp_axis if tp_axis.size > 1 else None, plan.sequence_parallel)
+    token_group = (mesh.joint_axis(*plan.token_split_axes)
+                   if model.cfg.moe is not None and plan.token_split_axes else None)
+    if token_group is not None:
+        apply_moe_token_split(model, token_group, tp_axis if tp_axis.size > 1 else None,
+                              plan.sequence_parallel)
     if plan.precision == "fp8":
         emulate = (plan.fp8_emulate if plan.fp8_emulate is not None
                    else not has_fp8_units(mesh.device_type))
         recipe = Fp8Recipe(plan.fp8_recipe, plan.fp8_tensors, emulate)
         apply_fp8(model, recipe, tp_axis, cp_axis)
-        apply_fp8_to_experts(model, recipe)
+        apply_fp8_to_experts(model, recipe, token_group, plan.ep > 1 or plan.etp > 1)
     if plan.recompute == "full":
         apply_full_recompute(model.layers)
     elif plan.recompute == "selective":

@@ -340,7 +340,7 @@ class _Step:
             for record in token_split_records(self.cfg, lay, self.layers, self.param, self.pb):
                 self.record(*record)
             if lay.precision == "fp8":  # the linears' amax exchanges over tp and cp
-                for record in fp8_amax_records(self.cfg, lay, self.blocks):
+                for record in fp8_amax_records(self.cfg, lay, self.layers):
                     self.record(*record)
             if stage == 3 and lay.pp == 1:
                 for u in units:  # root, then each block (prefetched one ahead)

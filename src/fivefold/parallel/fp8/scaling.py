@@ -23,7 +23,10 @@ ones' output gradient is gathered too). Context parallelism splits every micro-b
 tokens (the rows of x and dy) over the cp ranks: where an amax reduces over the tokens
 (tensorwise x and dy; rowwise, the weight gradient's x and dy along M) the cp ranks'
 partial amaxes are all-gathered over "cp" as well ("fp8_amax"), so each scale covers the
-one-process run's tokens.
+one-process run's tokens. MoE layers running on a rank's share of the tokens (tp folded
+into the experts' grid, sp, cp: fivefold.parallel.moe_tokens) agree their experts' and
+shared experts' token-reducing amaxes the same way over the ranks that split the micro-batch
+(fivefold.parallel.fp8.experts).
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ def agreed_amax(t: torch.Tensor, dim: int | None, shard_dim: int | None,
     """amax of `t` (2-D) over `dim` (None: the whole tensor; else kept as size 1), the same
     on every rank of `axis` when `t` is this rank's shard along `shard_dim`, and on every
     rank of `token_axis` when those ranks hold the other rows (tokens, dim 0) of `t`."""
-    low, high = torch.aminmax(t.detach()) if dim is None else torch.aminmax(
-        t.detach(), dim=dim, keepdim=True)
-    amax = torch.maximum(-low, high)
+    if t.numel() == 0:  # no rows here (an expert this rank routes nothing to): amax 0
+        amax = t.new_zeros(() if dim is None else t.shape[:dim] + (1,) + t.shape[dim + 1:])
+    else:
+        low, high = torch.aminmax(t.detach()) if dim is None else torch.aminmax(
+            t.detach(), dim=dim, keepdim=True)
+        amax = torch.maximum(-low, high)
     if axis is not None and axis.size > 1 and shard_dim is not None and dim in (None, shard_dim):
         amax = gather_stacked(amax, axis, "fp8_amax").amax(0)
     if token_axis is not None and token_axis.size > 1 and dim in (None, 0):
