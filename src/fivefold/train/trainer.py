@@ -15,9 +15,9 @@ PipeDream-2BW's stages. The step is the same loop for all of them: each micro-ba
 between the updater's `prepare_backward`, `backward` and `after_backward`, the loss summed
 over the token axes, then the updater's `update`, which clips the global norm, asks the
 non-finite guard and steps; fp16's dynamic loss scale (fivefold.train.loss_scale) is the
-updater's too. The step's collectives and model-state bytes land in the ledger, whose summary
-goes into each metrics record, and each entry in the flight recorder
-(fivefold.comm.flight_recorder), which a failed collective writes to RUN_DIR/flight_recorder.
+updater's too. The step's collectives and model-state bytes land in the ledger (summarized in
+each metrics record) and the flight recorder (fivefold.comm.flight_recorder), which a failed
+collective writes to RUN_DIR/flight_recorder.
 
 With `parallel.tp > 1` the model is split over the mesh's innermost "tp" axis
 (fivefold.parallel.tensor): the ranks of one tp group draw the same batch (the sampler takes
@@ -30,9 +30,8 @@ written under another layout is resharded on resume (fivefold.train.reshard); a 
 PipeDream-2BW run restarts its schedule at the checkpoint's step and continues exactly as the
 uninterrupted run. The closing text sample is skipped with pp > 1.
 
-A step whose loss or gradient norm is not finite is skipped or stops the run
-(`train.on_nonfinite`, fivefold.train.nonfinite; `_keep_update` decides once per step), and
-skipped steps are counted in the metrics and the checkpoint (`skipped_steps`).
+A step whose loss or gradient norm is not finite is skipped (counted in `skipped_steps`) or
+stops the run (`train.on_nonfinite`, train.nonfinite; `_keep_update` decides once per step).
 
 On the experts' grid (ep, etp or tp > 1 with an MoE model; fivefold.expert_grid) each MoE
 layer keeps its share of the experts and the engine reduces their units over the
