@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "train_vs_plain.py"
 
 
+@pytest.mark.slow  # the bench's smoke run (25-75 s on 2 cores), not a correctness check
 def test_bench_quick_writes_consistent_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
