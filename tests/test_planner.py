@@ -412,7 +412,7 @@ def test_fits_recover_known_efficiencies():
 
 
 def test_a_time_sliced_cpu_is_priced_at_the_share_of_its_core_it_held():
-    """Probes timed inside scheduler slices run at the core's full speed; a rank that held
+    """Probes timed in CPU time say what a rank computes while it runs; a rank that held
     half its core over the sweeps (cpu_share 0.5) sustains half those rates: every compute
     rate halves and every per-operation time doubles; host tier and links as measured."""
     peak = 50e9

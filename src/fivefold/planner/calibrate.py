@@ -22,10 +22,12 @@ Measures, on the local device (CPU by default, or this rank's GPU):
   system's temporary directory), dropped from the page cache before it is read back
   (posix_fadvise DONTNEED), so the read comes from the drive (`measure_storage`).
 The GEMM, attention and copy probes run in interleaved sweeps, each one's time the median
-over them (`_sweeps`); on a CPU the rates are then multiplied by the share of its cores the
-measuring process held over the sweeps (CPU time over wall time per thread), since a short
-probe runs at full speed within one scheduler slice while a training step gets only that
-share (fivefold.planner.calibrate_fit.slowed_profile). On a CPU the `--ranks` processes
+over them (`_sweeps`). On a CPU with one thread per rank (as every multi-rank CPU run has)
+each probe is timed in the process's CPU time, what it takes while it runs, and the rates
+are then multiplied by the share of its core the process held over the sweeps (CPU time
+over wall time): ranks time-sliced on shared cores, or beside other jobs, sustain only that
+share over a training step, while a probe's wall time catches a slice at full speed or not
+by chance (fivefold.planner.calibrate_fit.slowed_profile). On a CPU the `--ranks` processes
 measure all at once, one thread each, so the rates are what each rank of a `--nproc` run
 gets on this machine (shared memory bus, caches and cores); the profile's `cores` says for
 how many ranks they hold (more ranks split them evenly).
@@ -58,9 +60,10 @@ EVICT_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # above the last-level c
 
 # ------------------------------------------------------------------ measuring
 
-def _timeit(fn, sync, repeat: int, before=None) -> float:
-    """Median seconds of `fn` over `repeat` calls after one warm-up; `before`, when given,
-    runs untimed ahead of each call."""
+def _timeit(fn, sync, repeat: int, before=None, clock=None) -> float:
+    """Median seconds of `fn` over `repeat` calls after one warm-up, by `clock` (default the
+    wall clock); `before`, when given, runs untimed ahead of each call."""
+    clock = clock or time.perf_counter
     fn()
     sync()
     times = []
@@ -68,14 +71,14 @@ def _timeit(fn, sync, repeat: int, before=None) -> float:
         if before is not None:
             before()
             sync()
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return sorted(times)[len(times) // 2]
 
 
-def _sweeps(probes: dict, sync, repeat: int, passes: int) -> dict:
+def _sweeps(probes: dict, sync, repeat: int, passes: int, clock=None) -> dict:
     """Each probe's median time over `passes` sweeps through all the probes (a sweep's value
     for a probe is the median of `repeat` calls). A shared machine's speed moves by tens of
     percent within seconds (on the 2-core development machine one 1024^3 GEMM on each of two
@@ -86,7 +89,7 @@ def _sweeps(probes: dict, sync, repeat: int, passes: int) -> dict:
     times: dict = {key: [] for key in probes}
     for _ in range(passes):
         for key, (fn, before) in probes.items():
-            times[key].append(_timeit(fn, sync, repeat, before))
+            times[key].append(_timeit(fn, sync, repeat, before, clock))
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -136,20 +139,25 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
     out = torch.empty_like(scores)
     probes["exp"] = (lambda: torch.exp(scores, out=out), None)
     probes["exp_masked"] = (lambda: torch.exp(masked, out=out), None)
+    # one thread on a CPU: each probe timed in the process's CPU time, what it takes while it
+    # runs, and the share of the core it held over the sweeps measured apart (module docstring)
+    sliced = device_type == "cpu" and torch.get_num_threads() == 1
+    clock = time.process_time if sliced else None
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    t = _sweeps(probes, sync, repeat, passes)
+    t = _sweeps(probes, sync, repeat, passes, clock)
     cpu_share = min(1.0, (time.process_time() - cpu_start)
-                    / ((time.perf_counter() - wall_start) * torch.get_num_threads()))
+                    / (time.perf_counter() - wall_start)) if sliced else 1.0
     masked_exp_s = max(0.0, (t["exp_masked"] - t["exp"]) / (masked.numel() / 2))
     gemms = [(M, K, N, t["gemm", M, K, N]) for M, K, N in gemm_shapes]
     attn = [(*shape, t["fwd", *shape], t["both", *shape]) for shape in attn_shapes]
     small = torch.ones(8, device=dev)
-    op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat) / 100
+    op_s = _timeit(lambda: [small.add_(1.0) for _ in range(100)], sync, repeat,
+                   clock=clock) / 100
     adam, adam_fused = measure_cpu_adam(repeat), measure_cpu_adam(repeat, "fused")
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
     return {"device": device_type, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
-            "cpu_share": cpu_share if device_type == "cpu" else 1.0,
+            "cpu_share": cpu_share,
             "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s, "masked_exp_s": masked_exp_s,
             "host_copy_Bps": host_copy, "host_link_Bps": host_link,
             "adam_elems_per_s": adam, "adam_fused_elems_per_s": adam_fused}

@@ -9,11 +9,11 @@ H200 profile's curves come from docs/reference/h200_measured.json.
 (GEMM and attention peaks, memory bandwidth) and every per-operation time multiplied by `k`
 (kernel overhead, attention's per-score and per-row costs, exp of -inf); the host tier and
 the links stay as measured. `fivefold calibrate` uses it on a CPU whose ranks are
-time-sliced: a probe of a millisecond or less usually runs inside one scheduler slice at the
-core's full speed, so the probes' medians say what a rank computes while it runs, not what it
-sustains over a training step when it holds only part of its core (two ranks on one core,
-other jobs on the machine). The CPU time the measuring process got over the wall time of its
-sweeps, per thread, is that part (`cpu_share`); the profile keeps the probes' rates times it.
+time-sliced: it times each probe in CPU time, what the probe takes while it runs (its wall
+time would catch a scheduler slice at full speed or not, by chance), and a rank that holds
+only part of its core (two ranks on one core, other jobs on the machine) sustains that part
+of those rates over a training step. The CPU time the measuring process got over the wall
+time of its sweeps is that part (`cpu_share`).
 Torch-free, so the planner and the tests can fit without measuring.
 """
 
