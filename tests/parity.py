@@ -109,6 +109,30 @@ def assert_state_equal(got: tuple, want: tuple, label: str) -> None:
             assert torch.equal(states[name][kind], tensor), (label, name, kind)
 
 
+MOE_ROUTED = ("moe_combine", "moe_dispatch_backward")  # sized by the routing the step did
+
+
+def moe_run(rt: Runtime, sets: list[str], steps: int = 5) -> dict:
+    """`steps` steps: losses, whole parameters (experts gathered over ep), the first step's
+    ledger (bytes totals, wire-bytes totals, model-state bytes)."""
+    from fivefold.config import load_config
+    from fivefold.parallel.expert import gather_experts
+
+    trainer = Trainer(load_config(None, sets), rt, "unused")
+    losses = [trainer.train_step(0).loss]
+    ledger = (trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
+              trainer.ledger.model_state_bytes)
+    losses += [trainer.train_step(s).loss for s in range(1, steps)]
+    params = full_parameters(trainer)
+    if trainer.expert_axes:
+        params = gather_experts(params, trainer.expert_axes)
+    return {"losses": losses, "params": params, "ledger": ledger}
+
+
+def moe_runs(rt: Runtime, layouts: list[list[str]]) -> list[dict]:
+    return [moe_run(rt, sets) for sets in layouts]
+
+
 def assert_ledgers_predicted(predicted: list, recorded: list, routed: tuple, label: str) -> None:
     """Each rank's predicted ledger (fivefold.planner.ledger_model.predict_ledger) against
     its recorded (bytes totals, wire-bytes totals, model-state bytes): every collective

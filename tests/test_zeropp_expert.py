@@ -21,16 +21,13 @@ from __future__ import annotations
 import torch
 
 from fivefold.config import load_config
-from fivefold.parallel.expert import gather_experts
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
-from fivefold.train.trainer import Trainer
-from parity import assert_ledgers_predicted, assert_params_close, full_parameters
+from parity import MOE_ROUTED, assert_ledgers_predicted, assert_params_close, moe_run, moe_runs
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
-STEPS = 5
 WORLD = 4
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
@@ -41,36 +38,18 @@ LAYOUTS = [  # (overrides, label, quantized)
     (EP_ZERO3 + ALL3 + ["cluster.gpus_per_node=4"], "qwZ hpZ qgZ, edp in a node", True),
     (EP_ZERO3 + ALL3 + ["cluster.gpus_per_node=2"], "qwZ hpZ qgZ, edp over nodes", True),
 ]
-ROUTED = ("moe_combine", "moe_dispatch_backward")  # sized by the routing the step did
-
-
-def _train(rt: Runtime, sets: list[str]) -> dict:
-    """5 steps: losses, whole parameters (experts gathered over ep), the first step's ledger."""
-    trainer = Trainer(load_config(None, sets), rt, "unused")
-    losses = [trainer.train_step(0).loss]
-    ledger = (trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
-              trainer.ledger.model_state_bytes)
-    losses += [trainer.train_step(s).loss for s in range(1, STEPS)]
-    params = full_parameters(trainer)
-    if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes)
-    return {"losses": losses, "params": params, "ledger": ledger}
-
-
-def _layouts(rt: Runtime, layouts: list[list[str]]) -> list[dict]:
-    return [_train(rt, sets) for sets in layouts]
 
 
 def _assert_ledger_predicted(cfg, ledgers: list[tuple], label: str) -> None:
     plan = training_plan(cfg, WORLD, "cpu")
     assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(len(ledgers))],
-                             ledgers, ROUTED, label)
+                             ledgers, MOE_ROUTED, label)
 
 
 def test_zeropp_with_ep2_matches_one_process_and_the_ledger(parity_overrides):
     base = parity_overrides + MOE
-    ref = _train(CPU, base)
-    per_rank = run_on_ranks(_layouts, WORLD, [base + sets for sets, _, _ in LAYOUTS],
+    ref = moe_run(CPU, base)
+    per_rank = run_on_ranks(moe_runs, WORLD, [base + sets for sets, _, _ in LAYOUTS],
                             timeout_s=600)
     for i, (sets, label, quantized) in enumerate(LAYOUTS):
         run = per_rank[0][i]

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
-from fivefold.parallel.expert import gather_experts
 from fivefold.parallel.plan import training_plan
 from fivefold.comm.quantize import BLOCK
 from fivefold.planner.comm import Group
@@ -36,11 +35,9 @@ from fivefold.planner.memory import stage_units
 from fivefold.planner.stack import stack_of
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
-from fivefold.train.trainer import Trainer
-from parity import assert_ledgers_predicted, assert_params_close, full_parameters
+from parity import MOE_ROUTED, assert_ledgers_predicted, assert_params_close, moe_run, moe_runs
 
 CPU = Runtime(0, 1, 0, torch.device("cpu"))
-STEPS = 5
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
 ALL3 = ["parallel.qwz=true", "parallel.hpz=true", "parallel.qgz=true"]
@@ -63,29 +60,11 @@ LAYOUTS_8 = [
     (["parallel.cp=2", Z3, "parallel.zero_group=2", *ALL3, GPN2],
      "cp2 ZeRO-3 zero_group 2 qwZ hpZ qgZ", True, ("dp_shard+cp.intra", "dp_replicate")),
 ]
-ROUTED = ("moe_combine", "moe_dispatch_backward")  # sized by the routing the step did
-
-
-def _train(rt: Runtime, sets: list[str]) -> dict:
-    """5 steps: losses, whole parameters (experts gathered over ep), the first step's ledger."""
-    trainer = Trainer(load_config(None, sets), rt, "unused")
-    losses = [trainer.train_step(0).loss]
-    ledger = (trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
-              trainer.ledger.model_state_bytes)
-    losses += [trainer.train_step(s).loss for s in range(1, STEPS)]
-    params = full_parameters(trainer)
-    if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes)
-    return {"losses": losses, "params": params, "ledger": ledger}
-
-
-def _layouts(rt: Runtime, layouts: list[list[str]]) -> list[dict]:
-    return [_train(rt, sets) for sets in layouts]
 
 
 def _check(world: int, layouts: list, base: list[str]) -> None:
-    ref = _train(CPU, base)
-    per_rank = run_on_ranks(_layouts, world, [base + sets for sets, *_ in layouts],
+    ref = moe_run(CPU, base)
+    per_rank = run_on_ranks(moe_runs, world, [base + sets for sets, *_ in layouts],
                             timeout_s=900)
     for i, (sets, label, quantized, dims) in enumerate(layouts):
         run = per_rank[0][i]
@@ -106,7 +85,7 @@ def _check(world: int, layouts: list, base: list[str]) -> None:
         cfg = load_config(None, base + sets)
         plan = training_plan(cfg, world, "cpu")
         assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(world)],
-                                 [rank[i]["ledger"] for rank in per_rank], ROUTED, label)
+                                 [rank[i]["ledger"] for rank in per_rank], MOE_ROUTED, label)
         used = {d for rank in per_rank for _, d, _ in rank[i]["ledger"][0]}
         assert set(dims) <= used, (label, used)
 
