@@ -20,10 +20,11 @@ its HBM bytes; eager torch dispatches dozens of small kernels whose count no fus
 shares), the optimizer's work and offload's host copies (their byte counts follow the model
 state that test_planner_ledger.py holds equal), and the dependencies.
 
-Layouts (22): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
-but TeraPipe (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V), cp 2 ring and Ulysses and
+Layouts (25): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
+(GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, TeraPipe with uneven token slices), cp 2 ring and Ulysses and
 the 2 x 2 hybrid, MoE with ep 2 and 4 and without ep, full and selective recomputation, CPU
-offload, pp x tp with sp, tp with sp x ZeRO-3. The default suite runs `QUICK` (7 of them, one
+offload, pp x tp with sp (with and without full recomputation), tp with sp x ZeRO-3, ep
+with a shared expert under full recomputation. The default suite runs `QUICK` (7 of them, one
 start of 2 ranks); the rest is marked slow. Ranks start once per world size group.
 """
 
@@ -63,6 +64,8 @@ SLOW = {  # world size: [(overrides, label)]
         (V + ["parallel.schedule='interleaved'"], "pp2 interleaved vpp2"),
         (PP + ["parallel.schedule='zb'"], "pp2 zb-h1"),
         (V + ["parallel.schedule='dualpipev'"], "pp2 dualpipev"),
+        (["parallel.pp=2", "parallel.schedule='terapipe'", "parallel.micro_batch=4",
+          "parallel.token_slices=3"], "pp2 terapipe, 3 uneven token slices"),
         (["parallel.cp=2", "parallel.cp_mode='ulysses'"], "cp2 ulysses"),
         (["parallel.recompute='full'", "parallel.zero_stage=2"], "full recompute zero2"),
         (["parallel.offload='cpu'", "parallel.zero_stage=1"], "cpu offload zero1")],
@@ -74,7 +77,12 @@ SLOW = {  # world size: [(overrides, label)]
         (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
           "parallel.micro_batch=2"], "pp2 x tp2 sp"),
         (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"],
-         "tp2 sp x zero3")],
+         "tp2 sp x zero3"),
+        (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+          "parallel.recompute='full'", "parallel.micro_batch=2"],
+         "pp2 x tp2 sp full recompute"),
+        (MOE + ["parallel.ep=2", "parallel.recompute='full'", "model.moe.shared_experts=1"],
+         "ep2 full recompute, a shared expert")],
 }
 ROUTED = ("moe_combine", "moe_dispatch_backward")  # sizes the routing decides
 
@@ -171,6 +179,6 @@ def test_layouts_span_the_issue():
     assert len(every) >= 20
     for want in [f"zero_stage={z}" for z in range(4)] + [
             "sequence_parallel=true", "schedule='gpipe'", "parallel.pp=2", "'interleaved'",
-            "'zb'", "'zbv'", "'dualpipev'", "cp=2", "'ulysses'", "'hybrid'", "ep=2",
+            "'zb'", "'zbv'", "'dualpipev'", "'terapipe'", "cp=2", "'ulysses'", "'hybrid'", "ep=2",
             "recompute='full'", "recompute='selective'", "offload='cpu'"]:
         assert any(want in s for s in sets), want

@@ -1,7 +1,7 @@
 """The compute ops of one block (and of the output head) on one rank, per pass, predicted.
 
-What the runtime's kernels run for a micro-batch of n = micro_batch x seq_len / cp tokens on
-one rank (tensor parallelism keeps n: with sequence parallelism the column-parallel linears
+What the runtime's kernels run for a micro-batch of n = micro_batch x seq_len / cp tokens
+(TeraPipe: x the slice's share) on one rank (tensor parallelism keeps n: with sequence parallelism the column-parallel linears
 gather the sequence back), read off the model (fivefold.models.llama, .moe, .mlp) and the
 layouts that rewrite it (fivefold.parallel.tensor, .context, .expert):
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from fivefold.config import Config
 from fivefold.models.description import expert_ffn, is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
+from fivefold.parallel.pipeline.partition import slice_bounds
 from fivefold.parallel.plan import ParallelPlan
 
 QUERY_CHUNK, CPU_SCORE_BYTES = 512, 8 << 20  # fivefold.parallel.context.block_attention
@@ -65,6 +66,7 @@ class Op:
     micro_batch: int = -1
     deps: tuple[int, ...] = ()
     ragged: str = ""  # grouped_gemm: the dimension the routing decides ("M" or "K")
+    step: int = -1  # ring attention's GEMMs: the ring step
     policy: str = ""  # forward compute: "mm" | "sdpa" | "other" (module docstring)
 
 
@@ -92,8 +94,8 @@ def _grouped(name: str, rows: int, d_in: int, d_out: int, groups: int, dtype: st
                 (g("weight_grad", d_out, d_in, rows, "K"),))
 
 
-def _sdpa(name: str, shape: tuple[int, ...], dtype: str) -> Pass:
-    a = lambda phase: Op("attention", name, phase, shape=shape, dtype=dtype, causal=True,
+def _sdpa(name: str, shape: tuple[int, ...], dtype: str, causal: bool = True) -> Pass:
+    a = lambda phase: Op("attention", name, phase, shape=shape, dtype=dtype, causal=causal,
                          kernel="sdpa")
     return Pass(replace(a("forward"), policy="sdpa"), (a("input_grad"),))
 
@@ -103,7 +105,7 @@ def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, 
     """The math kernel's batched GEMMs of ring attention on ring rank `index` of `ring`
     (fivefold.parallel.context.ring_attention: zigzag chunks of c = tokens / 2)."""
     acc = "fp32" if dtype in ("bf16", "fp16") else dtype
-    c, bh, out = tokens // 2, b * heads, []
+    c, bh, forward, backward = tokens // 2, b * heads, [], []
     for step in range(ring):
         src = (index - step) % ring
         rows, keys, causal = ((tokens, tokens, True) if src == index else
@@ -114,22 +116,31 @@ def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, 
             t = min(lo + per, rows) - lo
             s = min(lo + per, rows) if causal else keys  # the keys a chunk sees
             g = lambda phase, m, nn, k: Op("gemm", name, phase, shape=(m, nn, k, bh),
-                                           dtype=acc, causal=causal, kernel="ring-math")
-            fwd = [g("forward", t, s, e), g("forward", t, e, s)]
-            bwd = (g("input_grad", t, s, e), g("input_grad", s, e, t), g("input_grad", t, s, e),
-                   g("input_grad", t, e, s), g("input_grad", s, e, t))
-            out.append(Pass(replace(fwd[0], policy="other"), bwd))
-            out.append(Pass(replace(fwd[1], policy="other")))
-    return out
+                                           dtype=acc, causal=causal, kernel="ring-math",
+                                           step=step, policy="other")
+            forward += [g("forward", t, s, e), g("forward", t, e, s)]
+            backward += [g("input_grad", t, s, e), g("input_grad", s, e, t),
+                         g("input_grad", t, s, e), g("input_grad", t, e, s),
+                         g("input_grad", s, e, t)]
+    # the whole backward hangs on the first pass, so that a reversed block keeps its order
+    return [Pass(forward[0], tuple(backward))] + [Pass(op) for op in forward[1:]]
+
+
+def tokens(cfg: Config, lay: ParallelPlan, piece: int = 0) -> tuple[int, int]:
+    """(first, end) of a rank's tokens of each sequence in token slice `piece` (TeraPipe's
+    near-equal slices, fivefold.parallel.pipeline.partition; else the cp rank's share)."""
+    return slice_bounds(cfg.model.seq_len // lay.cp, lay.slices)[piece]
 
 
 def block_passes(cfg: Config, lay: ParallelPlan, layer: int, rank: int, dtype: str,
-                 device: str) -> list[Pass]:
-    """The compute of block `layer` for one micro-batch on global rank `rank`, in the
-    forward's order (the order the selective policy counts matmuls in)."""
+                 device: str, piece: int = 0) -> list[Pass]:
+    """The compute of block `layer` for one micro-batch (of token slice `piece`) on global
+    rank `rank`, in the forward's order (the order the selective policy counts matmuls in).
+    A TeraPipe slice after the first attends to the earlier slices' cached keys too, through
+    SDPA with a mask (fivefold.parallel.pipeline.terapipe): not causal to the kernel."""
     m, t = cfg.model, lay.tp
-    seq = m.seq_len // lay.cp // lay.slices
-    n, e = lay.micro_batch * seq, m.d_head
+    lo, hi = tokens(cfg, lay, piece)
+    n, e = lay.micro_batch * (hi - lo), m.d_head
     h, kv = m.heads // t, m.n_kv_heads // t
     pre = f"layers.{layer}."
     out = [_linear(pre + "attention.wq", n, m.hidden, h * e, dtype),
@@ -145,8 +156,9 @@ def block_passes(cfg: Config, lay: ParallelPlan, layer: int, rank: int, dtype: s
         heads = h // u
         kv_kernel = heads if device == "cpu" else (ulysses_kv_heads(kv, u) // u if u > 1
                                                    else kv)
-        out.append(_sdpa(core, (lay.micro_batch, heads, kv_kernel, m.seq_len, m.seq_len, e),
-                         dtype))
+        seq = m.seq_len if u > 1 else hi  # Ulysses: the whole sequence on H / u heads
+        out.append(_sdpa(core, (lay.micro_batch, heads, kv_kernel, seq - lo, seq, e), dtype,
+                         causal=lo == 0))
     out.append(_linear(pre + "attention.wo", n, h * e, m.hidden, dtype))
     if is_moe_layer(m, layer):
         out += _moe_passes(cfg, lay, pre + "mlp.", n // t, dtype)
@@ -179,16 +191,23 @@ def _moe_passes(cfg: Config, lay: ParallelPlan, pre: str, n: int, dtype: str) ->
     return out
 
 
-def head_pass(cfg: Config, lay: ParallelPlan, dtype: str) -> Pass:
+def head_pass(cfg: Config, lay: ParallelPlan, dtype: str, piece: int = 0) -> Pass:
     """The output head (vocabulary-parallel under tp, the tied embedding's rows or its own)."""
-    m = cfg.model
-    n = lay.micro_batch * (m.seq_len // lay.cp // lay.slices)
-    return _linear("output", n, m.hidden, -(-m.vocab // lay.tp), dtype)
+    lo, hi = tokens(cfg, lay, piece)
+    return _linear("output", lay.micro_batch * (hi - lo), cfg.model.hidden,
+                   -(-cfg.model.vocab // lay.tp), dtype)
 
 
-def recomputed(passes: list[Pass], mode: str) -> list[Op]:
+def recomputed(passes: list[Pass], mode: str, whole: bool = False) -> list[Op]:
     """The forward ops a block's backward runs again: all under "full"; under "selective"
-    the policy's uncached ones (the even-numbered mm/addmm and every "other" op)."""
+    the policy's uncached ones (the even-numbered mm/addmm and every "other" op). Torch's
+    non-reentrant checkpoint stops once the backward has every tensor it saved, so the
+    block's last GEMM (the MLP's w2, or the shared experts'), whose output nothing saves,
+    is not run again, unless `whole` (a split backward recomputes whole blocks, as
+    fivefold.planner.ledger_model counts the MLP's closing collective)."""
+    if not whole and passes[-1].forward.kind == "gemm" and passes[-1].forward.name.endswith(
+            "w2"):
+        passes = passes[:-1]
     if mode == "full":
         return [replace(p.forward, phase="recompute") for p in passes]
     out, mms = [], 0
