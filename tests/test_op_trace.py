@@ -93,13 +93,18 @@ def overrides(parity_overrides):
 
 
 def _record(rt, overrides, cases):
-    """Per case: the recorded kernel counts and the ledger's bytes per (op, axis, purpose)."""
+    """Per case: the recorded kernel counts and the ledger's bytes per (op, axis, purpose).
+    Under offload the second step is recorded: ZeRO-1/2 re-gather a unit in the forward
+    after its host update (fivefold.memory.offload), so the first step has no gathers."""
     grouped_mm_runs("cpu", torch.float32)  # its probe runs once per process: not the step's
     out = []
     for sets in cases:
-        trainer = Trainer(load_config(None, overrides + sets), rt, "unused")
-        with RecordOps() as ops:
+        cfg = load_config(None, overrides + sets)
+        trainer = Trainer(cfg, rt, "unused")
+        if cfg.parallel.offload != "none":  # the gathers of an update run in the next step
             trainer.train_step(0)
+        with RecordOps() as ops:
+            trainer.train_step(int(cfg.parallel.offload != "none"))
         out.append((dict(ops.ops), dict(trainer.ledger.totals("bytes"))))
     return out
 

@@ -4,7 +4,8 @@ fivefold.planner.ledger_model predicts every collective of a step byte for byte,
 per-step list; the op trace (fivefold.planner.op_trace) needs each one next to the compute
 op whose output it carries. `CommPool` holds the ledger's per-pass records (tensor, sequence,
 context and expert parallelism's exchanges, ZeRO-3's gathers, ZeRO-2/3's per-pass gradient
-reduce-scatters) and hands them out by (op, purpose) at the places the runtime issues them
+reduce-scatters, and under offload ZeRO-1/2's parameter gathers, which the engine issues in
+the next forward's pre-hooks: fivefold.memory.offload) and hands them out by (op, purpose) at the places the runtime issues them
 (fivefold.parallel.tensor_comm, .context, .expert, .data_parallel):
 
   forward    before wq: sequence parallelism's all-gather of the region input; after wv:
@@ -32,6 +33,7 @@ token-split records (fivefold.planner.moe_ledger) are the leftovers today.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from fivefold.comm.ledger import CommRecord
@@ -71,12 +73,12 @@ PASS_PURPOSES = frozenset({
 class CommPool:
     """The ledger's per-pass records, handed out by (op, purpose) in ledger order."""
 
-    def __init__(self, records: list[CommRecord], zero_stage: int):
+    def __init__(self, records: list[CommRecord], zero_stage: int, offload: bool):
         self.queues: dict[tuple[str, str], deque] = {}
         self.rest: list[CommRecord] = []
         for r in records:
             per_pass = (r.purpose in PASS_PURPOSES
-                        or (r.purpose == "params" and zero_stage == 3)
+                        or (r.purpose == "params" and (zero_stage == 3 or offload))
                         or (r.purpose == "grads" and zero_stage >= 2
                             and r.op == "reduce_scatter"))
             if per_pass:
@@ -86,6 +88,8 @@ class CommPool:
 
     def take(self, keys) -> list[CommRecord]:
         """One record of each key the pool still holds."""
+        if not keys:
+            return []
         out = []
         for key in keys:
             queue = self.queues.get(key)
@@ -97,6 +101,7 @@ class CommPool:
         return [r for queue in self.queues.values() for r in queue]
 
 
+@functools.cache
 def places(name: str, phase: str, when: str) -> tuple:
     """The (op, purpose) keys to take `when` ("before"/"after") the op called `name` in a
     pass of `phase` ("forward" or a backward's)."""

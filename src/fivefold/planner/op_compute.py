@@ -44,7 +44,7 @@ QUERY_CHUNK, CPU_SCORE_BYTES = 512, 8 << 20  # fivefold.parallel.context.block_a
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Op:
     """One op of one rank's step. `shape`: gemm (M, N, K, batch), grouped_gemm (M, N, K,
     groups), attention (B, H, Hkv, T, S, E); collectives and copies have `bytes` only.
@@ -198,15 +198,24 @@ def head_pass(cfg: Config, lay: ParallelPlan, dtype: str, piece: int = 0) -> Pas
                    -(-cfg.model.vocab // lay.tp), dtype)
 
 
+def early_stop(cfg: Config, layer: int) -> bool:
+    """Whether recomputing block `layer` stops before its last GEMM: torch's non-reentrant
+    checkpoint stops once the backward has every tensor it saved, and the output of the
+    block's last GEMM (a dense MLP's w2, or an MoE layer's shared experts' w2) is saved by
+    nothing, unless the MoE layer's auxiliary loss, computed after it from the router's
+    logits, still has to be rebuilt."""
+    moe = cfg.model.moe
+    if not is_moe_layer(cfg.model, layer):
+        return True
+    return bool(moe.shared_experts) and not (moe.aux_loss_weight or moe.z_loss_weight)
+
+
 def recomputed(passes: list[Pass], mode: str, whole: bool = False) -> list[Op]:
     """The forward ops a block's backward runs again: all under "full"; under "selective"
-    the policy's uncached ones (the even-numbered mm/addmm and every "other" op). Torch's
-    non-reentrant checkpoint stops once the backward has every tensor it saved, so the
-    block's last GEMM (the MLP's w2, or the shared experts'), whose output nothing saves,
-    is not run again, unless `whole` (a split backward recomputes whole blocks, as
-    fivefold.planner.ledger_model counts the MLP's closing collective)."""
-    if not whole and passes[-1].forward.kind == "gemm" and passes[-1].forward.name.endswith(
-            "w2"):
+    the policy's uncached ones (the even-numbered mm/addmm and every "other" op); the last
+    GEMM only when `whole` (not `early_stop`, or a split backward, which recomputes whole
+    blocks, as fivefold.planner.ledger_model counts the MLP's closing collective)."""
+    if not whole:
         passes = passes[:-1]
     if mode == "full":
         return [replace(p.forward, phase="recompute") for p in passes]

@@ -22,7 +22,8 @@ program order:
               ZeRO-3's gathers, ZeRO-2/3's per-pass reduce-scatters) next to the compute op
               whose output they carry (fivefold.planner.op_comm), the step's gradient syncs
               (and any per-pass record no rule placed) after the last backward, ZeRO-1/2's
-              parameter all-gathers after the optimizer
+              parameter all-gathers after the optimizer (under offload in the forward: the
+              engine re-gathers a unit in its pre-hook, once its host update is back)
   optimizer   AdamW over the rank's shard: elements and bytes (7 x 4 bytes per element:
               parameter, gradient and two moments read, three written), on "host" for the
               units offload moves off the device (with a gradient download and a parameter
@@ -45,6 +46,7 @@ per stage, asynchronously).
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import replace
 
 from fivefold.batch_shares import dp_rank_of, replica_plan
@@ -57,8 +59,8 @@ from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import PURPOSES, stage_layers_of_rank
 from fivefold.planner.memory import stage_units
 from fivefold.planner.op_comm import RING, REGION_EXIT, SP_GATHER, CommPool, places
-from fivefold.planner.op_compute import (DTYPE_BYTES, Op, Pass, block_passes, head_pass,
-                                         recomputed)
+from fivefold.planner.op_compute import (DTYPE_BYTES, Op, Pass, block_passes, early_stop,
+                                         head_pass, recomputed)
 from fivefold.planner.op_compute import tokens as tokens_of
 
 __all__ = ["Op", "rank_trace", "compute_counts"]
@@ -81,8 +83,8 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
     ledger = predict_ledger(cfg, lay, rank=rank)
     pipeline = lambda r: r.op in ("send", "recv") and r.mesh_dim == "pp"
     messages = [r for r in ledger.records if pipeline(r)]
-    trace = _Trace(CommPool([r for r in ledger.records if not pipeline(r)], lay.zero_stage),
-                   lay.context_degrees[0])
+    trace = _Trace(CommPool([r for r in ledger.records if not pipeline(r)], lay.zero_stage,
+                            lay.offload != "none"), lay.context_degrees[0])
     units = {i: 1 + int(lay.expert_grid and is_moe_layer(cfg.model, i)) for i in layers}
     schedule = lay.pipeline_schedules(cfg.model.tied_embeddings)[0] if lay.pp > 1 else None
     for a in _actions(lay, pp_rank, schedule):
@@ -115,7 +117,8 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
             if a.kind != S.W:
                 trace.place([("all_gather", "params")] * units[i], a.mb)
             if a.kind in (S.B, S.I) and lay.recompute != "none":
-                trace.compute(recomputed(block, lay.recompute, lay.split_backward), a.mb)
+                trace.compute(recomputed(block, lay.recompute,
+                                         lay.split_backward or not early_stop(cfg, i)), a.mb)
             trace.compute(_backward(block[::-1], a.kind), a.mb)
             if a.kind != S.W:
                 trace.place([("all_reduce", "sp_norm_grads")] * 2, a.mb)
@@ -203,10 +206,14 @@ class _Trace:
         self.in_flight: list[int] = []  # ring: the next block's transfer
         self.pool, self.ring = pool, ring
 
-    def add(self, op: Op, *deps: int | None) -> int:
+    def add(self, op: Op, *deps: int | None, mb: int | None = None) -> int:
+        """Append a copy of `op` (a block's ops are shared by its passes) with its deps."""
+        op = copy(op)
         prev = self.last.get(op.stream)
-        wait = tuple(sorted({d for d in (prev, *deps) if d is not None}))
-        self.ops.append(replace(op, deps=wait))
+        op.deps = tuple(sorted({d for d in (prev, *deps) if d is not None}))
+        if mb is not None:
+            op.micro_batch = mb
+        self.ops.append(op)
         self.last[op.stream] = len(self.ops) - 1
         return len(self.ops) - 1
 
@@ -222,7 +229,7 @@ class _Trace:
                 self.in_flight = []
                 if op.step + 1 < self.ring:  # the next block's transfer, issued first
                     self.in_flight = self.place(RING[0], mb, consumed=False)
-            self.add(replace(op, micro_batch=mb), *self.waiting)
+            self.add(op, *self.waiting, mb=mb)
             self.waiting = []
             end = k + 1 == len(ops) or ops[k + 1].name != op.name
             if op.kernel == "ring-math" and op.phase not in ("forward", "recompute") \
