@@ -1,6 +1,6 @@
 """The planner's op trace against the runtime's ops: the ledger's promise extended to compute.
 
-For every layout in `LAYOUTS`, one `Trainer.train_step` runs on gloo CPU ranks under
+For every layout in `QUICK` and `SLOW`, one `Trainer.train_step` runs on gloo CPU ranks under
 tests/op_recorder.py's dispatch mode, which records every matrix product (mm, addmm, bmm,
 baddbmm: linear and matmul decompose into them), every grouped expert product
 (torch._grouped_mm) and every SDPA kernel call, forward and backward, with its shape and
@@ -20,12 +20,14 @@ its HBM bytes; eager torch dispatches dozens of small kernels whose count no fus
 shares), the optimizer's work and offload's host copies (their byte counts follow the model
 state that test_planner_ledger.py holds equal), and the dependencies.
 
-Layouts (25): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
-(GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, TeraPipe with uneven token slices), cp 2 ring and Ulysses and
-the 2 x 2 hybrid, MoE with ep 2 and 4 and without ep, full and selective recomputation, CPU
-offload, pp x tp with sp (with and without full recomputation), tp with sp x ZeRO-3, ep
-with a shared expert under full recomputation. The default suite runs `QUICK` (7 of them, one
-start of 2 ranks); the rest is marked slow. Ranks start once per world size group.
+Layouts (28): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
+(GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, TeraPipe with uneven token slices), cp 2
+ring and Ulysses and the 2 x 2 hybrid, MoE with ep 2 and 4 and without ep, full and
+selective recomputation, CPU offload, pp x tp with sp (with and without full recomputation),
+tp with sp x ZeRO-3, ep with a shared expert under full recomputation, and in bf16: cp ring
+(its blocks in fp32) with selective recomputation, tp with sp x ZeRO-1, ep 2 (the router in
+fp32). The default suite runs `QUICK` (7 of them, one start of 2 ranks); the rest is marked
+slow. Ranks start once per world size group.
 """
 
 from __future__ import annotations
@@ -68,7 +70,11 @@ SLOW = {  # world size: [(overrides, label)]
           "parallel.token_slices=3"], "pp2 terapipe, 3 uneven token slices"),
         (["parallel.cp=2", "parallel.cp_mode='ulysses'"], "cp2 ulysses"),
         (["parallel.recompute='full'", "parallel.zero_stage=2"], "full recompute zero2"),
-        (["parallel.offload='cpu'", "parallel.zero_stage=1"], "cpu offload zero1")],
+        (["parallel.offload='cpu'", "parallel.zero_stage=1"], "cpu offload zero1"),
+        (["parallel.cp=2", "parallel.precision='bf16'", "parallel.recompute='selective'"],
+         "cp2 ring bf16 (fp32 blocks), selective recompute"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.precision='bf16'",
+          "parallel.zero_stage=1"], "tp2 sp bf16 zero1")],
     4: [(["parallel.cp=4", "parallel.cp_mode='hybrid'", "parallel.cp_ulysses=2"],
          "cp4 hybrid 2 x 2"),
         (MOE + ["parallel.ep=2"], "ep2 over dp4"),
@@ -82,7 +88,8 @@ SLOW = {  # world size: [(overrides, label)]
           "parallel.recompute='full'", "parallel.micro_batch=2"],
          "pp2 x tp2 sp full recompute"),
         (MOE + ["parallel.ep=2", "parallel.recompute='full'", "model.moe.shared_experts=1"],
-         "ep2 full recompute, a shared expert")],
+         "ep2 full recompute, a shared expert"),
+        (MOE + ["parallel.ep=2", "parallel.precision='bf16'"], "ep2 bf16 (fp32 router)")],
 }
 ROUTED = ("moe_combine", "moe_dispatch_backward")  # sizes the routing decides
 
@@ -96,7 +103,8 @@ def _record(rt, overrides, cases):
     """Per case: the recorded kernel counts and the ledger's bytes per (op, axis, purpose).
     Under offload the second step is recorded: ZeRO-1/2 re-gather a unit in the forward
     after its host update (fivefold.memory.offload), so the first step has no gathers."""
-    grouped_mm_runs("cpu", torch.float32)  # its probe runs once per process: not the step's
+    for dtype in (torch.float32, torch.bfloat16):  # the probe runs once per process and
+        grouped_mm_runs("cpu", dtype)  # dtype: not the step's work
     out = []
     for sets in cases:
         cfg = load_config(None, overrides + sets)

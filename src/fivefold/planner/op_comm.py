@@ -5,8 +5,9 @@ per-step list; the op trace (fivefold.planner.op_trace) needs each one next to t
 op whose output it carries. `CommPool` holds the ledger's per-pass records (tensor, sequence,
 context and expert parallelism's exchanges, ZeRO-3's gathers, ZeRO-2/3's per-pass gradient
 reduce-scatters, and under offload ZeRO-1/2's parameter gathers, which the engine issues in
-the next forward's pre-hooks: fivefold.memory.offload) and hands them out by (op, purpose) at the places the runtime issues them
-(fivefold.parallel.tensor_comm, .context, .expert, .data_parallel):
+the next forward's pre-hooks: fivefold.memory.offload) and hands them out by (op, purpose)
+at the places the runtime issues them (fivefold.parallel.tensor_comm, .context, .expert,
+.data_parallel):
 
   forward    before wq: sequence parallelism's all-gather of the region input; after wv:
              Ulysses' q, k, v all-to-alls (ring: the core's kv sends and receives, one pair

@@ -1,9 +1,10 @@
 """The compute ops of one block (and of the output head) on one rank, per pass, predicted.
 
 What the runtime's kernels run for a micro-batch of n = micro_batch x seq_len / cp tokens
-(TeraPipe: x the slice's share) on one rank (tensor parallelism keeps n: with sequence parallelism the column-parallel linears
-gather the sequence back), read off the model (fivefold.models.llama, .moe, .mlp) and the
-layouts that rewrite it (fivefold.parallel.tensor, .context, .expert):
+(TeraPipe: x the slice's share) on one rank (tensor parallelism keeps n: with sequence
+parallelism the column-parallel linears gather the sequence back), read off the model
+(fivefold.models.llama, .moe, .mlp) and the layouts that rewrite it (fivefold.parallel.tensor,
+.context, .expert):
 
   linear (in -> out)   forward GEMM (M, N, K) = (n, out, in); backward the input's gradient
                        (n, in, out) and the weight's (out, in, n). wq, wk, wv, w1, w3 are
@@ -16,8 +17,9 @@ layouts that rewrite it (fivefold.parallel.tensor, .context, .expert):
   ring attention       the blockwise math kernel (fivefold.parallel.context.block_attention):
                        per ring step the visible zigzag block (diagonal causal, then half the
                        rows or half the keys), per query chunk two batched GEMMs forward
-                       (scores, output) and five backward (scores again, dv, dout v^T, dq,
-                       dk), batch B x H; the hybrid runs it on H / u heads over T / r tokens
+                       (scores, output; in the autocast dtype) and five backward (scores
+                       again, dv, dout v^T, dq, dk; fp32 for 16-bit inputs), batch B x H;
+                       the hybrid runs it on H / u heads over T / r tokens
   MoE layer            the fp32 router (n', X, D) on the rank's n' = n / tp tokens, the routed
                        experts as grouped GEMMs (torch._grouped_mm, `model.moe.expert_matmul`
                        = "grouped") over n' x top_k rows at balanced routing (under ep the
@@ -103,7 +105,11 @@ def _sdpa(name: str, shape: tuple[int, ...], dtype: str, causal: bool = True) ->
 def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, index: int,
                  dtype: str, device: str) -> list[Pass]:
     """The math kernel's batched GEMMs of ring attention on ring rank `index` of `ring`
-    (fivefold.parallel.context.ring_attention: zigzag chunks of c = tokens / 2)."""
+    (fivefold.parallel.context.ring_attention: zigzag chunks of c = tokens / 2). The kernel
+    casts to its accumulation dtype (fp32 for 16-bit inputs), but the forward runs under the
+    engine's autocast, which runs its matmuls in the compute dtype again; the backward (an
+    autograd Function's, outside autocast) runs in fp32. Each chunk's keys: all of an
+    off-diagonal block's, a diagonal block's up to the chunk's last row."""
     acc = "fp32" if dtype in ("bf16", "fp16") else dtype
     c, bh, forward, backward = tokens // 2, b * heads, [], []
     for step in range(ring):
@@ -116,8 +122,9 @@ def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, 
             t = min(lo + per, rows) - lo
             s = min(lo + per, rows) if causal else keys  # the keys a chunk sees
             g = lambda phase, m, nn, k: Op("gemm", name, phase, shape=(m, nn, k, bh),
-                                           dtype=acc, causal=causal, kernel="ring-math",
-                                           step=step, policy="other")
+                                           dtype=dtype if phase == "forward" else acc,
+                                           causal=causal, kernel="ring-math", step=step,
+                                           policy="other")
             forward += [g("forward", t, s, e), g("forward", t, e, s)]
             backward += [g("input_grad", t, s, e), g("input_grad", s, e, t),
                          g("input_grad", t, s, e), g("input_grad", t, e, s),
