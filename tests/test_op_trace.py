@@ -15,10 +15,14 @@ the routing is dropless), as tests/test_planner_ledger.py does for the routed al
 The trace's collectives and sends/receives must equal the runtime's ledger: bytes per (op,
 mesh axis, purpose) on every rank (routed expert exchanges summed over the ranks).
 
+The optimizer's work (AdamW's elements on the device and, under offload, on the host) must
+equal the runtime's: its optimizer-state bytes over AdamW's 8 per element, its host bytes
+over offload's per element.
+
 Not compared: element-wise ops (the trace carries one estimated op per block and pass with
 its HBM bytes; eager torch dispatches dozens of small kernels whose count no fused stack
-shares), the optimizer's work and offload's host copies (their byte counts follow the model
-state that test_planner_ledger.py holds equal), and the dependencies.
+shares), the optimizer's bytes and offload's copies (derived from the same elements), and the
+dependencies.
 
 Layouts (28): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
 (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, TeraPipe with uneven token slices), cp 2
@@ -41,6 +45,7 @@ from fivefold.config import load_config
 from fivefold.models.expert_matmul import grouped_mm_runs
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
+from fivefold.planner.memory import offload_bytes
 from fivefold.planner.op_trace import compute_counts, rank_trace
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
@@ -113,7 +118,8 @@ def _record(rt, overrides, cases):
             trainer.train_step(0)
         with RecordOps() as ops:
             trainer.train_step(int(cfg.parallel.offload != "none"))
-        out.append((dict(ops.ops), dict(trainer.ledger.totals("bytes"))))
+        out.append((dict(ops.ops), dict(trainer.ledger.totals("bytes")),
+                    dict(trainer.ledger.model_state_bytes)))
     return out
 
 
@@ -149,7 +155,7 @@ def _check(world: int, cases: list, recorded: list, overrides: list[str]) -> Non
         for rank in range(world):
             where = f"{label}, rank {rank}"
             ops = rank_trace(cfg, lay, rank)
-            got_counts, got_ledger = recorded[rank][i]
+            got_counts, got_ledger, got_state = recorded[rank][i]
             assert not [k for k in got_counts if k[0] == "unknown"], (where, got_counts)
             want, have = compute_counts(ops), got_counts
             if expert:
@@ -158,6 +164,9 @@ def _check(world: int, cases: list, recorded: list, overrides: list[str]) -> Non
                 routed_want += w_routed
                 routed_have += h_routed
             assert dict(want) == dict(have), where
+            work = {op.stream: op.shape[0] for op in ops if op.kind == "optimizer"}
+            assert work.get("compute", 0) * 8 == got_state["optimizer"], where  # AdamW
+            assert work.get("host", 0) * offload_bytes(lay.offload, 8)[0] == got_state["host"]
             traced = _trace_ledger(ops)
             assert traced == predict_ledger(cfg, lay, rank=rank).totals("bytes"), where
             assert traced.keys() == got_ledger.keys(), where

@@ -34,9 +34,11 @@ each op waits for the previous op of its stream; a collective or send for the co
 before it; the compute op after a collective, a pipeline receive or a ring step's transfer
 for it (gradient reduce-scatters excepted: nothing in the pass reads them); the step's
 gradient collectives for the last backward op, the optimizer for them, a parameter gather
-for the optimizer. tests/test_op_trace.py holds the GEMMs, grouped GEMMs and attention kernels equal
-to what the runtime dispatches on CPU ranks (kinds, shapes, dtypes, counts) and the
-collectives equal to the ledger; element-wise ops, optimizer work and copies are not compared.
+for the optimizer. tests/test_op_trace.py holds the GEMMs, grouped GEMMs and attention
+kernels equal to what the runtime dispatches on CPU ranks (kinds, shapes, dtypes, counts),
+the collectives equal to the ledger and the optimizer's elements equal to the runtime's
+optimizer state; element-wise ops, the optimizer's and copies' bytes and the dependencies
+are not compared.
 
 Scope: the synchronous schedules (TeraPipe's token slices included), the engine's AdamW
 update (no Muon, GaLore or LOMO), dropless grouped experts without etp, no fp8; other
@@ -57,7 +59,7 @@ from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan, compute_precision
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import PURPOSES, stage_layers_of_rank
-from fivefold.planner.memory import stage_units
+from fivefold.planner.memory import OPTIMIZER_STATE_BYTES, offload_bytes
 from fivefold.planner.op_comm import RING, REGION_EXIT, SP_GATHER, CommPool, places
 from fivefold.planner.op_compute import (DTYPE_BYTES, Op, Pass, block_passes, early_stop,
                                          head_pass, recomputed)
@@ -130,7 +132,7 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
         if a.kind != S.I and (first or last) and lay.pp > 1 or lay.pp == 1:
             trace.place([("reduce_scatter", "grads")], a.mb)  # the root's
     assert not messages, f"sends or receives the schedule does not issue: {messages}"
-    trace.step(cfg, lay, pp_rank)
+    trace.step(lay, ledger.model_state_bytes)
     return trace.ops
 
 
@@ -265,17 +267,17 @@ class _Trace:
             self.waiting.append(index)
         return index
 
-    def step(self, cfg: Config, lay: ParallelPlan, pp_rank: int) -> None:
+    def step(self, lay: ParallelPlan, state: dict[str, int]) -> None:
         """The pool's leftovers and the step's collectives after the last backward, the
-        optimizer and offload's copies, then the parameter gathers of ZeRO-1/2."""
+        optimizer and offload's copies, then the parameter gathers of ZeRO-1/2. The
+        optimizer's elements are the ledger's model state's (fivefold.planner.memory:
+        AdamW's 8 state bytes per element on the device, offload_bytes' on the host)."""
         backward_end = self.last.get("compute")
         records = self.pool.leftovers() + self.pool.rest
         grads = [self.comm(r, -1, backward_end) for r in records if r.purpose != "params"]
-        layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
-        units = stage_units(cfg.model, lay, layers, first, last, etp=lay.etp)
-        local = [u.shard_numel if lay.zero_stage >= 1 else u.padded for u in units]
-        off = lay.offloaded_units(local)
-        host, device = sum(local[:off]), sum(local[off:])
+        adamw = OPTIMIZER_STATE_BYTES["adamw"]
+        device = state["optimizer"] // adamw
+        host = state["host"] // offload_bytes(lay.offload, adamw)[0] if state["host"] else 0
         done = []
         if host:
             down = self.add(Op("host_copy", "grads to host", "step", stream="host",
