@@ -46,6 +46,7 @@ from fivefold.models.expert_matmul import grouped_mm_runs
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.memory import offload_bytes
+from fivefold.planner.op_comm import PASS_PURPOSES
 from fivefold.planner.op_trace import compute_counts, rank_trace
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
@@ -191,6 +192,25 @@ def test_op_trace_equals_runtime(world, overrides):
     cases = SLOW[world]
     recorded = run_on_ranks(_record, world, overrides, [s for s, _ in cases], timeout_s=900)
     _check(world, cases, recorded, overrides)
+
+
+def test_trace_places_every_per_pass_collective(overrides):
+    """On every rank of every layout (from the config alone): each op waits only for earlier
+    ops, and each tensor-, sequence-, context- or expert-parallel exchange sits inside a pass
+    (op_comm's rules leave none for the step's end), waiting for the compute op before it or
+    the pipeline receive that brought its pass's input."""
+    for world, sets, label in [(2, s, l) for s, l in QUICK] + [
+            (w, s, l) for w, cases in SLOW.items() for s, l in cases]:
+        cfg = load_config(None, overrides + sets)
+        lay = training_plan(cfg, world, "cpu")
+        for rank in range(world):
+            ops = rank_trace(cfg, lay, rank)
+            for i, op in enumerate(ops):
+                assert all(d < i for d in op.deps), (label, rank, i)
+                if op.purpose in PASS_PURPOSES:
+                    assert op.phase == "pass", (label, rank, op)
+                    assert any(ops[d].stream == "compute" or ops[d].kind == "recv"
+                               for d in op.deps), (label, rank, op)
 
 
 def test_layouts_span_the_issue():

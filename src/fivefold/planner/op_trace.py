@@ -14,7 +14,8 @@ program order:
               GEMM; "selective": what the policy does not cache); the output head on the last stage
   element-wise per block and pass one op with the HBM bytes of its norms, rotary, activation
               and residual adds (`_elementwise_bytes`, an estimate: not compared with the
-              runtime, whose eager element-wise kernels differ in number from any fused stack)
+              runtime, whose eager element-wise kernels differ in number from any fused
+              stack); the embedding's lookup and its table's gradient likewise
   messages    the pipeline's sends and receives where the schedule issues them (the
               ledger's records, fivefold.planner.ledger_pipeline, in the action list's order)
   collectives every other record of fivefold.planner.ledger_model.predict_ledger, byte for
@@ -97,9 +98,12 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
         first, last = a.stage == 0, a.stage == lay.pp * lay.vpp - 1
         ids, head = ranges[a.stage], heads[a.slice]
         elementwise = _elementwise_bytes(cfg, lay, dtype, a.slice)
+        lo, hi = tokens_of(cfg, lay, a.slice)  # the lookup writes, its gradient reads and adds
+        embedding = lay.micro_batch * (hi - lo) * cfg.model.hidden * DTYPE_BYTES[dtype]
         if a.kind == S.F:
-            if first:  # the root's ZeRO-3 gather; the embedding's region exit
+            if first:  # the root's ZeRO-3 gather, the lookup, the embedding's region exit
                 trace.place([("all_gather", "params")], a.mb)
+                trace.elementwise("embedding", "forward", embedding, a.mb)
                 trace.place(REGION_EXIT, a.mb)
             for i in ids:
                 trace.place([("all_gather", "params")] * units[i], a.mb)
@@ -127,8 +131,9 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
                 trace.elementwise(f"layers.{i}", "backward", 2 * elementwise, a.mb)
             if a.kind != S.I:
                 trace.place([("reduce_scatter", "grads")] * units[i], a.mb)
-        if first and a.kind != S.W:  # the embedding's region exit, backward
+        if first and a.kind != S.I:  # the embedding's region exit, its table's gradient
             trace.place([SP_GATHER], a.mb)
+            trace.elementwise("embedding", "weight_grad", 2 * embedding, a.mb)
         if a.kind != S.I and (first or last) and lay.pp > 1 or lay.pp == 1:
             trace.place([("reduce_scatter", "grads")], a.mb)  # the root's
     assert not messages, f"sends or receives the schedule does not issue: {messages}"
@@ -241,12 +246,12 @@ class _Trace:
                 self.place(places(op.name, op.phase, "after"), mb)
 
     def place(self, keys, mb: int, consumed: bool = True) -> list[int]:
-        """The pool's records of `keys` here, each waiting for the compute op before it; the
-        next compute op waits for them (`consumed`) but for gradient reduce-scatters and
+        """The pool's records of `keys` here, each waiting for the compute op before it (and a
+        pipeline receive the pass has not consumed yet); the next compute op waits for them (`consumed`) but for gradient reduce-scatters and
         sends, which nothing in the pass reads."""
-        out = []
+        out, received = [], [w for w in self.waiting if self.ops[w].kind == "recv"]
         for record in self.pool.take(keys):
-            out.append(self.comm(record, mb, self.last.get("compute")))
+            out.append(self.comm(record, mb, self.last.get("compute"), *received))
             if consumed and record.purpose != "grads" and record.op != "send":
                 self.waiting.append(out[-1])
         return out
