@@ -60,7 +60,8 @@ from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan, compute_precision
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import PURPOSES, stage_layers_of_rank
-from fivefold.planner.memory import OPTIMIZER_STATE_BYTES, offload_bytes
+from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, model_state_bytes, offload_bytes,
+                                     stage_units)
 from fivefold.planner.op_comm import RING, REGION_EXIT, SP_GATHER, CommPool, places
 from fivefold.planner.op_compute import (DTYPE_BYTES, Op, Pass, block_passes, early_stop,
                                          head_pass, recomputed)
@@ -134,10 +135,12 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
         if first and a.kind != S.I:  # the embedding's region exit, its table's gradient
             trace.place([SP_GATHER], a.mb)
             trace.elementwise("embedding", "weight_grad", 2 * embedding, a.mb)
-        if a.kind != S.I and (first or last) and lay.pp > 1 or lay.pp == 1:
+        if a.kind != S.I and (lay.pp == 1 or first or last):
             trace.place([("reduce_scatter", "grads")], a.mb)  # the root's
     assert not messages, f"sends or receives the schedule does not issue: {messages}"
-    trace.step(lay, ledger.model_state_bytes)
+    state = ledger.model_state_bytes or model_state_bytes(  # the plain path keeps no ledger
+        stage_units(cfg.model, lay, layers, True, True), lay)
+    trace.step(lay, state)
     return trace.ops
 
 
