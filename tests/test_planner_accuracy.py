@@ -163,8 +163,8 @@ def test_fivefold_ring_is_timed_as_its_math_kernel():
     row's keys."""
     from fivefold.parallel.context.block_attention import (_row_chunks, _scores,
                                                            query_chunk_rows, visible_keys)
-    from fivefold.planner.compute import (diagonal_masked, diagonal_scores,
-                                          math_ring_attention_time, ring_query_rows)
+    from fivefold.planner.op_prices import (diagonal_masked, diagonal_scores,
+                                            math_ring_attention_time, ring_query_rows)
     for batch_heads, keys in [(32, 512), (32, 256), (1, 64), (64, 4096), (4096, 4096)]:
         for prof, device in [(H100, "cuda"), (PROFILES["cpu"], "cpu")]:
             assert (ring_query_rows(prof, batch_heads, keys)
