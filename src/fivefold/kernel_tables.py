@@ -132,13 +132,21 @@ def roofline_gemm_s(m: float, k: float, n: float, peak_flops: float, hbm_Bps: fl
             + eff.kernel_overhead_s)
 
 
-@dataclass(frozen=True, eq=False)  # identity hash: its factors are cached per object
+@dataclass(frozen=True)
 class GemmSurface:
     """Measured GEMM time over the roofline's, per measured shape: points (log2 M, log2 K,
-    log2 N, log of measured / roofline seconds), with the measurement they come from."""
+    log2 N, log of measured / roofline seconds), with the measurement they come from. Its
+    hash is computed once: its factors are cached per (surface, shape)."""
 
     points: tuple[tuple[float, float, float, float], ...]
     source: str
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.points, self.source))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def factor(self, m: float, k: float, n: float) -> float:
         """The surface's time factor at shape (m, k, n): 1 far from every measurement."""

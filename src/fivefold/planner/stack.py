@@ -312,7 +312,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                  "(FlashAttention-2) on K/V repeated to every head, torch 2.5/2.6's "
                  "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
                  "cross-entropy"),
-    Stack("deepspeed", zero3_recompute_gathers=3, flash_attention_since="2023-01", zero3_live_params=10**9,
+    Stack("deepspeed", zero3_recompute_gathers=3, flash_attention_since="2023-01",
+          zero3_live_params=10**9,
           zero3_overlap=False, zero3_persist_numel=100_000, zero3_list_gather=True,
           source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
                  "ZeRO-3 parameter hooks that re-gather for the recomputed forward, one "
@@ -342,7 +343,9 @@ FITTED_TO: dict[tuple[str, str], str] = {
                                               "rows run at the FlashAttention-2-class rate",
     ("megatron", "fa3_since blackwell 2025-09"): "placed between the nemo 25.02-25.07 "
                                                  "Blackwell rows and the bridge 25.11 and "
-                                                 "mcore ModelZoo rows",
+                                                 "mcore ModelZoo rows (it prices nothing "
+                                                 "while Blackwell profiles have one "
+                                                 "attention generation)",
     ("megatron", "tp_overlap_chunks"): "one launch per chunk, chosen over one per GEMM "
                                        "because it fitted " + _MEGATRON_ROWS + " better",
     **{("torchtitan", k): _TORCHTITAN_ROWS for k in (
