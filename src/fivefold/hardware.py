@@ -8,7 +8,7 @@ roofline per operator (fivefold.planner.compute) and collective model
 (fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run,
 and describe the hardware, not the software that runs on it (that is `train.stack`,
 fivefold.planner.stack); what a long training step sustains of them is the handful of
-constants of fivefold.planner.fitted, shared by every GPU profile:
+constants of fivefold.planner.fitted, shared by every GPU profile.
 
 Each profile names its `architecture` (what fivefold.planner.stack and .bands read, never
 the profile's name) and its `kernel_source`: where its kernel tables (fivefold.kernel_tables:

@@ -16,9 +16,9 @@ profile's kernel tables (fivefold.kernel_tables):
   diagonal tiles of 128), 4d FLOPs per score forward and 10d backward (recomputing P, then
   dV, dP, dQ, dK), plus a per-score softmax cost (`attn_score_s`: the exp throughput limit
   FlashAttention-3 names, arXiv 2407.08608 Sec. 3) and a per query row cost (`attn_row_s`:
-  loading Q, rescaling and writing O and the log-sum-exp; backward 5x). Fitted to measured SDPA on H200 the row term explains why short sequences run at 0.45
-  of peak and 16k-token ones at 0.65. Context parallelism splits scores and rows evenly
-  (load-balanced ring).
+  loading Q, rescaling and writing O and the log-sum-exp; backward 5x). Fitted to measured
+  SDPA on H200 the row term explains why short sequences run at 0.45 of peak and 16k-token
+  ones at 0.65. Context parallelism splits scores and rows evenly (load-balanced ring).
 - Element-wise ops and norms: memory bound, bytes read and written / (HBM * mem_eff), times
   `eltwise_passes` (eager PyTorch re-reads intermediates; with `train.compile` the chains
   are fused and each tensor is read and written once).
