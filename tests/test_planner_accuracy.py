@@ -25,7 +25,8 @@ from fivefold.planner.params import block_params, local_numel, root_params
 from fivefold.planner.search import candidates, exact_estimate
 from fivefold.planner.simulate import StepModel, simulate
 from fivefold.planner.spec import spec_config
-from fivefold.planner.stack import FIVEFOLD, FLASH2_RATE, STACKS
+from fivefold.kernel_tables import FLASH2_RATE_H100
+from fivefold.planner.stack import FIVEFOLD, STACKS
 
 H100 = PROFILES["H100-SXM"]
 # The stack mechanisms below (which collectives a stack exposes) are checked at an overlap
@@ -91,7 +92,7 @@ def test_allgather_cp_exposes_what_only_its_first_step_hides():
     # ring all-gather over 4 nodes, each on its own NIC: 3 of 4 shards in, 3 hops
     ag = 3 / 4 * 4 * kv_bytes / links.inter_Bps + 3 * links.latency_inter_s
     dkv = 2 * n * 8 * d * 4 / links.inter_Bps + links.latency_inter_s
-    fa2 = FLASH2_RATE  # torchtitan's FlashAttention-2-class kernel on Hopper
+    fa2 = FLASH2_RATE_H100  # torchtitan's FlashAttention-2-class kernel on Hopper
     at_f, at_b = attention_time(1, 8, 4096, d, 4, prof, True, "bf16", fa2, False)
     fwd, bwd = sm._cp_exposed(False)
 
@@ -163,8 +164,8 @@ def test_fivefold_ring_is_timed_as_its_math_kernel():
     row's keys."""
     from fivefold.parallel.context.block_attention import (_row_chunks, _scores,
                                                            query_chunk_rows, visible_keys)
-    from fivefold.planner.compute import (diagonal_masked, diagonal_scores,
-                                          math_ring_attention_time, ring_query_rows)
+    from fivefold.planner.op_prices import (diagonal_masked, diagonal_scores,
+                                            math_ring_attention_time, ring_query_rows)
     for batch_heads, keys in [(32, 512), (32, 256), (1, 64), (64, 4096), (4096, 4096)]:
         for prof, device in [(H100, "cuda"), (PROFILES["cpu"], "cpu")]:
             assert (ring_query_rows(prof, batch_heads, keys)

@@ -105,3 +105,18 @@ def test_simulate_and_plan_json_carry_the_band(tmp_path, monkeypatch, capsys):
     for est in json.loads(capsys.readouterr().out):
         lo, hi = est["step_time_band_s"]
         assert lo < est["step_time_s"] < hi
+
+
+def test_a_profile_without_kernel_measurements_widens_its_band():
+    """B200 and GB200 (architecture blackwell, read from the profile, not its name) have no
+    measured GEMM tables: their group's band, each side's log width doubled (WIDEN)."""
+    runs = [row(gpu, "megatron", 1.0 * math.exp(0.02 * (i - 5)), release="2025-11")
+            for gpu in ("B200", "H100-SXM") for i in range(11)]
+    table = bands.band_table(runs, [1.0] * len(runs), "test")
+    assert bands.architecture_family("GB200") == "blackwell"
+    assert not bands.kernels_measured("B200") and bands.kernels_measured("H100-SXM")
+    fam = ("blackwell", "dense", "megatron")
+    key, lo, hi = bands.pick(table["groups"], fam, True, measured=True)
+    wkey, wlo, whi = bands.pick(table["groups"], fam, True, measured=False)
+    assert key == "blackwell|dense|megatron" and wkey.startswith(key) and "no kernel" in wkey
+    assert (wlo, whi) == pytest.approx((bands.WIDEN * lo, bands.WIDEN * hi))

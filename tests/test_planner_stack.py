@@ -13,11 +13,12 @@ import pytest
 
 from fivefold.config import ConfigError, load_config
 from fivefold.hardware import PROFILES
+from fivefold.kernel_tables import FLASH2_RATE_H100, attention_rate
 from fivefold.planner import activations as A
 from fivefold.planner.fitted import BOUNDS, FITTED, Fitted, in_training
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
-from fivefold.planner.stack import FIVEFOLD, FLASH2_RATE, STACKS, stack_of
+from fivefold.planner.stack import FIVEFOLD, STACKS, stack_of
 from fivefold.planner.validation import (SOURCES, cross_report, fit_constants, read_runs,
                                          source_of)
 from fivefold.validate import STACKS as STACK_NAMES
@@ -62,23 +63,55 @@ def test_megatron_stack_holds_less_and_hides_its_collectives():
     assert meg.breakdown_s["exposed_comm"] < mine.breakdown_s["exposed_comm"]
 
 
+def _rate(stack, gpu: str) -> float:
+    prof = PROFILES[gpu]
+    return attention_rate(prof.attention_generations, stack.attention_generation(prof.architecture))
+
+
 def test_torchtitan_runs_a_flash2_class_kernel_on_hopper():
     tt = STACKS["torchtitan"]
-    assert tt.attention_speedup("H100-SXM") == FLASH2_RATE
-    assert tt.attention_speedup("A100-80GB") == 1.0
-    assert FIVEFOLD.attention_speedup("H200") == 1.0
+    assert tt.attention_generation("hopper") == "fa2"
+    assert _rate(tt, "H100-SXM") == FLASH2_RATE_H100
+    assert _rate(tt, "A100-80GB") == 1.0  # FlashAttention-2 is Ampere's own measured kernel
+    assert _rate(FIVEFOLD, "H200") == 1.0
     # the published kernel ratio (arXiv 2407.08608 Figs. 5-6), not a fitted constant
-    assert FLASH2_RATE == pytest.approx(0.565, abs=5e-4)
+    assert FLASH2_RATE_H100 == pytest.approx(0.565, abs=5e-4)
     assert "flash2_rate" not in BOUNDS
 
 
+def test_the_stack_reads_the_architecture_field_not_the_profile_name():
+    """A profile named like nothing the stack knows still gets its architecture's kernel; a
+    Hopper-named profile of another architecture does not get Hopper's."""
+    import dataclasses
+    tt = STACKS["torchtitan"]
+    odd = dataclasses.replace(PROFILES["H100-SXM"], name="my-node")
+    assert _rate_of(tt, odd) == FLASH2_RATE_H100
+    fake = dataclasses.replace(PROFILES["A100-80GB"], name="H100-lookalike")
+    assert _rate_of(tt, fake) == 1.0
+    import fivefold.planner.stack as stack_module
+    assert not hasattr(stack_module, "HOPPER") and not hasattr(stack_module, "BLACKWELL")
+
+
+def _rate_of(stack, prof) -> float:
+    return attention_rate(prof.attention_generations, stack.attention_generation(prof.architecture))
+
+
 def test_megatron_attention_follows_its_release_per_architecture():
-    for gpu, before, since in (("H100-SXM", "2024-03", "2024-07"),
-                               ("GB200", "2025-07", "2025-09")):
-        assert stack_of("megatron", before).attention_speedup(gpu) == FLASH2_RATE
-        assert stack_of("megatron", since).attention_speedup(gpu) == 1.0
-        assert stack_of("megatron").attention_speedup(gpu) == 1.0  # the newest
-    assert stack_of("megatron", "2021-04").attention_speedup("A100-80GB") == 1.0
+    meg = stack_of("megatron", "2024-03")
+    assert meg.attention_generation("hopper") == "fa2"
+    assert stack_of("megatron", "2024-07").attention_generation("hopper") == "fa3"
+    assert stack_of("megatron").attention_generation("hopper") == "fa3"  # the newest
+    assert _rate(meg, "H100-SXM") == FLASH2_RATE_H100
+    assert _rate(stack_of("megatron", "2024-07"), "H100-SXM") == 1.0
+    # before Megatron-LM's FlashAttention merge (2023-01) the attention is unfused, on any
+    # architecture; DeepSpeed's 2021 runs ran the same Megatron model code
+    assert stack_of("megatron", "2021-04").attention_generation("ampere") == "unfused"
+    assert stack_of("megatron", "2022-12").attention_generation("hopper") == "unfused"
+    assert stack_of("megatron", "2023-01").attention_generation("ampere") == "fa2"
+    assert stack_of("deepspeed", "2021-04").attention_generation("ampere") == "unfused"
+    # Blackwell has no FlashAttention-2-class figure: both sides of 2025-09 run at one rate
+    for release in ("2025-07", "2025-09"):
+        assert _rate(stack_of("megatron", release), "GB200") == 1.0
     old = _spec("megatron")
     old["model"]["seq_len"] = 32768
     new = json.loads(json.dumps(old))

@@ -8,18 +8,29 @@ roofline per operator (fivefold.planner.compute) and collective model
 (fivefold.planner.comm) multiply the peaks by. Efficiencies are per profile, never per run,
 and describe the hardware, not the software that runs on it (that is `train.stack`,
 fivefold.planner.stack); what a long training step sustains of them is the handful of
-constants of fivefold.planner.fitted, shared by every GPU profile:
+constants of fivefold.planner.fitted, shared by every GPU profile.
 
-- H200 (and H800, H100-SXM, H100-96GB-500W: the same die): GEMM, attention, fp8 and copy
-  terms fitted to one H200's measurements (docs/reference/h200_measured.json) by
-  fivefold.planner.calibrate_fit.fit_h200_reference; checked against that file's measured HF
-  Llama-1B training step. The power-capped 96 GB HBM2e part (torchtitan's runs) differs
-  only in its datasheet figures.
-- A100-80GB / A100-40GB: GEMMs at 0.74 of peak and Megatron-LM 2021's unfused attention
-  as 3.1 ps of memory traffic per score, fitted earlier to arXiv 2104.04473's runs (the
-  only Ampere rows) and held fixed since: the least out-of-sample of the profiles.
-- V100, B200, GB200: no measurement here; the nearest calibrated generation's terms (stated
-  per profile).
+Each profile names its `architecture` (what fivefold.planner.stack and .bands read, never
+the profile's name) and its `kernel_source`: where its kernel tables (fivefold.kernel_tables:
+the Efficiency terms, a GEMM efficiency surface per dtype, attention by kernel generation)
+come from. No profile holds another architecture's efficiencies:
+
+- Hopper (H200; H800, H100-SXM and the H100-96GB-500W are the same die, with their own
+  datasheet figures): the GEMM, attention, fp8 and copy terms fitted to one H200's
+  measurements (h200_measured.json) by fivefold.planner.calibrate_fit.fit_h200_reference,
+  the GEMM surfaces read from that file's 35 bf16 and 5 fp8 shapes, FlashAttention-2-class
+  kernels at arXiv 2407.08608's H100 ratio; checked against the file's HF Llama-1B step.
+- Ampere (A100-80GB / A100-40GB): FlashAttention-2 at 73% of peak, the top of the 50-73% that
+  arXiv 2307.08691 (abstract) measured on A100; GEMMs at 0.81 of peak, fitted to the 16
+  Megatron-LM 2021 rows of arXiv 2104.04473 (no A100 GEMM microbenchmark here; listed in
+  fivefold.planner.stack.FITTED_TO); no GEMM surface. The unfused attention of that paper's
+  Megatron-LM is the stack's (fivefold.planner.stack.attention_generation), not the profile's.
+- Blackwell (B200, GB200): attention at cuDNN 9.13's fused-attention rate on B200, which
+  FlashAttention-4 beats by up to 1.3x at up to 1613 TFLOP/s, 71% of the bf16 peak (Zadouri,
+  Hoehnerbach, Shah, Liu, Thakkar and Dao, "FlashAttention-4: Algorithm and Kernel Pipelining
+  Co-Design for Asymmetric Hardware Scaling", abstract): 0.71 / 1.3; no GEMM or element-wise
+  measurement: those terms are fivefold.kernel_tables.NEUTRAL.
+- Volta (V100): no kernel measurements: NEUTRAL throughout.
 - cpu: the development machine, measured by `fivefold calibrate` (which writes a profile file
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
@@ -51,68 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivefold.config import ConfigError
-
-GB = 10**9
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """What fraction of each peak real kernels reach, and the fixed costs they pay.
-
-    gemm_eff          large-GEMM rate / dense peak (compute term of the GEMM roofline)
-    gemm_fp8_eff      the same for fp8 GEMMs, over the fp8 peak
-    gemm_mem_eff      HBM fraction reached by a GEMM's operand traffic (its memory term)
-    attn_eff          fused causal attention's matmul rate / peak (FlashAttention-2/3)
-    attn_score_s      seconds per attention score element for the softmax (exp) work or,
-                      unfused, the s x s memory traffic, forward; backward pays 2x
-    attn_row_s        seconds per query row and head (load Q, rescale, write O), forward;
-                      backward pays 5x
-    mem_eff           HBM fraction reached by element-wise ops, norms, casts, the optimizer
-    eltwise_passes    HBM passes over each element-wise tensor: 1 = perfectly fused kernels;
-                      eager PyTorch reads and writes intermediates several times
-    kernel_overhead_s fixed cost per kernel launch (tail effects, launch latency)
-    comm_intra_eff    fraction of NVLink bandwidth NCCL's collectives reach (bus bandwidth)
-    comm_inter_eff    the same for the inter-node network
-    latency_intra_s   per-hop latency of a collective within a node
-    latency_inter_s   per-hop latency across nodes
-    nic_aggregation   how many of a node's NICs one collective's ring uses together: the
-                      per_node ranks of a group reach per_node^a NICs' bandwidth (1 = all)
-    overlap_eff       fraction of a collective that hides behind concurrent compute (the
-                      rest slows the compute: shared SMs and HBM)
-    masked_exp_s      extra seconds per element of an exp whose input is -inf, over an
-                      ordinary one: torch's vectorized CPU exp leaves its fast path for
-                      them (measured by `fivefold calibrate`; 0 where not measured). The
-                      masked scores of fivefold's ring kernel pay it
-                      (fivefold.planner.compute.math_ring_attention_time)
-    reduce_scatter_eff, all_gather_eff, all_to_all_eff
-                      that collective's measured bandwidth over the ring model's at the
-                      all-reduce's fitted rate (fivefold.planner.comm). 1 where the
-                      backend's rings do what the model says (NCCL); `fivefold calibrate`
-                      measures them, and gloo's reduce-scatter on CPU ranks runs at about
-                      0.3: it costs more than an all-reduce of the same input
-    reserved_bytes    memory not available to tensors (CUDA context, allocator slack)
-    """
-
-    gemm_eff: float = 0.75
-    gemm_fp8_eff: float = 0.65
-    gemm_mem_eff: float = 0.8
-    attn_eff: float = 0.6
-    attn_score_s: float = 0.0
-    attn_row_s: float = 0.0
-    mem_eff: float = 0.8
-    eltwise_passes: float = 1.0
-    kernel_overhead_s: float = 5e-6
-    comm_intra_eff: float = 0.8
-    comm_inter_eff: float = 0.8
-    latency_intra_s: float = 5e-6
-    latency_inter_s: float = 15e-6
-    nic_aggregation: float = 1.0
-    overlap_eff: float = 0.9
-    masked_exp_s: float = 0.0
-    reduce_scatter_eff: float = 1.0
-    all_gather_eff: float = 1.0
-    all_to_all_eff: float = 1.0
-    reserved_bytes: int = 2 * GB
+from fivefold.kernel_tables import (FLASH2_RATE_H100, GB, NEUTRAL, Efficiency, GemmSurface,
+                                    gemm_surface, h200_gemm_samples, roofline_gemm_s)
 
 
 # DRAM traffic per element of a CPU AdamW step: the fp32 master, gradient and two moments
@@ -227,6 +178,11 @@ class HardwareProfile:
     nvlink_domain: int = 8  # devices one fast fabric joins (cluster.gpus_per_node's meaning)
     cores: int = 0  # CPU profiles: cores that ranks on one machine share (0 for GPUs)
     host: HostTier = field(default_factory=HostTier)  # the host and disk tiers (offload)
+    architecture: str = "unknown"  # ampere | hopper | blackwell | volta | cpu | unknown
+    kernel_source: str = "no kernel measurements: fivefold.kernel_tables.NEUTRAL"
+    kernels_measured: bool = False  # its kernel tables were measured on this architecture
+    gemm_surfaces: dict[str, GemmSurface] = field(default_factory=dict)  # by dtype
+    attention_generations: tuple[tuple[str, float], ...] = (("fa2", 1.0),)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_tflops.get(precision, self.peak_tflops["fp32"]) * 1e12
@@ -235,82 +191,109 @@ class HardwareProfile:
         return dataclasses.asdict(self)
 
 
-# The Hopper die at full power (H200, H800): GEMM, attention and copy terms fitted to one
-# H200's measurements (h200_measured.json: 30 bf16 GEMM shapes, 4 causal SDPA shapes, 4 fp8
-# GEMMs, a copy) by fivefold.planner.calibrate_fit.fit_h200_reference. Eager element-wise passes
-# (3) from that file's HF Llama-1B step: 0.313 s predicted eager, 0.346 s measured (compiled,
-# one pass: 0.272 s vs 0.281 s). Latencies: NCCL's per-hop figures on NVLink and NDR.
+# Hopper: GEMM, attention and copy terms fitted to one H200's measurements (h200_measured.json:
+# 30 + 5 bf16 GEMM shapes, 4 causal SDPA shapes, 5 fp8 GEMMs, a copy) by
+# fivefold.planner.calibrate_fit.fit_h200_reference. Eager element-wise passes (3) from that
+# file's HF Llama-1B step: 0.313 s predicted eager, 0.346 s measured (compiled, one pass:
+# 0.272 s vs 0.281 s). Latencies: NCCL's per-hop figures on NVLink and NDR. H100-SXM, H800
+# and the power-capped H100-96GB-500W are the same die: the same kernel terms, their own
+# datasheet figures (peak, HBM bandwidth, memory).
 HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_eff=0.678,
                     attn_score_s=0.0, attn_row_s=3.49e-10, mem_eff=0.883, eltwise_passes=3.0,
                     kernel_overhead_s=9.7e-6, comm_intra_eff=0.80, comm_inter_eff=0.80,
                     latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.85,
                     reserved_bytes=3 * GB)
-# H100-SXM (700 W, HBM3) and the power-capped H100-96GB-500W: the same die, so the same
-# kernel-level terms as the H200 measurement; what differs is on the datasheet (peak,
-# HBM bandwidth, memory). The software that runs on them is the spec's `train.stack`
-# (fivefold.planner.stack), not a property of the profile.
-H100 = HOPPER
-# Ampere (A100): fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of calibration_runs.json
-# (`python -m fivefold.planner.fit A100-80GB`, fields gemm_eff and attn_score_s; refitted
-# 2026-12-01 after those rows took their micro-batch sizes and virtual stages from the
-# paper's run scripts and Megatron-LM 2021's tensor-parallel all-reduces became exposed):
-# GEMMs at 0.81 of 312 TFLOP/s; their unfused s x s attention as 7.8 ps of memory traffic
-# per score. Link efficiencies, overlap and NIC aggregation are fivefold.planner.fitted's
-# (the values here are overridden).
-AMPERE = Efficiency(gemm_eff=0.81, gemm_fp8_eff=0.81, gemm_mem_eff=1.0, attn_eff=0.25,
-                    attn_score_s=7.8e-12, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
+H200_SOURCE = ("one H200 measured (docs/reference/h200_measured.json, torch 2.11, 2026-11-29): "
+               "GEMM roofline and surface from 35 bf16 and 5 fp8 shapes, attention terms "
+               "from 4 causal SDPA shapes (FlashAttention-3-class), copy rate; "
+               "FlashAttention-2-class kernels at 0.565 of it (arXiv 2407.08608 Figs. 5-6, "
+               "H100)")
+
+
+def _h200_surfaces() -> dict[str, GemmSurface]:
+    """The H200's GEMM surfaces, read against its own roofline (fivefold.kernel_tables)."""
+    samples = h200_gemm_samples()
+    peak = {"bf16": 989e12, "fp8": 1979e12}
+    return {dtype: gemm_surface(points, lambda m, k, n, d=dtype: roofline_gemm_s(
+        m, k, n, peak[d], 4800e9, HOPPER, 2, d == "fp8"), f"h200_measured.json, {dtype}")
+        for dtype, points in samples.items()}
+
+
+HOPPER_KERNELS = dict(architecture="hopper", kernel_source=H200_SOURCE, kernels_measured=True,
+                      gemm_surfaces=_h200_surfaces(),
+                      attention_generations=(("fa2", FLASH2_RATE_H100), ("fa3", 1.0)))
+# Ampere (A100). gemm_eff: fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of
+# calibration_runs.json (`python -m fivefold.planner.fit A100-80GB --fields gemm_eff`;
+# stack.FITTED_TO); no A100 GEMM microbenchmark here. attn_eff: FlashAttention-2 on A100, up to
+# 73% of peak (arXiv 2307.08691, abstract: 50-73%); its per-shape fall-off not modelled (no
+# per-shape figures). Link efficiencies, overlap and NIC aggregation are
+# fivefold.planner.fitted's (the values here are overridden).
+AMPERE = Efficiency(gemm_eff=0.81, gemm_fp8_eff=0.81, gemm_mem_eff=1.0, attn_eff=0.73,
+                    attn_score_s=0.0, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
                     kernel_overhead_s=6e-6, comm_intra_eff=0.90, comm_inter_eff=0.85,
                     latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.70,
                     nic_aggregation=0.06, reserved_bytes=3 * GB)
-# Volta: no measurement here; Ampere's terms with the lower tensor-core utilisation that
-# Megatron-LM reported on V100 (arXiv 1909.08053: 30% of peak end to end at 8.3B).
-VOLTA = dataclasses.replace(AMPERE, gemm_eff=0.70, attn_eff=0.35)
-# Blackwell: no measurement here; Hopper's terms (same software stack, larger dies).
-BLACKWELL = HOPPER
+AMPERE_KERNELS = dict(
+    architecture="ampere", kernels_measured=True, attention_generations=(("fa2", 1.0),),
+    kernel_source="published: FlashAttention-2 at 73% of peak on A100 (arXiv 2307.08691, "
+                  "abstract); GEMMs at 0.81, fitted to arXiv 2104.04473's 16 rows "
+                  "(stack.FITTED_TO); no GEMM surface")
+# Blackwell: attention from FlashAttention-4's abstract (module docstring): cuDNN 9.13 at up to
+# 1.3x below FA4's 71% of peak; no GEMM or element-wise measurement: NEUTRAL's terms.
+BLACKWELL = dataclasses.replace(NEUTRAL, attn_eff=0.71 / 1.3)
+BLACKWELL_KERNELS = dict(
+    architecture="blackwell", kernels_measured=False, attention_generations=(("fa3", 1.0),),
+    kernel_source="attention published: cuDNN 9.13 fused attention on B200 at 0.71 / 1.3 of "
+                  "peak (FlashAttention-4, Zadouri et al.: up to 1613 TFLOP/s, 71%, up to "
+                  "1.3x over cuDNN 9.13; abstract); no GEMM or element-wise kernel "
+                  "measurements: fivefold.kernel_tables.NEUTRAL; no FlashAttention-2-class "
+                  "figure on Blackwell, so every generation runs at that rate")
+VOLTA_KERNELS = dict(architecture="volta", kernels_measured=False,
+                     kernel_source="no kernel measurements: fivefold.kernel_tables.NEUTRAL")
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
     HardwareProfile("V100-32GB", {"fp16": 125, "bf16": 125, "fp32": 15.7}, 32 * GB, 900, 150,
                     12.5, "NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16 units;"
                     " the fp16 rate is used), 900 GB/s HBM2, NVLink2 300 GB/s total; one "
-                    "100 Gb/s EDR NIC per GPU", VOLTA, host=DGX1),
+                    "100 Gb/s EDR NIC per GPU", NEUTRAL, host=DGX1, **VOLTA_KERNELS),
     HardwareProfile("A100-40GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
                     40 * GB, 1555, 300, 25, "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16, "
                     "1555 GB/s HBM2, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s HDR NIC "
                     "per GPU (no fp8 units: fp8 runs at the bf16 rate)", AMPERE,
-                    host=DGX_A100_320),
+                    host=DGX_A100_320, **AMPERE_KERNELS),
     HardwareProfile("A100-80GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
                     80 * GB, 2039, 300, 25, "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s "
                     "bf16, 2039 GB/s HBM2e, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s "
-                    "HDR NIC per GPU", AMPERE, host=DGX_A100_640),
+                    "HDR NIC per GPU", AMPERE, host=DGX_A100_640, **AMPERE_KERNELS),
     HardwareProfile("H100-SXM", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB,
                     3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
                     "fp8, 3.35 TB/s HBM3, NVLink4 900 GB/s total; DGX H100: one 400 Gb/s NDR "
-                    "NIC per GPU", H100, host=DGX_H100),
+                    "NIC per GPU", HOPPER, host=DGX_H100, **HOPPER_KERNELS),
     HardwareProfile("H100-96GB-500W", {"bf16": 912, "fp16": 912, "fp8": 1824, "fp32": 62},
                     96 * GB, 2400, 450, 50, "Meta Grand Teton H100 (the torchtitan paper's "
                     "runs, arXiv 2410.06511): 96 GB HBM2e at 2.4 TB/s, TDP capped at 500 W, "
                     "whose sustained peak the paper places between H100 SXM (989 TFLOP/s bf16 "
                     "dense) and H100 NVL (835): taken as the midpoint, 912; NVLink4 900 GB/s "
-                    "total; one 400 Gb/s NIC per GPU (host: DGX H100's figures, assumed)", H100,
-                    host=DGX_H100),
+                    "total; one 400 Gb/s NIC per GPU (host: DGX H100's figures, assumed)", HOPPER,
+                    host=DGX_H100, **HOPPER_KERNELS),
     HardwareProfile("H800", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB, 3350,
                     200, 50, "NVIDIA H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s "
                     "total; 400 Gb/s IB per GPU (DeepSeek-V3 report, arXiv 2412.19437 Sec. "
                     "3.2); host: the HGX H100 platform's (DGX H100 figures)", HOPPER,
-                    host=DGX_H100),
+                    host=DGX_H100, **HOPPER_KERNELS),
     HardwareProfile("H200", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 141 * GB,
                     4800, 450, 50, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at "
                     "4.8 TB/s, NVLink4 900 GB/s total; 400 Gb/s NDR NIC per GPU", HOPPER,
-                    host=DGX_H100),
+                    host=DGX_H100, **HOPPER_KERNELS),
     HardwareProfile("B200", {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}, 180 * GB,
                     8000, 900, 50, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 4.5 fp8, "
                     "180 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total; DGX B200: one 400 Gb/s "
-                    "NIC per GPU", BLACKWELL, host=DGX_B200),
+                    "NIC per GPU", BLACKWELL, host=DGX_B200, **BLACKWELL_KERNELS),
     HardwareProfile("GB200", {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}, 186 * GB,
                     8000, 900, 50, "NVIDIA GB200 NVL72 datasheet: per GPU 2.5 PFLOP/s bf16 "
                     "dense, 5 fp8, 186 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total in a 72-GPU "
                     "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72,
-                    host=GB200_TRAY),
+                    host=GB200_TRAY, **BLACKWELL_KERNELS),
     HardwareProfile("cpu", {"fp32": 0.1055, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 38.1,
                     1.54, 1.54, "`fivefold calibrate` on the idle 2-core development machine "
                     "(one thread, 2026-11-30; no bf16 units: a bf16 matmul ran at 0.9 GFLOP/s); rerun "
@@ -320,17 +303,26 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                                eltwise_passes=3.0, kernel_overhead_s=9.16e-5,
                                comm_intra_eff=1.0, comm_inter_eff=1.0, latency_intra_s=7.1e-4,
                                latency_inter_s=7.1e-4, overlap_eff=0.0, reserved_bytes=0),
-                    2, 2, CPU_HOST),
+                    2, 2, CPU_HOST, architecture="cpu", kernels_measured=True,
+                    kernel_source="`fivefold calibrate` on this machine (GEMM, SDPA, copy, "
+                                  "exp of -inf and gloo probes)"),
 ]}
 
 
 def profile_from_dict(data: dict, where: str = "profile") -> HardwareProfile:
-    """A profile from its JSON form (what `fivefold calibrate` writes); ConfigError if bad."""
+    """A profile from its JSON form (what `fivefold calibrate` writes, or a profile's
+    `to_dict`); ConfigError if bad. A file without kernel fields is an unknown architecture
+    whose kernel_source says where its Efficiency came from only if the file does."""
     try:
         eff = Efficiency(**data.get("eff", {}))
         host = HostTier(**data.get("host", {}))  # files from before the host tier: defaults
-        fields = {k: v for k, v in data.items() if k not in ("eff", "host")}
-        profile = HardwareProfile(**fields, eff=eff, host=host)
+        fields = {k: v for k, v in data.items()
+                  if k not in ("eff", "host", "gemm_surfaces", "attention_generations")}
+        surfaces = {dtype: GemmSurface(tuple(tuple(p) for p in s["points"]), s["source"])
+                    for dtype, s in data.get("gemm_surfaces", {}).items()}
+        generations = tuple(tuple(g) for g in data.get("attention_generations", [("fa2", 1.0)]))
+        profile = HardwareProfile(**fields, eff=eff, host=host, gemm_surfaces=surfaces,
+                                  attention_generations=generations)
         float(profile.peak_tflops["fp32"])
     except (TypeError, KeyError, ValueError) as err:
         raise ConfigError("cluster.gpu", f"{where} is not a hardware profile ({err}); write one "

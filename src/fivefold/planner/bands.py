@@ -12,8 +12,11 @@ instead of cross-validating at every call.
 A prediction p gets [p * exp(lo), p * exp(hi)]. Where it lies outside what the rows calibrate
 (a GPU architecture no row ran, a stack no row ran, or a stack release outside that stack's
 calibrated releases) the band is the widest group's, with each side's log width doubled: a
-stated rule, not a fitted one. `coverage` measures the bands honestly: each held-out row's
-band comes from the residuals of the other sources only.
+stated rule, not a fitted one. A profile whose kernel tables were not measured on its
+architecture (`HardwareProfile.kernels_measured` False: V100, B200, GB200; issue 32) gets its
+group's band with each side's log width doubled the same way. The architecture is the
+profile's `architecture` field, never a substring of its name. `coverage` measures the
+bands honestly: each held-out row's band comes from the residuals of the other sources only.
 """
 
 from __future__ import annotations
@@ -23,18 +26,32 @@ import json
 import math
 from pathlib import Path
 
+from fivefold.config import ConfigError
+from fivefold.hardware import load_profile
+
 TABLE = Path(__file__).with_name("band_table.json")
 MIN_ROWS = 8
 QUANTILES = (0.1, 0.9)
 WIDEN = 2.0  # log-width factor outside the calibrated families (stated, not fitted)
 
 
+def _profile(gpu: str):
+    try:
+        return load_profile(gpu)
+    except ConfigError:
+        return None
+
+
 def architecture_family(gpu: str) -> str:
-    for names, fam in ((("B200", "GB200"), "blackwell"), (("H100", "H200", "H800"), "hopper"),
-                       (("A100",), "ampere"), (("V100",), "volta")):
-        if any(n in gpu for n in names):
-            return fam
-    return "other"
+    """The architecture of profile `gpu` (a name or a profile file); "other" if unknown."""
+    prof = _profile(gpu)
+    arch = prof.architecture if prof is not None else "unknown"
+    return "other" if arch == "unknown" else arch
+
+
+def kernels_measured(gpu: str) -> bool:
+    prof = _profile(gpu)
+    return prof is not None and prof.kernels_measured
 
 
 def family(gpu: str, moe: bool, stack: str) -> tuple[str, str, str]:
@@ -73,18 +90,23 @@ def group_bands(residuals: list[tuple[tuple[str, str, str], float]]) -> dict[str
             for k, v in sorted(groups.items())}
 
 
-def pick(groups: dict[str, dict], fam: tuple[str, str, str], calibrated: bool
-         ) -> tuple[str, float, float]:
-    """(group key, lo, hi) for a prediction of family `fam`."""
+def pick(groups: dict[str, dict], fam: tuple[str, str, str], calibrated: bool,
+         measured: bool = True) -> tuple[str, float, float]:
+    """(group key, lo, hi) for a prediction of family `fam`; `measured` False (a profile
+    without kernel measurements) widens the group's band by WIDEN."""
     if not calibrated:
         g = groups["*|*|*"]
         return "*|*|* widened", WIDEN * min(g["lo"], 0.0), WIDEN * max(g["hi"], 0.0)
-    for key in pools(fam):
-        g = groups.get(key)
+    key, lo, hi = "*|*|*", groups["*|*|*"]["lo"], groups["*|*|*"]["hi"]
+    for k in pools(fam):
+        g = groups.get(k)
         if g and g["rows"] >= MIN_ROWS:
-            return key, g["lo"], g["hi"]
-    g = groups["*|*|*"]
-    return "*|*|*", g["lo"], g["hi"]
+            key, lo, hi = k, g["lo"], g["hi"]
+            break
+    if not measured:
+        key, lo, hi = f"{key} widened (no kernel measurements)", min(lo, 0.0), max(hi, 0.0)
+        return key, WIDEN * lo, WIDEN * hi
+    return key, lo, hi
 
 
 def releases(runs: list[dict]) -> dict[str, list[str]]:
@@ -132,7 +154,8 @@ def coverage(runs: list[dict], held_out_s: list[float], sources: list[str]
         cal = {"architectures": sorted({f[0] for f, _ in others}), "groups": groups,
                "releases": releases([r for r, s in zip(runs, sources) if s != sources[i]])}
         rel = run["spec"].get("train", {}).get("stack_release")
-        _, lo, hi = pick(groups, fams[i], is_calibrated(cal, fams[i], rel))
+        _, lo, hi = pick(groups, fams[i], is_calibrated(cal, fams[i], rel),
+                         kernels_measured(run["spec"]["cluster"]["gpu"]))
         p = held_out_s[i]
         band = (p * math.exp(lo), p * math.exp(hi))
         bands.append(band)
@@ -158,7 +181,8 @@ def step_time_band(cfg, step_time_s: float, table: dict | None = None
     if table is None:
         return None
     fam = family(cfg.cluster.gpu, cfg.model.moe is not None, cfg.train.stack)
-    key, lo, hi = pick(table["groups"], fam, is_calibrated(table, fam, cfg.train.stack_release))
+    key, lo, hi = pick(table["groups"], fam, is_calibrated(table, fam, cfg.train.stack_release),
+                       kernels_measured(cfg.cluster.gpu))
     return [step_time_s * math.exp(lo), step_time_s * math.exp(hi)], key
 
 

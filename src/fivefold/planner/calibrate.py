@@ -4,7 +4,9 @@ Measures, on the local device (CPU by default, or this rank's GPU):
 - GEMM rates over a grid of shapes (each GEMM with its weight out of the caches and its
   activation in them, as in a training step), then fits the compute model's GEMM roofline
   (fivefold.planner.compute.gemm_time: peak * gemm_eff, HBM * gemm_mem_eff, a fixed
-  kernel overhead) to them by least squares on log time (`fit_gemm`);
+  kernel overhead) to them by least squares on log time (`fit_gemm`), and writes the
+  measured time over that roofline per shape as the profile's GEMM surface
+  (fivefold.kernel_tables.GemmSurface);
 - causal fused attention (SDPA) forward and forward+backward, fitted to the attention model
   (`attn_eff`, the per-score and per-row costs, `fit_attention`);
 - memory bandwidth (a large tensor copy) for element-wise ops and the optimizer, and the
@@ -44,7 +46,8 @@ import statistics
 import time
 from pathlib import Path
 
-from fivefold.hardware import Efficiency, HardwareProfile, HostTier
+from fivefold.hardware import Efficiency, HardwareProfile, HostTier, device_profile
+from fivefold.kernel_tables import gemm_surface, roofline_gemm_s
 from fivefold.planner.calibrate_fit import _lstsq_pos, fit_attention, fit_gemm, slowed_profile
 
 GEMM_SHAPES_CPU = [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (256, 1024, 256),
@@ -155,7 +158,8 @@ def measure_device(device_type: str = "cpu", threads: int | None = None,
                    clock=clock) / 100
     adam, adam_fused = measure_cpu_adam(repeat), measure_cpu_adam(repeat, "fused")
     host_copy, host_link = measure_host_copies(device_type, sync, repeat)
-    return {"device": device_type, "threads": torch.get_num_threads(),
+    name = torch.cuda.get_device_name(0) if device_type == "cuda" else "cpu"
+    return {"device": device_type, "device_name": name, "threads": torch.get_num_threads(),
             "elem_bytes": torch.finfo(dtype).bits // 8, "gemms": gemms, "attention": attn,
             "cpu_share": cpu_share,
             "copy_Bps": 2 * n / t["copy"], "op_overhead_s": op_s, "masked_exp_s": masked_exp_s,
@@ -324,9 +328,18 @@ def profile_from_measurements(name: str, m: dict, link: tuple[float, float, dict
                            f"write + fsync and read, torch's foreach CPU AdamW (offload's "
                            f"kernel; fused: {_rate(m['adam_fused_elems_per_s'])} per rank) "
                            f"with {m['threads']} thread(s)")
+    surface = gemm_surface(m["gemms"], lambda M, K, N: roofline_gemm_s(
+        M, K, N, peak, hbm, eff, m["elem_bytes"], False), f"`fivefold calibrate`, {precision}")
+    known = device_profile(m.get("device_name", m["device"]), memory_bytes)
     prof = HardwareProfile(name, peaks, memory_bytes, hbm / 1e9, bw / 1e9, bw / 1e9,
                            f"measured by `fivefold calibrate` on {m['device']} with "
-                           f"{m['threads']} thread(s)", eff, cores or 8, cores, host)
+                           f"{m['threads']} thread(s)", eff, cores or 8, cores, host,
+                           architecture=known.architecture if known else "unknown",
+                           kernel_source=f"`fivefold calibrate` on this {m['device']}: "
+                                         f"{len(m['gemms'])} GEMM shapes (roofline and "
+                                         f"surface), {len(m['attention'])} SDPA shapes, a "
+                                         "copy", kernels_measured=True,
+                           gemm_surfaces={precision: surface})
     share = m.get("cpu_share", 1.0)
     return prof if share >= 1.0 else slowed_profile(
         prof, 1.0 / share, f"rates x {share:.2f}, the CPU time each rank got over the wall "

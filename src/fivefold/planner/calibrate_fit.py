@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from fivefold.hardware import HardwareProfile
-from fivefold.planner.compute import ATTN_TILE, Gemm
+from fivefold.planner.op_prices import ATTN_TILE, Gemm
 
 
 def _lstsq_pos(rows: list[list[float]], y: list[float]) -> list[float]:

@@ -18,11 +18,6 @@ from dataclasses import dataclass
 from fivefold.config import Config, ConfigError
 from fivefold.hardware import HardwareProfile, load_profile
 
-# Profiles whose kernel efficiencies no measurement here backs (fivefold.hardware: Volta
-# takes Ampere's terms, Blackwell Hopper's); plan says so next to their figures.
-UNMEASURED = ("V100-32GB", "B200", "GB200")
-
-
 @dataclass(frozen=True)
 class DeviceGroup:
     """One kind of device in the cluster, with its figures resolved."""

@@ -19,8 +19,8 @@ take none of them: their semantics are `fivefold calibrate`'s.
   (fivefold.planner.comm: per_node^a NICs; 1 = all)
 
 The FlashAttention-2-class kernel's rate over the measured SDPA was a fifth constant; it is
-now the published kernel ratio fivefold.planner.stack.FLASH2_RATE (arXiv 2407.08608), which
-held the cross-validation better than any value fitted to the rows (docs/planner.md).
+now the published kernel ratio fivefold.kernel_tables.FLASH2_RATE_H100 (arXiv 2407.08608),
+which held the cross-validation better than any value fitted to the rows (docs/planner.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError
-from fivefold.planner.cluster import UNMEASURED, DeviceGroup
+from fivefold.planner.cluster import DeviceGroup
 from fivefold.planner.cost import usd_per_hour, usd_per_million_tokens
 from fivefold.planner.goodput import Goodput, goodput, require_failure_rates, require_prices
 from fivefold.planner.simulate import Estimate
@@ -110,8 +110,7 @@ def cluster_lines(groups: list[DeviceGroup]) -> list[str]:
             else "no price"
         mtbf = f"MTBF {g.mtbf_hours_per_gpu:,.0f} device-hours" if g.mtbf_hours_per_gpu \
             else "no failure rate"
-        note = ("; its kernel efficiencies are NOT measured (datasheet peaks, the nearest "
-                "calibrated generation's efficiencies: fivefold.hardware)"
-                if g.prof.name in UNMEASURED else "")
+        note = (f"; its kernels are NOT all measured ({g.prof.kernel_source})"
+                if not g.prof.kernels_measured else "")
         out.append(f"group {g.label}: {price}, {mtbf}{note}")
     return out

@@ -8,6 +8,10 @@ switches, every one with a physical effect and a source. The simulator reads the
 "fivefold" describes this runtime, and under it every prediction (memory, ledger,
 activations) equals fivefold's own to the byte.
 
+The stack says which kernels run, never how fast: a profile's `architecture` (never its
+name) tells `attention_generation` which attention kernel a release runs there, and the
+profile's kernel tables price it (fivefold.kernel_tables).
+
 What was chosen by reading published rows: every switch of the megatron, torchtitan and
 deepspeed stacks was introduced while the rows of calibration_runs.json that it changes were
 being read and their misses studied, and three placements were made by where rows fall (the
@@ -21,13 +25,12 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   kernels, one HBM pass per tensor (Megatron-Core with Transformer Engine: fused RMSNorm,
   SwiGLU, RoPE, bias-dropout-add); else the profile's eager `eltwise_passes` unless
   `train.compile` fuses them.
-- flash2_attention: on Hopper and later the stack's attention is a FlashAttention-2-class
-  kernel (torch 2.5's SDPA, which torchtitan's Dec 2024 runs used), slower than the
-  FlashAttention-3-class SDPA that the profile measured (h200_measured.json, torch 2.11) by
-  FLASH2_RATE, a published kernel ratio (not fitted): FlashAttention-2 over
-  FlashAttention-3 at head dim 128 and 16k tokens on an H100 SXM5 (arXiv 2407.08608,
-  Figs. 5-6: causal forward 335 vs 616 TFLOP/s, backward 322 vs 561), weighted as a training
-  step runs them (backward 2.5x the forward's FLOPs): 0.565.
+- flash2_attention: the stack's attention is a FlashAttention-2-class kernel (torch 2.5's
+  SDPA, which torchtitan's Dec 2024 runs used) on every architecture whose FlashAttention-3-
+  class kernel its release predates (fa3_since). The profile prices each kernel generation
+  (fivefold.kernel_tables): on Hopper FlashAttention-2 runs at arXiv 2407.08608's H100
+  ratio to FlashAttention-3 (0.565), on Ampere it is the only generation, and Blackwell has
+  no FlashAttention-2-class figure.
 - fa3_since: the software release (`train.stack_release`, "YYYY-MM") from which the
   stack's attention is FlashAttention-3-class on each architecture; before it, and on
   Hopper and later, flash2_attention holds. Megatron's attention is Transformer Engine's
@@ -35,11 +38,11 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   FusedAttention on sm90"); cuDNN's Hopper kernel was FlashAttention-3-class by mid 2024
   (arXiv 2407.08608 measures it at 0.92 of FlashAttention-3, forward and backward), so on
   Hopper from 2024-07; the NeMo 24.03 long-context rows run at the FlashAttention-2-class
-  rate. On Blackwell from 2025-09: the NeMo 25.02-25.07 Blackwell rows
-  run at the FlashAttention-2-class rate, the Bridge 25.11 row and the Megatron-Core
-  ModelZoo rows (which need TE PR #2125 of 2025-09-17) at the measured one; that boundary
-  is placed between those published rows, not by a Blackwell kernel measured here
-  (docs/planner.md says so). No release given: the stack's newest.
+  rate. On Blackwell from 2025-09 (TE PR #2125 of 2025-09-17, which the Megatron-Core
+  ModelZoo rows need); that boundary was placed between the NeMo 25.02-25.07 Blackwell rows
+  and the Bridge 25.11 row, not by a Blackwell kernel measured here, and it prices nothing
+  now: the Blackwell profiles have no FlashAttention-2-class figure, so both sides run at
+  their one attention rate (docs/planner.md). No release given: the stack's newest.
 - loss_logit_bytes: bytes per logit the loss holds beyond the saved activations: fivefold
   upcasts the logits and keeps their fp32 copy and gradient (a + 8); torchtitan (Dec 2024)
   deletes the bf16 logits after the loss and holds the fp32 gradient pair in backward (8);
@@ -53,8 +56,13 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   "Integrate FlashAttention into Megatron-LM", --use-flash-attn); RoPE, SwiGLU and RMSNorm
   followed in 2023. A release before it runs the older GPT block, whose unfused attention
   keeps the s x s scores and whose dropouts keep their masks; its activations are arXiv
-  2205.05198's (fivefold.planner.activations_megatron2022). The date is the merge's, not
-  placed by published rows.
+  2205.05198's (fivefold.planner.activations_megatron2022) and its attention is the
+  "unfused" generation (attention_generation): the full s x s scores of two batched GEMMs
+  at the profile's GEMM rate, written, soft-maxed (Megatron's fused scale-mask-softmax),
+  dropped out with a one-byte mask and read back through HBM
+  (fivefold.planner.op_prices.unfused_attention_time). DeepSpeed's runs of arXiv
+  2104.04473 Table 2 ran the same Megatron model code, so the deepspeed stack shares the
+  date. The date is the merge's, not placed by published rows.
 - tp_overlap: tensor-parallel collectives overlap the GEMMs they feed (Transformer
   Engine's userbuffers, NeMo's tp_comm_overlap = True): only the excess over the block's
   GEMM time and (1 - overlap_eff) of it show.
@@ -139,7 +147,7 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   the backward all-gathers K/V again the same way and passes the fp32 dK/dV accumulators
   around the ring (an all-to-all permute per step, each waited one step later, the last
   after the loop); the partial outputs are merged in fp32 by eager element-wise ops
-  (fivefold.planner.compute.torch_cp_merge_bytes).
+  (fivefold.planner.op_prices.torch_cp_merge_bytes).
 - sdpa_repeats_kv: the model repeats grouped K/V heads to every query head before the
   attention call (torchtitan's Llama `repeat_kv` ahead of `F.scaled_dot_product_attention`),
   so context parallelism moves and merges query-width K/V; Transformer Engine and fivefold's
@@ -168,7 +176,7 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   (partition_parameters._reduce_scatter_gradient) copies its n inputs into a flat buffer.
 - ring_kernel: the kernel ring context parallelism runs per block. "math": fivefold's ring
   (fivefold.parallel.context.block_attention has only its explicit fp32 matmul path, on
-  every device), timed by fivefold.planner.compute.math_ring_attention_time; "fused": a
+  every device), timed by fivefold.planner.op_prices.math_ring_attention_time; "fused": a
   FlashAttention-class kernel that returns the log-sum-exp (Transformer Engine, torch's
   SDPA), timed like any fused attention.
 - eager_adamw: the AdamW update runs as torch's unfused element-wise passes (72 bytes per
@@ -195,24 +203,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-
-HOPPER = ("H100", "H800", "H200")
-BLACKWELL = ("B200", "GB200")
-# FlashAttention-2 over FlashAttention-3, H100 SXM5, head dim 128, 16k tokens (arXiv
-# 2407.08608 Figs. 5-6): causal forward 335/616, backward 322/561, the backward 2.5x the
-# forward's FLOPs: 3.5 / (616/335 + 2.5 * 561/322)
-FLASH2_RATE = 3.5 / (616 / 335 + 2.5 * 561 / 322)
-
-
-def architecture(profile_name: str) -> str | None:
-    """"hopper" | "blackwell" for the profiles whose attention the stacks switch, else None
-    (Ampere and Volta ran their own measured kernels; CPU profiles)."""
-    if any(k in profile_name for k in BLACKWELL):
-        return "blackwell"
-    if any(k in profile_name for k in HOPPER):
-        return "hopper"
-    return None
-
 
 @dataclass(frozen=True)
 class Stack:
@@ -285,15 +275,18 @@ class Stack:
     def logit_bytes(self, a: int) -> int:
         return {"a+8": a + 8, "8": 8, "a": a}[self.loss_logit_bytes]
 
-    def attention_speedup(self, profile_name: str) -> float:
-        """The stack's attention rate over the profile's measured kernel."""
-        arch = architecture(profile_name)
-        if not self.flash2_attention or arch is None:
-            return 1.0
-        since = dict(self.fa3_since).get(arch)
-        if since is not None and self.released_since(since):
-            return 1.0
-        return FLASH2_RATE
+    def attention_generation(self, architecture: str) -> str:
+        """The attention kernel this release runs on `architecture` (a profile's
+        `architecture` field): "unfused" before the stack's FlashAttention
+        (flash_attention_since), "fa2" on an architecture whose FlashAttention-3-class
+        kernel this release predates (flash2_attention, fa3_since), else "fa3"; the
+        profile prices each generation (fivefold.kernel_tables.attention_rate)."""
+        if self.unfused_gpt_block:
+            return "unfused"
+        if not self.flash2_attention:
+            return "fa3"
+        since = dict(self.fa3_since).get(architecture)
+        return "fa3" if since is not None and self.released_since(since) else "fa2"
 
 
 FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, experts_follow_tp=False,
@@ -319,7 +312,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                  "(FlashAttention-2) on K/V repeated to every head, torch 2.5/2.6's "
                  "all-gather context parallelism, torchao Float8, FSDP2 prefetch, fp32 "
                  "cross-entropy"),
-    Stack("deepspeed", zero3_recompute_gathers=3, zero3_live_params=10**9,
+    Stack("deepspeed", zero3_recompute_gathers=3, flash_attention_since="2023-01",
+          zero3_live_params=10**9,
           zero3_overlap=False, zero3_persist_numel=100_000, zero3_list_gather=True,
           source="DeepSpeed ZeRO-3 as compared in arXiv 2104.04473 Table 2 (Megatron kernels, "
                  "ZeRO-3 parameter hooks that re-gather for the recomputed forward, one "
@@ -349,7 +343,9 @@ FITTED_TO: dict[tuple[str, str], str] = {
                                               "rows run at the FlashAttention-2-class rate",
     ("megatron", "fa3_since blackwell 2025-09"): "placed between the nemo 25.02-25.07 "
                                                  "Blackwell rows and the bridge 25.11 and "
-                                                 "mcore ModelZoo rows",
+                                                 "mcore ModelZoo rows (it prices nothing "
+                                                 "while Blackwell profiles have one "
+                                                 "attention generation)",
     ("megatron", "tp_overlap_chunks"): "one launch per chunk, chosen over one per GEMM "
                                        "because it fitted " + _MEGATRON_ROWS + " better",
     **{("torchtitan", k): _TORCHTITAN_ROWS for k in (
@@ -358,9 +354,8 @@ FITTED_TO: dict[tuple[str, str], str] = {
     **{("deepspeed", k): _DEEPSPEED_ROWS for k in (
         "zero3_recompute_gathers", "zero3_live_params", "zero3_overlap",
         "zero3_persist_numel", "zero3_list_gather")},
-    ("hardware", "A100-80GB gemm_eff, attn_score_s"): "fitted to the 16 Table 1 rows of "
-                                                      "arXiv 2104.04473 (megatron21); fixed "
-                                                      "in every fold",
+    ("hardware", "A100 gemm_eff"): "fitted to the 16 Table 1 rows of arXiv 2104.04473 "
+                                   "(megatron21); fixed in every fold",
 }
 
 
