@@ -251,45 +251,53 @@ BLACKWELL_KERNELS = dict(
 VOLTA_KERNELS = dict(architecture="volta", kernels_measured=False,
                      kernel_source="no kernel measurements: fivefold.kernel_tables.NEUTRAL")
 
+# Device memory as the device reports it: a datasheet's "80 GB" of HBM is binary-sized.
+# nvidia-smi's totals, collected across GPU types in modal-labs/modal-client PR #2797
+# (2025-01): H100 80GB 81,559 MiB (85.5e9 bytes), A100 80GB 81,920 MiB, A100 40GB 40,960 MiB;
+# the H800 carries the H100's memory. For the other GPUs no reported total is at hand: their
+# datasheet figure is taken in GiB (the H100 reports 0.4% less than its 80 GiB).
+MIB, GIB = 2**20, 2**30
+H100_MIB, A100_80GB_MIB, A100_40GB_MIB = 81559, 81920, 40960
+
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
-    HardwareProfile("V100-32GB", {"fp16": 125, "bf16": 125, "fp32": 15.7}, 32 * GB, 900, 150,
+    HardwareProfile("V100-32GB", {"fp16": 125, "bf16": 125, "fp32": 15.7}, 32 * GIB, 900, 150,
                     12.5, "NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16 units;"
                     " the fp16 rate is used), 900 GB/s HBM2, NVLink2 300 GB/s total; one "
                     "100 Gb/s EDR NIC per GPU", NEUTRAL, host=DGX1, **VOLTA_KERNELS),
     HardwareProfile("A100-40GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
-                    40 * GB, 1555, 300, 25, "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16, "
+                    A100_40GB_MIB * MIB, 1555, 300, 25, "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16, "
                     "1555 GB/s HBM2, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s HDR NIC "
                     "per GPU (no fp8 units: fp8 runs at the bf16 rate)", AMPERE,
                     host=DGX_A100_320, **AMPERE_KERNELS),
     HardwareProfile("A100-80GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
-                    80 * GB, 2039, 300, 25, "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s "
+                    A100_80GB_MIB * MIB, 2039, 300, 25, "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s "
                     "bf16, 2039 GB/s HBM2e, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s "
                     "HDR NIC per GPU", AMPERE, host=DGX_A100_640, **AMPERE_KERNELS),
-    HardwareProfile("H100-SXM", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB,
-                    3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
+    HardwareProfile("H100-SXM", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67},
+                    H100_MIB * MIB, 3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
                     "fp8, 3.35 TB/s HBM3, NVLink4 900 GB/s total; DGX H100: one 400 Gb/s NDR "
                     "NIC per GPU", HOPPER, host=DGX_H100, **HOPPER_KERNELS),
     HardwareProfile("H100-96GB-500W", {"bf16": 912, "fp16": 912, "fp8": 1824, "fp32": 62},
-                    96 * GB, 2400, 450, 50, "Meta Grand Teton H100 (the torchtitan paper's "
+                    96 * GIB, 2400, 450, 50, "Meta Grand Teton H100 (the torchtitan paper's "
                     "runs, arXiv 2410.06511): 96 GB HBM2e at 2.4 TB/s, TDP capped at 500 W, "
                     "whose sustained peak the paper places between H100 SXM (989 TFLOP/s bf16 "
                     "dense) and H100 NVL (835): taken as the midpoint, 912; NVLink4 900 GB/s "
                     "total; one 400 Gb/s NIC per GPU (host: DGX H100's figures, assumed)", HOPPER,
                     host=DGX_H100, **HOPPER_KERNELS),
-    HardwareProfile("H800", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 80 * GB, 3350,
-                    200, 50, "NVIDIA H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s "
+    HardwareProfile("H800", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67},
+                    H100_MIB * MIB, 3350, 200, 50, "NVIDIA H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s "
                     "total; 400 Gb/s IB per GPU (DeepSeek-V3 report, arXiv 2412.19437 Sec. "
                     "3.2); host: the HGX H100 platform's (DGX H100 figures)", HOPPER,
                     host=DGX_H100, **HOPPER_KERNELS),
-    HardwareProfile("H200", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 141 * GB,
+    HardwareProfile("H200", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67}, 141 * GIB,
                     4800, 450, 50, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at "
                     "4.8 TB/s, NVLink4 900 GB/s total; 400 Gb/s NDR NIC per GPU", HOPPER,
                     host=DGX_H100, **HOPPER_KERNELS),
-    HardwareProfile("B200", {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}, 180 * GB,
+    HardwareProfile("B200", {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}, 180 * GIB,
                     8000, 900, 50, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 4.5 fp8, "
                     "180 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total; DGX B200: one 400 Gb/s "
                     "NIC per GPU", BLACKWELL, host=DGX_B200, **BLACKWELL_KERNELS),
-    HardwareProfile("GB200", {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}, 186 * GB,
+    HardwareProfile("GB200", {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}, 186 * GIB,
                     8000, 900, 50, "NVIDIA GB200 NVL72 datasheet: per GPU 2.5 PFLOP/s bf16 "
                     "dense, 5 fp8, 186 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total in a 72-GPU "
                     "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72,
