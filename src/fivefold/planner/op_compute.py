@@ -17,8 +17,8 @@ parallelism the column-parallel linears gather the sequence back), read off the 
   ring attention       the blockwise math kernel (fivefold.parallel.context.block_attention):
                        per ring step the visible zigzag block (diagonal causal, then half the
                        rows or half the keys), per query chunk two batched GEMMs forward
-                       (scores, output; in the autocast dtype) and five backward (scores
-                       again, dv, dout v^T, dq, dk; fp32 for 16-bit inputs), batch B x H;
+                       (scores, output) and five backward (scores again, dv, dout v^T,
+                       dq, dk), in fp32 for 16-bit inputs, batch B x H;
                        the hybrid runs it on H / u heads over T / r tokens
   MoE layer            the fp32 router (n', X, D) on the rank's n' = n / tp tokens, the routed
                        experts as grouped GEMMs (torch._grouped_mm, `model.moe.expert_matmul`
@@ -106,10 +106,9 @@ def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, 
                  dtype: str, device: str) -> list[Pass]:
     """The math kernel's batched GEMMs of ring attention on ring rank `index` of `ring`
     (fivefold.parallel.context.ring_attention: zigzag chunks of c = tokens / 2). The kernel
-    casts to its accumulation dtype (fp32 for 16-bit inputs), but the forward runs under the
-    engine's autocast, which runs its matmuls in the compute dtype again; the backward (an
-    autograd Function's, outside autocast) runs in fp32. Each chunk's keys: all of an
-    off-diagonal block's, a diagonal block's up to the chunk's last row."""
+    runs forward and backward in its accumulation dtype (fp32 for 16-bit inputs; its forward
+    turns the engine's autocast off). Each chunk's keys: all of an off-diagonal block's, a
+    diagonal block's up to the chunk's last row."""
     acc = "fp32" if dtype in ("bf16", "fp16") else dtype
     c, bh, forward, backward = tokens // 2, b * heads, [], []
     for step in range(ring):
@@ -122,7 +121,7 @@ def _ring_blocks(name: str, b: int, heads: int, tokens: int, e: int, ring: int, 
             t = min(lo + per, rows) - lo
             s = min(lo + per, rows) if causal else keys  # the keys a chunk sees
             g = lambda phase, m, nn, k: Op("gemm", name, phase, shape=(m, nn, k, bh),
-                                           dtype=dtype if phase == "forward" else acc,
+                                           dtype=acc,
                                            causal=causal, kernel="ring-math", step=step,
                                            policy="other")
             forward += [g("forward", t, s, e), g("forward", t, e, s)]

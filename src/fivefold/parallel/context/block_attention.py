@@ -118,13 +118,17 @@ def block_attention_forward(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: 
     k_BHSE, v_BHSE = _expand_kv(k_BKSE, H).to(acc), _expand_kv(v_BKSE, H).to(acc)
     out_BHTE = torch.empty(B, H, T, v_BKSE.shape[-1], dtype=acc, device=q_BHTE.device)
     lse_BHT = torch.empty(B, H, T, dtype=acc, device=q_BHTE.device)
-    for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
-        seen = visible_keys(rows, k_BHSE.shape[2], causal)
-        s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE[:, :, seen], causal, scale, acc,
-                         rows.start)
-        lse_BHt = torch.logsumexp(s_BHtS, dim=-1)
-        out_BHTE[:, :, rows] = torch.exp(s_BHtS - lse_BHt.unsqueeze(-1)) @ v_BHSE[:, :, seen]
-        lse_BHT[:, :, rows] = lse_BHt
+    # the forward runs inside the engine's autocast, which would cast the matmuls back to
+    # the 16-bit compute dtype; the block's arithmetic is in `acc`, as in its backward
+    with torch.autocast(q_BHTE.device.type, enabled=False):
+        for rows in _row_chunks(q_BHTE, k_BHSE.shape[2], acc):
+            seen = visible_keys(rows, k_BHSE.shape[2], causal)
+            s_BHtS = _scores(q_BHTE[:, :, rows], k_BHSE[:, :, seen], causal, scale, acc,
+                             rows.start)
+            lse_BHt = torch.logsumexp(s_BHtS, dim=-1)
+            out_BHTE[:, :, rows] = (torch.exp(s_BHtS - lse_BHt.unsqueeze(-1))
+                                    @ v_BHSE[:, :, seen])
+            lse_BHT[:, :, rows] = lse_BHt
     return out_BHTE, lse_BHT
 
 
