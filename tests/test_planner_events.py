@@ -1,0 +1,74 @@
+"""The planner's discrete-event scheduler (fivefold.planner.events) on schedules worked out
+by hand; tolerance 1e-12 s (exact arithmetic up to float rounding)."""
+
+import pytest
+
+from fivefold.planner.events import Op, exposed, schedule
+
+H = 0.5  # overlap_eff
+
+
+def test_stream_runs_its_ops_in_order_and_waits_serialise():
+    ops = [Op("f1", "compute", 2.0), Op("ar", "tp", 1.0, after=(0,)),
+           Op("f2", "compute", 3.0, after=(1,))]
+    t = schedule(ops, H)
+    assert t.start == (0.0, 2.0, 3.0) and t.end == (2.0, 3.0, 6.0)
+
+
+def test_hidden_collective_slows_compute_by_one_minus_overlap_eff_of_its_time():
+    # 1 s gather beside 4 s compute: both at rate 1/(2 - H) = 2/3 until the gather ends at
+    # 1.5 s, having moved the compute 1 s; the other 3 s at full rate: 4.5 s
+    t = schedule([Op("fwd", "compute", 4.0), Op("ag", "dp", 1.0)], H)
+    assert t.end[1] == pytest.approx(1.5, abs=1e-12)
+    assert t.end[0] == pytest.approx(4.5, abs=1e-12)
+    assert t.makespan - 4.0 == pytest.approx(exposed(1.0, 4.0, H), abs=1e-12)
+
+
+def test_longer_collective_shows_its_excess():
+    # 3 s gather beside 1 s compute: shared until the compute ends at 1.5 s (the gather did
+    # 1 s), then the gather's last 2 s alone: 3.5 s = max + (1 - H) min
+    t = schedule([Op("fwd", "compute", 1.0), Op("ag", "dp", 3.0)], H)
+    assert t.end == pytest.approx((1.5, 3.5), abs=1e-12)
+    assert t.makespan - 1.0 == pytest.approx(exposed(3.0, 1.0, H), abs=1e-12)
+
+
+def test_two_hidden_collectives_add_their_slowdowns():
+    # 1 s and 2 s beside 10 s of compute: (1 - H) * 3 s = 1.5 s more
+    ops = [Op("bwd", "compute", 10.0), Op("rs", "dp", 1.0), Op("ring", "cp", 2.0)]
+    assert schedule(ops, H).makespan == pytest.approx(11.5, abs=1e-12)
+    # by hand: three ops at 1/2 until rs ends at 2 s (compute 1 s done, ring 1 s done), then
+    # two at 2/3 until the ring ends at 3.5 s (compute 2 s done), then compute alone: 11.5 s
+    t = schedule(ops, H)
+    assert t.end[1:] == pytest.approx((2.0, 3.5), abs=1e-12)
+
+
+def test_collectives_without_compute_and_host_copies_do_not_contend():
+    t = schedule([Op("a", "tp", 1.0), Op("b", "dp", 2.0), Op("copy", "host", 3.0)], 0.0)
+    assert t.end == pytest.approx((1.0, 2.0, 3.0))
+    # overlap_eff 0 beside compute: three ops at 1/3 until a ends at 3 s, then b and the
+    # compute at 1/2 until b ends at 5 s, then the compute's last second; the copy untouched
+    t = schedule([Op("a", "tp", 1.0), Op("b", "dp", 2.0), Op("copy", "host", 3.0),
+                  Op("k", "compute", 3.0)], 0.0)
+    assert t.end == pytest.approx((3.0, 5.0, 3.0, 6.0))
+
+
+def test_full_overlap_and_none():
+    ops = [Op("c", "compute", 2.0), Op("x", "dp", 1.0)]
+    assert schedule(ops, 1.0).makespan == pytest.approx(2.0)
+    assert schedule(ops, 0.0).makespan == pytest.approx(3.0)  # serialised
+
+
+def test_not_before_and_dependency_chain():
+    # a bucket reduced after its block's backward slice, the slices at the replay's clock
+    ops = [Op("b1", "compute", 1.0, not_before=5.0), Op("r1", "dp", 2.0, after=(0,)),
+           Op("b0", "compute", 1.0, after=(0,), not_before=7.0), Op("r0", "dp", 2.0, after=(2,))]
+    t = schedule(ops, 1.0)
+    assert t.start == pytest.approx((5.0, 6.0, 7.0, 8.0))
+    assert t.makespan == pytest.approx(10.0)
+
+
+def test_zero_second_ops_and_bad_waits():
+    t = schedule([Op("nothing", "tp", 0.0), Op("c", "compute", 1.0, after=(0,))], H)
+    assert t.end == (0.0, 1.0)
+    with pytest.raises(ValueError, match="not listed before"):
+        schedule([Op("a", "compute", 1.0, after=(1,)), Op("b", "tp", 1.0)], H)
