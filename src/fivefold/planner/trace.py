@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from fivefold.parallel.pipeline.schedules import COMPUTE, F, W
-from fivefold.planner.simulate import Estimate
+from fivefold.planner.estimate import Estimate
 
 
 def trace_events(est: Estimate, sm) -> list[dict]:
