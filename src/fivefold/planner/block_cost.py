@@ -189,10 +189,13 @@ class BlockCosts:
 
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
         """(compute times, forward exposed comm, backward exposed comm) of one block before
-        data parallelism."""
-        t, compute, comm = self.core(moe)
-        f, b = block_seconds(comm, compute, self.prof.eff.overlap_eff)
-        return t, f - t.fwd, b - t.bwd - t.recompute
+        data parallelism, scheduled once per shard shape (`cache`)."""
+        key = ("core cost", moe) + self._shape_key()
+        if key not in self.cache:
+            t, compute, comm = self.core(moe)
+            f, b = block_seconds(comm, compute, self.prof.eff.overlap_eff)
+            self.cache[key] = t, f - t.fwd, b - t.bwd - t.recompute
+        return self.cache[key]
 
     def cp_exposed(self, moe: bool) -> tuple[float, float]:
         """(forward, backward) seconds context parallelism adds to one block on its own."""

@@ -21,6 +21,7 @@ form, for the search's fast pass). With every collective hidden, the slowdowns a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 COMPUTE = "compute"
@@ -63,71 +64,83 @@ def schedule(ops: list[Op], overlap_eff: float) -> Timeline:
     """Run `ops` (module docstring). Raises ValueError when an op waits for a later op or
     the streams' order and the waits deadlock."""
     n = len(ops)
+    waiters: list[list[int]] = [[] for _ in range(n)]
+    unmet = [len(op.after) for op in ops]
     for k, op in enumerate(ops):
-        if any(d >= k or d < 0 for d in op.after):
-            raise ValueError(f"op {k} ({op.name}) waits for an op not listed before it")
+        for d in op.after:
+            if d >= k or d < 0:
+                raise ValueError(f"op {k} ({op.name}) waits for an op not listed before it")
+            waiters[d].append(k)
     queues: dict[str, list[int]] = {}
     for k, op in enumerate(ops):
         queues.setdefault(op.stream, []).append(k)
-    heads = {s: 0 for s in queues}
+    streams = [(s, q, s == COMPUTE, s != COMPUTE and s not in UNCONTENDED)
+               for s, q in queues.items()]
+    heads = [0] * len(streams)
+    ready = [op.not_before for op in ops]  # the latest of not_before and the waits' ends
     start, end = [0.0] * n, [0.0] * n
     left = [op.seconds for op in ops]
-    done = [False] * n
-    running: dict[str, int] = {}  # stream -> the op it runs
+    running: list[int] = [-1] * len(streams)  # per stream, the op it runs
     clock, finished = 0.0, 0
+    contend = 1.0 - overlap_eff
     while finished < n:
-        progressed = True
-        while progressed:  # start what is ready; zero-second ops end at once
-            progressed = False
-            for s, queue in queues.items():
-                if s in running or heads[s] == len(queue):
+        started = True
+        while started:  # start what is ready; zero-second ops end at once
+            started = False
+            for j, (_, queue, _, _) in enumerate(streams):
+                if running[j] >= 0 or heads[j] == len(queue):
                     continue
-                k = queue[heads[s]]
-                op = ops[k]
-                if not all(done[d] for d in op.after):
-                    continue
-                ready = max([op.not_before] + [end[d] for d in op.after])
-                if ready > clock + _EPS:
+                k = queue[heads[j]]
+                if unmet[k] or ready[k] > clock + _EPS:
                     continue
                 start[k] = clock
-                heads[s] += 1
+                heads[j] += 1
                 if left[k] <= _EPS:
-                    end[k], done[k] = clock, True
+                    end[k] = clock
                     finished += 1
+                    for w in waiters[k]:
+                        unmet[w] -= 1
+                        ready[w] = max(ready[w], clock)
+                    started = True
                 else:
-                    running[s] = k
-                progressed = True
+                    running[j] = k
+                    started = True
         if finished == n:
             break
-        waits = [max([ops[q[heads[s]]].not_before] + [end[d] for d in ops[q[heads[s]]].after])
-                 for s, q in queues.items() if s not in running and heads[s] < len(q)
-                 and all(done[d] for d in ops[q[heads[s]]].after)]
-        if not running:
-            if not waits:
-                raise ValueError("the ops deadlock: a stream's order contradicts the waits")
-            clock = min(waits)
-            continue
-        rates = _rates(ops, running, overlap_eff)
-        step = min(left[k] / rates[k] for k in running.values())
-        future = [w - clock for w in waits if w > clock]
-        step = min([step] + future)
+        computing = comms = 0
+        step = math.inf
+        for j, (_, queue, is_compute, contends) in enumerate(streams):
+            k = running[j]
+            if k >= 0:
+                computing += is_compute
+                comms += contends
+            elif heads[j] < len(queue):
+                k = queue[heads[j]]
+                if not unmet[k] and ready[k] > clock:
+                    step = min(step, ready[k] - clock)  # a not_before still ahead
+        shared = 1.0 / (1.0 + comms * contend) if computing and comms else 1.0
+        any_running = False
+        for j, (_, _, is_compute, contends) in enumerate(streams):
+            k = running[j]
+            if k >= 0:
+                any_running = True
+                rate = shared if (is_compute or contends) else 1.0
+                step = min(step, left[k] / rate)
+        if step == math.inf:
+            raise ValueError("the ops deadlock: a stream's order contradicts the waits")
         clock += step
-        for s, k in list(running.items()):
-            left[k] -= step * rates[k]
-            if left[k] <= _EPS * max(1.0, ops[k].seconds) * 1e3:
-                end[k], done[k] = clock, True
+        if not any_running:
+            continue
+        for j, (_, _, is_compute, contends) in enumerate(streams):
+            k = running[j]
+            if k < 0:
+                continue
+            left[k] -= step * (shared if (is_compute or contends) else 1.0)
+            if left[k] <= _EPS * 1e3 * max(1.0, ops[k].seconds):
+                end[k] = clock
                 finished += 1
-                del running[s]
+                running[j] = -1
+                for w in waiters[k]:
+                    unmet[w] -= 1
+                    ready[w] = max(ready[w], clock)
     return Timeline(tuple(start), tuple(end))
-
-
-def _rates(ops: list[Op], running: dict[str, int], overlap_eff: float) -> dict[int, float]:
-    """Progress per second of each running op (module docstring)."""
-    compute = running.get(COMPUTE)
-    comms = [k for s, k in running.items() if s != COMPUTE and s not in UNCONTENDED]
-    rates = {k: 1.0 for k in running.values()}
-    if compute is not None and comms:
-        shared = 1.0 / (1.0 + len(comms) * (1.0 - overlap_eff))
-        for k in comms + [compute]:
-            rates[k] = shared
-    return rates
