@@ -74,23 +74,34 @@ class BlockCosts:
             self.cache[links_key] = (prof, Links.of(prof, gpn, c.intra_node_GBps,
                                                     c.inter_node_GBps))
         self.links = self.cache[links_key][1]  # one object per search: collective_time's key
-        tp, cp, dp = lay.tp, lay.cp, lay.dp
         self.stack = stack_of(cfg.train.stack, cfg.train.stack_release)
-        self.tp_group = Group.strided(tp, 1, gpn)
-        self.cp_group = Group.strided(cp, tp, gpn)
-        shard = lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp
-        self.shard_group = Group.strided(shard, tp, gpn)
-        # the routed experts' groups: etp, ep and their edp (planner.expert_cost)
-        self.etp, self.etp_group, self.ep_group, self.expert_shard_group = expert_groups(
-            self.stack, lay, self.shard_group, gpn)
-        self.replicate_group = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
-                                             gpn) if lay.zero_stage >= 1 else Group(1, 1)
-        self.pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
-        self.shard = Shard(lay.micro_batch, self.model.seq_len, tp, cp, lay.sequence_parallel,
-                           lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
+        groups_key = ("groups", gpn, cfg.train.stack, cfg.train.stack_release, lay.tp, lay.cp,
+                      lay.dp, lay.pp, lay.ep, lay.etp, lay.zero_stage, lay.zero_group)
+        if groups_key not in self.cache:
+            self.cache[groups_key] = self._groups(gpn)
+        (self.tp_group, self.cp_group, self.shard_group, self.etp, self.etp_group,
+         self.ep_group, self.expert_shard_group, self.replicate_group,
+         self.pp_pair) = self.cache[groups_key]
+        self.shard = Shard(lay.micro_batch, self.model.seq_len, lay.tp, lay.cp,
+                           lay.sequence_parallel, lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
                            self.stack, lay.fp8_recipe, lay.fp8_tensors,
                            expert_load(self.model, lay.ep), lay.etp)
         self.a = PRECISION_BYTES[lay.precision]
+
+    def _groups(self, gpn: int) -> tuple:
+        """The layout's groups placed on the mesh (tp innermost, then cp, dp, pp): tp, cp,
+        the ZeRO shard group, the routed experts' etp (as planner.params.block_params takes
+        it), etp, ep and edp groups (planner.expert_cost), the ZeRO replicas', a pp pair."""
+        lay = self.lay
+        tp, cp, dp = lay.tp, lay.cp, lay.dp
+        shard_group = Group.strided(lay.zero_group * cp if lay.zero_stage >= 1 else dp * cp,
+                                    tp, gpn)
+        experts = expert_groups(self.stack, lay, shard_group, gpn)
+        replicate = Group.strided(dp // lay.zero_group, tp * cp * lay.zero_group,
+                                  gpn) if lay.zero_stage >= 1 else Group(1, 1)
+        pp_pair = Group.strided(2, tp * cp * dp, gpn) if lay.pp > 1 else Group(1, 1)
+        return (Group.strided(tp, 1, gpn), Group.strided(cp, tp, gpn), shard_group,
+                *experts, replicate, pp_pair)
 
     @functools.cached_property
     def dense_cost(self) -> LayerCost:
