@@ -72,3 +72,33 @@ def test_zero_second_ops_and_bad_waits():
     assert t.end == (0.0, 1.0)
     with pytest.raises(ValueError, match="not listed before"):
         schedule([Op("a", "compute", 1.0, after=(1,)), Op("b", "tp", 1.0)], H)
+
+
+def test_trace_draws_each_blocks_scheduled_ops_inside_its_action(tmp_path):
+    """`fivefold simulate --trace`: one thread per stream; every block op lies inside the
+    replayed action it belongs to (tolerance 1e-6 us), ring sends on the cp thread."""
+    import json
+
+    from fivefold.planner.simulate import simulate
+    from fivefold.planner.spec import spec_config
+    from fivefold.planner.trace import STREAMS, write_trace
+
+    cfg = spec_config({"model": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2,
+                                 "ffn_hidden": 512, "vocab": 1024, "seq_len": 4096},
+                       "cluster": {"gpu": "H100-SXM", "gpus": 16, "gpus_per_node": 8},
+                       "parallel": {"global_batch": 8, "micro_batch": 1, "pp": 2, "tp": 2,
+                                    "sequence_parallel": True, "cp": 2, "zero_stage": 1}})
+    est = simulate(cfg, keep_events=True)
+    path = tmp_path / "trace.json"
+    write_trace(est, path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    actions = [e for e in events if e.get("cat") == "action"]
+    assert len(actions) == 2 * 2 * 4  # F and B, 2 stages, 4 micro-batches
+    inside = [e for e in events if "(block" in e["name"]]
+    assert {e["name"].split(" (")[0] for e in inside if e["tid"] == STREAMS.index("cp")} == {
+        "ring sends"}
+    for e in inside:
+        owner = next(a for a in actions if a["name"] == e["args"]["action"]
+                     and a["pid"] == e["pid"])
+        assert owner["ts"] - 1e-6 <= e["ts"] <= e["ts"] + e["dur"] <= (
+            owner["ts"] + owner["dur"] + 1e-6)

@@ -216,7 +216,9 @@ class BlockCosts:
         f, b = block_seconds(only, compute, self.prof.eff.overlap_eff)
         return f - t.fwd, b - t.bwd - t.recompute
 
-    def _layer_cost(self, moe: bool) -> LayerCost:
+    def with_data_parallel(self, moe: bool) -> tuple[OpTimes, Compute, BlockComm]:
+        """`core` with the block's ZeRO-2/3 collectives added (DDP and ZeRO-1 reduce after
+        the backward: fivefold.planner.rank_cost)."""
         lay = self.lay
         t, compute, comm = self.core(moe)
         dense, expert = self.block_numels(moe)
@@ -244,13 +246,18 @@ class BlockCosts:
         elif lay.zero_stage == 2:
             dp = dict(dp_reduce=self._data_coll("reduce_scatter", dense * g, expert * g),
                       reduce_beside_backward_only=True)
-        if dp:
-            comm = BlockComm(**{**comm.__dict__, **dp})
+        return t, compute, BlockComm(**{**comm.__dict__, **dp}) if dp else comm
+
+    def _layer_cost(self, moe: bool) -> LayerCost:
+        lay = self.lay
+        t, compute, comm = self.with_data_parallel(moe)
+        if comm is self.core(moe)[2]:
+            _, f_comm, b_comm = self.core_cost(moe)
+        else:
             f, b = block_seconds(comm, compute, self.prof.eff.overlap_eff)
             f_comm, b_comm = f - t.fwd, b - t.bwd - t.recompute
-        else:
-            _, f_comm, b_comm = self.core_cost(moe)
-        width = self.a if lay.zero_stage <= 1 else g
+        dense, expert = self.block_numels(moe)
+        width = self.a if lay.zero_stage <= 1 else PRECISION_BYTES[lay.reduce_dtype]
         return LayerCost(t.fwd, f_comm, t.bwd + t.recompute, b_comm, t.wgrad,
                          dense * width, expert * width)
 

@@ -49,8 +49,7 @@ class RankCosts(StageCosts):
         tail = 0.0
         if lay.zero_stage <= 1:
             op = "all_reduce" if lay.zero_stage == 0 else "reduce_scatter"
-            tail = self.grad_sync_tail_s(rank, op, last_grads,
-                                         self._coll(op, root * p, self.shard_group))
+            tail = self.grad_sync_tail_s(rank, op, last_grads, self.root_sync_s(rank, op))
         elif lay.zero_stage >= 2:  # the root's reduce-scatter ends the last backward
             tail = self._coll("reduce_scatter", root * g, self.shard_group)
         if lay.zero_stage >= 1 and self.replicate_group.size > 1:
@@ -67,6 +66,11 @@ class RankCosts(StageCosts):
             regather = (sum(self.block_sync_s("all_gather", i, scale) for i in layers)
                         + self._coll("all_gather", root * p, self.shard_group))
         return tail, regather
+
+    def root_sync_s(self, rank: int, op: str) -> float:
+        """Seconds of rank `rank`'s root unit's data-parallel collective `op` (DDP, ZeRO-1)."""
+        root = root_params(self.model, self.lay.tp, *self.lay.ends_of_rank(rank))
+        return self._coll(op, root * self.a, self.shard_group)
 
     def grad_sync_ops(self, rank: int, op: str, last_grads: dict[int, tuple[float, float]],
                       root_s: float = 0.0) -> list[Op]:
