@@ -102,3 +102,24 @@ def test_trace_draws_each_blocks_scheduled_ops_inside_its_action(tmp_path):
                      and a["pid"] == e["pid"])
         assert owner["ts"] - 1e-6 <= e["ts"] <= e["ts"] + e["dur"] <= (
             owner["ts"] + owner["dur"] + 1e-6)
+
+
+def test_block_ops_overlap_follows_the_waits():
+    """fivefold.planner.block_ops on hand-set seconds (overlap_eff 0.5): ring sends beside
+    attention show their excess; the ZeRO-3 prefetch runs through the forward's compute and
+    its waits for tp collectives; tp collectives the compute waits for are all exposed."""
+    from fivefold.planner.block_ops import BlockComm, Compute, block_seconds
+
+    t = Compute(fwd=10.0, attn_f=4.0, bwd=20.0, attn_b=8.0, wgrad=6.0, recompute=0.0,
+                full_recompute=False)
+    f, b = block_seconds(BlockComm(tp_f=1.0, tp_b=2.0), t, H)
+    assert (f, b) == pytest.approx((11.0, 22.0))
+    # ring: 3 sends of 2 s beside 4 s of attention: 6 + 0.5 * 4 = 8 s instead of 4
+    f, _ = block_seconds(BlockComm(cp_mode="ring", cp=4, cp_step=2.0), t, H)
+    assert f == pytest.approx(10.0 + exposed(6.0, 4.0, H))
+    # a 10.5 s prefetch beside 10 s of compute and a 1 s tp wait: shared until the compute
+    # ends, alone during the wait, then the compute's rest; by hand with overlap_eff 1:
+    # the prefetch ends at 10.5 s, inside the forward's 11 s
+    f, _ = block_seconds(BlockComm(tp_f=1.0, dp_prefetch_f=10.5), t, 1.0)
+    assert f == pytest.approx(11.0)
+    assert 10.0 + 1.0 + exposed(10.5, 10.0, 1.0) == pytest.approx(11.5)  # the old rule's
