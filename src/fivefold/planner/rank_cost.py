@@ -76,7 +76,8 @@ class RankCosts(StageCosts):
                       root_s: float = 0.0) -> list[Op]:
         """Rank `rank`'s last gradient actions as per-block compute slices at the replay's
         clock, each block's bucket reduction `op` after its slice, the root's after all
-        (module docstring)."""
+        (module docstring). Between two virtual stages' last actions the rank runs other
+        actions (other micro-batches' backward), compute that the reductions contend with."""
         slices = []
         for g in self.lay.stage_ids_of_rank(rank):
             start, end = last_grads[g]
@@ -85,7 +86,12 @@ class RankCosts(StageCosts):
             slices += [(start + k * width, width, i) for k, i in enumerate(blocks)]
         ops: list[Op] = []
         computed: tuple[int, ...] = ()
+        clock = None
         for at, width, i in sorted(slices):
+            if clock is not None and at > clock:  # the replay's other actions between them
+                ops.append(Op("other actions", COMPUTE, at - clock, computed, clock))
+                computed = (len(ops) - 1,)
+            clock = at + width
             ops.append(Op(f"backward {i}", COMPUTE, width, computed, not_before=at))
             computed = (len(ops) - 1,)
             ops.append(Op(f"reduce {i}", "dp", self.block_sync_s(op, i), computed))
