@@ -135,10 +135,16 @@ class StageCosts(BlockCosts):
                                           self.stack, sp=lay.sequence_parallel)
 
     def block_saved_bytes(self, i: int) -> float:
+        """Bytes block i keeps for backward per micro-batch (fivefold.planner.activations),
+        shared through `cache` by the layouts of the same shard shape."""
         lay = self.lay
-        return A.block_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp,
-                                   lay.sequence_parallel, lay.recompute, i, self.stack,
-                                   A.fp8_input_copy(lay), A.ring_kv_heads(self.model, lay))
+        key = ("saved", i, lay.cp_ulysses) + self._shape_key()
+        if key not in self.cache:
+            self.cache[key] = A.block_saved_bytes(
+                self.model, self.shard.tokens, self.a, lay.tp, lay.sequence_parallel,
+                lay.recompute, i, self.stack, A.fp8_input_copy(lay),
+                A.ring_kv_heads(self.model, lay))
+        return self.cache[key]
 
     def run_pipeline(self, keep_events: bool) -> Replay:
         """Replay the schedule; PipeDream-2BW never flushes, so its step is the steady-state
