@@ -435,7 +435,7 @@ def test_experts_and_all_to_alls_are_timed_at_the_busiest_ranks_load():
     times the mean's bytes; capped at ep, and without expert parallelism it is 1."""
     from fivefold.config import ConfigError
     from fivefold.planner.compute import Gemm, block_gemms, eltwise_time, gemm_time
-    from fivefold.planner.simulate import expert_load
+    from fivefold.planner.block_cost import expert_load
 
     def step_model(ep: int, imbalance: float) -> LayoutStep:
         cfg = _moe_cfg("fivefold", ep)

@@ -24,9 +24,8 @@ from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.hardware import HardwareProfile, load_profile
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import ParallelPlan, plan_from_config
-from fivefold.planner.block_cost import expert_load  # noqa: F401  (callers import it here)
 from fivefold.planner.compute import Shard, block_times, head_times
-from fivefold.planner.estimate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate  # noqa: F401
+from fivefold.planner.estimate import Estimate
 from fivefold.planner.fitted import FITTED, Fitted
 from fivefold.planner.spec import check_model_fits_layout, cluster_gpus
 from fivefold.planner.step import LayoutStep
