@@ -27,7 +27,8 @@ import pytest
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner import activations as A
 from fivefold.planner.activations_megatron2022 import NORM_STATS_BYTES
-from fivefold.planner.simulate import StepModel, profile_of
+from fivefold.planner.simulate import profile_of
+from fivefold.planner.step import LayoutStep
 from fivefold.planner.spec import cluster_gpus, spec_config
 from fivefold.planner.stack import stack_of
 
@@ -53,7 +54,7 @@ def formula_bytes(h: int, a: int, t: int, sp: bool, recompute: str) -> float:
 
 def step_model(name: str, sp: bool, recompute: str, release: str = "2022-05",
                tp: int | None = None, vpp: int = 1, global_batch: int | None = None
-               ) -> StepModel:
+               ) -> LayoutStep:
     """The simulator of model `name` from its spec (Table 3's tensor- and pipeline-parallel
     degrees, tp unless given), no data parallelism."""
     h, a, layers, table_tp, pp = TABLE3[name]
@@ -69,7 +70,7 @@ def step_model(name: str, sp: bool, recompute: str, release: str = "2022-05",
             "train": {"stack": "megatron", "stack_release": release}}
     cfg = spec_config(spec)
     prof = profile_of(cfg)
-    return StepModel(cfg, prof, plan_from_config(cfg, cluster_gpus(cfg), "bf16"))
+    return LayoutStep(cfg, prof, plan_from_config(cfg, cluster_gpus(cfg), "bf16"))
 
 
 def planned_bytes(name: str, sp: bool, recompute: str, release: str = "2022-05",

@@ -157,14 +157,15 @@ def test_planner_prices_owners_and_gathers():
     from fivefold.parallel.plan import plan_from_config
     from fivefold.planner.compute import newton_schulz_time
     from fivefold.planner.muon_cost import block_matrices, muon_step_s
-    from fivefold.planner.simulate import StepModel, default_precision, profile_of, shared_machine
+    from fivefold.planner.simulate import default_precision, profile_of, shared_machine
+    from fivefold.planner.step import LayoutStep
 
     seconds = {}
     for stage in (0, 1):
         cfg = load_config(None, [MUON[0], "cluster.gpus=4", "cluster.gpu='H100-SXM'",
                                  f"parallel.zero_stage={stage}"])
         prof = shared_machine(profile_of(cfg), 4)
-        sim = StepModel(cfg, prof, plan_from_config(cfg, 4, default_precision(prof)))
+        sim = LayoutStep(cfg, prof, plan_from_config(cfg, 4, default_precision(prof)))
         seconds[stage] = muon_step_s(sim, 0)
     whole = newton_schulz_time([m for i in range(cfg.model.layers)
                                 for ms in block_matrices(cfg.model, sim.lay, i) for m in ms],

@@ -23,7 +23,8 @@ from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
 from fivefold.planner.fitted import FITTED, Fitted, in_training
 from fivefold.planner.params import block_params, local_numel, root_params
 from fivefold.planner.search import candidates, exact_estimate
-from fivefold.planner.simulate import StepModel, simulate
+from fivefold.planner.simulate import simulate
+from fivefold.planner.step import LayoutStep
 from fivefold.planner.spec import spec_config
 from fivefold.kernel_tables import FLASH2_RATE_H100
 from fivefold.planner.stack import FIVEFOLD, STACKS
@@ -84,7 +85,7 @@ def test_allgather_cp_exposes_what_only_its_first_step_hides():
     the first of four attention steps; backward adds the second all-gather and the fp32
     dK/dV passes, each behind one step, the last one bare. K/V repeated to 8 heads."""
     cfg = _cfg("torchtitan", gpus=4, gpn=1, cp=4, cp_mode="ring", zero_stage=1)
-    sm = StepModel(cfg, H100, plan_from_config(cfg, 4))
+    sm = LayoutStep(cfg, H100, plan_from_config(cfg, 4))
     prof = in_training(H100)
     links = Links.of(prof, 1)
     n, d, hide = 1024, 32, prof.eff.overlap_eff  # local tokens, head dim, overlap
@@ -94,7 +95,7 @@ def test_allgather_cp_exposes_what_only_its_first_step_hides():
     dkv = 2 * n * 8 * d * 4 / links.inter_Bps + links.latency_inter_s
     fa2 = FLASH2_RATE_H100  # torchtitan's FlashAttention-2-class kernel on Hopper
     at_f, at_b = attention_time(1, 8, 4096, d, 4, prof, True, "bf16", fa2, False)
-    fwd, bwd = sm._cp_exposed(False)
+    fwd, bwd = sm.cp_exposed(False)
 
     def behind(c, w):
         return max(c - hide * w, (1 - hide) * c)
@@ -108,17 +109,17 @@ def test_allgather_cp_costs_more_than_the_ring_and_fivefold_keeps_the_ring():
     tt_switches = STACKS["torchtitan"]
     assert (tt_switches.cp_kv_exchange, tt_switches.sdpa_repeats_kv) == ("allgather", True)
     assert (FIVEFOLD.cp_kv_exchange, FIVEFOLD.sdpa_repeats_kv) == ("ring", False)
-    ring = StepModel(_cfg("fivefold", gpus=8, gpn=2, cp=4, cp_mode="ring", zero_stage=1),
+    ring = LayoutStep(_cfg("fivefold", gpus=8, gpn=2, cp=4, cp_mode="ring", zero_stage=1),
                      H100, mine.layout, fit=PARTIAL_OVERLAP)
-    gathered = StepModel(_cfg("torchtitan", gpus=8, gpn=2, cp=4, cp_mode="ring",
+    gathered = LayoutStep(_cfg("torchtitan", gpus=8, gpn=2, cp=4, cp_mode="ring",
                               zero_stage=1), H100, mine.layout, fit=PARTIAL_OVERLAP)
-    assert sum(gathered._cp_exposed(False)) > sum(ring._cp_exposed(False)) > 0
+    assert sum(gathered.cp_exposed(False)) > sum(ring.cp_exposed(False)) > 0
 
 
 def test_deepspeed_zero3_gathers_each_tensor_on_the_critical_path():
     cfg = _cfg("deepspeed", gpus=8, zero_stage=3, recompute="full")
     lay = plan_from_config(cfg, 8)
-    sm = StepModel(cfg, H100, lay)
+    sm = LayoutStep(cfg, H100, lay)
     prof = in_training(H100)
     links = Links.of(prof, 8)
     # norms stay whole (persistence threshold); each gathered tensor's list gather copies
@@ -140,7 +141,7 @@ def test_deepspeed_zero3_gathers_each_tensor_on_the_critical_path():
              + 7 * links.latency_intra_s + 8 * prof.eff.kernel_overhead_s for p in gathered)
     assert sm.tensor_collectives_s(False, "reduce_scatter") == pytest.approx(rs, rel=1e-9)
     # the FSDP-style stacks prefetch: the same layout exposes less
-    fsdp = StepModel(_cfg("fivefold", gpus=8, zero_stage=3, recompute="full"), H100, lay)
+    fsdp = LayoutStep(_cfg("fivefold", gpus=8, zero_stage=3, recompute="full"), H100, lay)
     assert fsdp.dense_cost.f_comm < cost.f_comm
     assert FIVEFOLD.zero3_overlap and not STACKS["deepspeed"].zero3_overlap
     assert Group.strided(8, 1, 8) == sm.shard_group
@@ -209,25 +210,29 @@ def _slow_network(**parallel):
 
 def test_gradient_reduction_stream_hides_early_chunks_behind_later_ones():
     cfg = _slow_network(schedule="1f1b")
-    sm = StepModel(cfg, H100, plan_from_config(cfg, 16))
+    sm = LayoutStep(cfg, H100, plan_from_config(cfg, 16))
     rp = sm.run_pipeline(False)
+    hide = sm.prof.eff.overlap_eff
     # one model chunk: its blocks finish in reverse order, evenly over its last backward, and
-    # the stream starts with the first one: what hides is that backward but one block's share
+    # the stream starts with the first one: the rest of that backward hides the reductions,
+    # each second of it slowed by their contention (fivefold.planner.events)
     for r in range(2):
         (start, end), = rp.last_grads[r].values()
         blocks = [sm._coll("reduce_scatter", sm.layer_cost(i).grad_sync_bytes,
                            sm.shard_group) for i in sm.stage_ranges[r]]
         assert min(blocks) > end - start
         window = (end - start) * (1 - 1 / len(blocks))
-        assert sm.hidden_grad_sync_s(r, "reduce_scatter", rp.last_grads[r]) == pytest.approx(
-            window, rel=1e-9)
+        assert sm.grad_sync_tail_s(r, "reduce_scatter", rp.last_grads[r]) == pytest.approx(
+            sum(blocks) - hide * window, rel=1e-9)
     # two chunks per rank: the chunk that finishes first reduces behind the other's backward
     inter = _slow_network(vpp=2, schedule="interleaved")
-    ism = StepModel(inter, H100, plan_from_config(inter, 16))
+    ism = LayoutStep(inter, H100, plan_from_config(inter, 16))
     chunks = ism.run_pipeline(False).last_grads[0]
     assert chunks[2][1] < chunks[0][0]  # virtual stage 2 (chunk 1) finishes its gradients first
     own = sum((e - s) * (1 - 1 / len(ism.stage_ranges[g])) for g, (s, e) in chunks.items())
-    assert ism.hidden_grad_sync_s(0, "reduce_scatter", chunks) > own
+    total = sum(ism.block_sync_s("reduce_scatter", i) for g in chunks
+                for i in ism.stage_ranges[g])
+    assert ism.grad_sync_tail_s(0, "reduce_scatter", chunks) < total - hide * own
 
 
 def test_megatron_2021_exposes_its_tensor_parallel_all_reduces():
@@ -244,8 +249,8 @@ def test_megatron_2021_exposes_its_tensor_parallel_all_reduces():
 
     new, old = megatron("2025-11"), megatron("2021-04")
     lay = plan_from_config(new, 8)
-    hidden = StepModel(new, H100, lay, fit=PARTIAL_OVERLAP).dense_cost
-    exposed = StepModel(old, H100, lay, fit=PARTIAL_OVERLAP).dense_cost
+    hidden = LayoutStep(new, H100, lay, fit=PARTIAL_OVERLAP).dense_cost
+    exposed = LayoutStep(old, H100, lay, fit=PARTIAL_OVERLAP).dense_cost
     assert exposed.f_comm > hidden.f_comm > 0
 
 
@@ -258,8 +263,8 @@ def test_torchtitan_keeps_zero3_blocks_gathered_through_a_pipelined_step():
                 schedule="1f1b", reduce_dtype="fp32")
     tt_cfg, ff_cfg = _cfg("torchtitan", **spec), _cfg("fivefold", **spec)
     lay = plan_from_config(tt_cfg, 8)
-    tt = StepModel(tt_cfg, H100, lay, fit=PARTIAL_OVERLAP)
-    ff = StepModel(ff_cfg, H100, lay, fit=PARTIAL_OVERLAP)
+    tt = LayoutStep(tt_cfg, H100, lay, fit=PARTIAL_OVERLAP)
+    ff = LayoutStep(ff_cfg, H100, lay, fit=PARTIAL_OVERLAP)
     assert tt.pp_unsharded and not ff.pp_unsharded
     # no gathers per micro-batch; once a step: behind the first forward and the last backward
     assert tt.dense_cost.f_comm < ff.dense_cost.f_comm
@@ -298,7 +303,7 @@ def test_routed_experts_sync_over_their_expert_data_parallel_group(stack):
     """A block's routed experts are data-parallel over the dp / ep ranks that hold the same
     experts (fivefold.parallel.expert's edp axis), ep apart, so only they reduce them; the
     rest of the block reduces over all dp ranks."""
-    sm = StepModel(_moe_cfg(stack, 4), H100, plan_from_config(_moe_cfg(stack, 4), 16))
+    sm = LayoutStep(_moe_cfg(stack, 4), H100, plan_from_config(_moe_cfg(stack, 4), 16))
     assert (sm.shard_group.size, sm.expert_shard_group.size) == (16, 4)
     assert sm.expert_shard_group.per_node == 2  # ep = 4 apart: two of them on each node
     dense, expert = block_params(sm.model, 0, 1, 4)
@@ -307,7 +312,7 @@ def test_routed_experts_sync_over_their_expert_data_parallel_group(stack):
     assert sm.block_sync_s("reduce_scatter", 0) == pytest.approx(
         alone + sm._coll("reduce_scatter", 2 * expert, sm.expert_shard_group), rel=1e-9)
     # ep = dp: every rank holds experts no other rank has, and nothing syncs them
-    full = StepModel(_moe_cfg(stack, 16), H100, plan_from_config(_moe_cfg(stack, 16), 16))
+    full = LayoutStep(_moe_cfg(stack, 16), H100, plan_from_config(_moe_cfg(stack, 16), 16))
     assert full.expert_shard_group.size == 1
     dense16 = block_params(full.model, 0, 1, 16)[0]
     assert full.block_sync_s("reduce_scatter", 0) == pytest.approx(
@@ -332,7 +337,7 @@ def test_megatron_tp_overlap_runs_its_gemms_as_ring_exchange_chunks():
     from fivefold.planner.compute import (Gemm, ROW_PARALLEL, TP_RING_FORWARD,
                                           block_gemms, block_times, gemm_time)
     new, old = _megatron_tp("2023-05"), _megatron_tp("2023-04")
-    sm_new, sm_old = (StepModel(c, H100, plan_from_config(c, 8)) for c in (new, old))
+    sm_new, sm_old = (LayoutStep(c, H100, plan_from_config(c, 8)) for c in (new, old))
     t_new = block_times(sm_new.model, sm_new.shard, sm_new.prof, False)
     t_old = block_times(sm_old.model, sm_old.shard, sm_old.prof, False)
     attn, mlp = block_gemms(sm_new.model, sm_new.shard, False)
@@ -356,7 +361,7 @@ def test_megatron_fp8_regathers_one_byte_a_parameter_from_2024_09():
     kw = dict(tp=1, dp=8, zero_stage=1, precision="fp8", sequence_parallel=False)
     new, old = _megatron_tp("2025-02", **kw), _megatron_tp("2024-03", **kw)
     assert STACKS["megatron"].fp8_param_gather_since == "2024-09"
-    sm_new, sm_old = (StepModel(c, H100, plan_from_config(c, 8)) for c in (new, old))
+    sm_new, sm_old = (LayoutStep(c, H100, plan_from_config(c, 8)) for c in (new, old))
     last = {0: (0.0, 1.0)}
     _, regather_new = sm_new.dp_sync(0, last)
     _, regather_old = sm_old.dp_sync(0, last)
@@ -391,7 +396,7 @@ def test_torchtitan_fp8_casts_each_module_input_once_on_its_shard():
 
     from fivefold.planner.compute import block_times, eltwise_time
     cfg = _torchtitan_tp()
-    sm = StepModel(cfg, H100, plan_from_config(cfg, 8))
+    sm = LayoutStep(cfg, H100, plan_from_config(cfg, 8))
     assert sm.stack.fp8_shard_casts and not FIVEFOLD.fp8_shard_casts
     per_linear = dataclasses.replace(sm.shard,
                                      stack=dataclasses.replace(sm.stack, fp8_shard_casts=False))
@@ -402,7 +407,7 @@ def test_torchtitan_fp8_casts_each_module_input_once_on_its_shard():
         eltwise_time(cast * n * D * (5 - 2 / tp), sm.prof, 0, 1.0), rel=1e-9)
     assert whole.bwd - shard.bwd == pytest.approx(
         eltwise_time(cast * 2 * n * D * (1 - 1 / tp), sm.prof, 0, 1.0), rel=1e-9)
-    no_sp = StepModel(c := _torchtitan_tp(tp=4, sequence_parallel=False), H100,
+    no_sp = LayoutStep(c := _torchtitan_tp(tp=4, sequence_parallel=False), H100,
                       plan_from_config(c, 8))
     assert no_sp.shard.stack.fp8_shard_casts and not no_sp.shard.sp  # no shard to cast on
 
@@ -415,7 +420,7 @@ def test_fp8_sequence_parallel_gather_width_is_the_stacks(stack, release, width)
     element); fivefold's runtime gathers the compute dtype, as its ledger records. (Megatron
     before its TP overlap, so that the collectives are on the critical path; exact.)"""
     cfg = _torchtitan_tp(stack, release)
-    sm = StepModel(cfg, H100, plan_from_config(cfg, 8))
+    sm = LayoutStep(cfg, H100, plan_from_config(cfg, 8))
     assert not sm.stack.overlaps_tp
     act = 2048 * 512 * 2
     ag = sm._coll("all_gather", act * width / 2, sm.tp_group)
@@ -431,12 +436,12 @@ def test_experts_and_all_to_alls_are_timed_at_the_busiest_ranks_load():
     times the mean's bytes; capped at ep, and without expert parallelism it is 1."""
     from fivefold.config import ConfigError
     from fivefold.planner.compute import Gemm, block_gemms, eltwise_time, gemm_time
-    from fivefold.planner.simulate import expert_load
+    from fivefold.planner.block_cost import expert_load
 
-    def step_model(ep: int, imbalance: float) -> StepModel:
+    def step_model(ep: int, imbalance: float) -> LayoutStep:
         cfg = _moe_cfg("fivefold", ep)
         cfg.model.moe.rank_imbalance = imbalance
-        return StepModel(cfg, H100, plan_from_config(cfg, 16))
+        return LayoutStep(cfg, H100, plan_from_config(cfg, 16))
 
     flat, busy = step_model(4, 1.0), step_model(4, 1.5)
     assert (flat.shard.expert_load, busy.shard.expert_load) == (1.0, 1.5)

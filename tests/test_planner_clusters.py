@@ -19,8 +19,8 @@ from fivefold.planner.cluster import cluster_groups, group_config
 from fivefold.planner.cost import usd_per_million_tokens
 from fivefold.planner.goodput import daly_fraction, daly_interval, goodput
 from fivefold.planner.hetero import batch_shares, hetero_search
-from fivefold.planner.mixed_step import MixedStepModel
-from fivefold.planner.simulate import StepModel
+from fivefold.planner.mixed_step import MixedLayoutStep
+from fivefold.planner.step import LayoutStep
 from fivefold.validate import validate_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,10 +108,10 @@ def test_two_identical_groups_as_one_pipeline_reproduce_the_homogeneous_step():
     one = group_config(cfg, groups[0], 16, 48, groups[0].inter_node_GBps)
     lay = plan_from_config(one, 16, "bf16").replace(tp=4, pp=2, dp=2, zero_group=2,
                                                     stage_layers=(4, 4), micro_batch=1)
-    plain = StepModel(one, PROFILES["H100-SXM"], lay).estimate()
-    members = [StepModel(one, PROFILES["H100-SXM"], lay) for _ in groups]
+    plain = LayoutStep(one, PROFILES["H100-SXM"], lay).estimate()
+    members = [LayoutStep(one, PROFILES["H100-SXM"], lay) for _ in groups]
     peak = 16 * PROFILES["H100-SXM"].peak_flops("bf16")
-    mixed = MixedStepModel(one, PROFILES["H100-SXM"], lay, members, [0, 1]).mixed_estimate(peak)
+    mixed = MixedLayoutStep(one, PROFILES["H100-SXM"], lay, members, [0, 1]).mixed_estimate(peak)
     assert mixed.step_time_s == pytest.approx(plain.step_time_s, rel=1e-12)
     assert mixed.mfu == pytest.approx(plain.mfu, rel=1e-12)
     assert mixed.fits == plain.fits

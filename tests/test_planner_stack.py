@@ -199,14 +199,14 @@ def test_fivefold_runs_moe_layers_on_the_experts_grid_megatron_splits_them_over_
     tokens; with etp 2 split like Megatron's, whose expert tensor parallelism follows tp."""
     from fivefold.parallel.plan import plan_from_config
     from fivefold.planner.compute import block_gemms
-    from fivefold.planner.simulate import StepModel
+    from fivefold.planner.step import LayoutStep
 
     def step_model(stack, etp=1):
         spec = {"model": {"preset": "mixtral-8x7B"}, "cluster": {"gpu": "H100-SXM", "gpus": 64},
                 "parallel": {"global_batch": 64, "tp": 2, "ep": 8, "etp": etp,
                              "micro_batch": 1, "zero_stage": 1}, "train": {"stack": stack}}
         cfg = spec_config(spec)
-        return StepModel(cfg, PROFILES["H100-SXM"], plan_from_config(cfg, 64))
+        return LayoutStep(cfg, PROFILES["H100-SXM"], plan_from_config(cfg, 64))
 
     mine, meg, split = step_model("fivefold"), step_model("megatron"), step_model("fivefold", 2)
     experts = [sm.block_numel(True) - sm.block_numel(True, dense_only=True)

@@ -1,7 +1,7 @@
 """The seconds an MoE layer spends communicating on one rank and micro-batch, per direction.
 
-Torch-free; fivefold.planner.simulate's `core_cost` adds them to a block's tensor-, context-
-and data-parallel collectives. Two layouts of the layer, by the stack
+Torch-free; fivefold.planner.block_cost lists them as a block's "ep" and "tp" ops beside its
+tensor-, context- and data-parallel collectives. Two layouts of the layer, by the stack
 (fivefold.planner.stack `experts_follow_tp`):
 
   external stack  the MLP a tp region like a dense one (its all-reduce, or sequence
@@ -47,7 +47,7 @@ def expert_groups(stack: Stack, lay: ParallelPlan, shard_group: Group, gpn: int
 
 def moe_comm_s(sm, act: float) -> tuple[float | None, float, float]:
     """(the MLP side's tp seconds per direction, None where it is a dense tp region; the
-    all-to-all seconds per direction; the forward-only count exchanges) of StepModel `sm`'s
+    all-to-all seconds per direction; the forward-only count exchanges) of BlockCosts `sm`'s
     MoE block, `act` the bytes of one full-width activation of the rank's micro-batch."""
     lay, m, sh = sm.lay, sm.model, sm.shard
     tokens = sh.tokens / sm.stack.moe_token_share(lay.tp, lay.sequence_parallel)

@@ -6,7 +6,7 @@ hold consecutive stages, in the spec's order or the reverse (the last stage carr
 output head, the first the embedding: which group takes which end matters). Blocks are split
 by fivefold.planner.mixed_step.split_layers; the first pass ranks candidates by 1F1B's
 (micro-batches + pp - 1) slots of the slowest stage, the exact pass replays the schedule
-with each stage priced by its own group (MixedStepModel).
+with each stage priced by its own group (MixedLayoutStep).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Iterator
 from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.cluster import DeviceGroup, group_config
-from fivefold.planner.mixed_step import MixedStepModel, closed_form_step, split_layers
+from fivefold.planner.mixed_step import MixedLayoutStep, closed_form_step, split_layers
 from fivefold.planner.search import RECOMPUTE, powers_of_two
-from fivefold.planner.simulate import StepModel, shared_machine
+from fivefold.planner.simulate import shared_machine
+from fivefold.planner.step import LayoutStep
 
 MAX_STAGES = 64
 
@@ -55,7 +56,7 @@ def stage_layouts(cfg: Config, groups: list[DeviceGroup], base: ParallelPlan,
 
 
 class StageScorer:
-    """Prices pp-split layouts with one StepModel per group (caches kept per group)."""
+    """Prices pp-split layouts with one LayoutStep per group (caches kept per group)."""
 
     def __init__(self, cfg: Config, groups: list[DeviceGroup], inter: float):
         gpus = sum(g.gpus for g in groups)
@@ -68,8 +69,8 @@ class StageScorer:
         self.slow = slow
         self.peak_total = 0.0
 
-    def members(self, lay: ParallelPlan) -> list[StepModel]:
-        return [StepModel(c, p, lay, cache) for c, p, cache in
+    def members(self, lay: ParallelPlan) -> list[LayoutStep]:
+        return [LayoutStep(c, p, lay, cache) for c, p, cache in
                 zip(self.cfgs, self.profs, self.caches)]
 
     def first_pass(self, lay: ParallelPlan, stage_member: list[int]
@@ -86,6 +87,6 @@ class StageScorer:
         lay = lay.replace(stage_layers=tuple(counts))
         precision = "bf16" if lay.precision == "fp8" else lay.precision
         peak = sum(g.gpus * g.prof.peak_flops(precision) for g in self.groups)
-        mixed = MixedStepModel(self.cfgs[self.slow], self.profs[self.slow], lay,
+        mixed = MixedLayoutStep(self.cfgs[self.slow], self.profs[self.slow], lay,
                                self.members(lay), stage_member)
         return mixed.mixed_estimate(peak)

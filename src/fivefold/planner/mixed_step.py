@@ -6,10 +6,10 @@ another, as the plan places them); every stage's ranks belong to one group. `spl
 cuts the blocks into contiguous stages, at least one each, minimizing the slowest stage's
 forward-plus-backward time for one micro-batch, each stage within its own device's memory
 (its blocks' state and saved activations at its peak in-flight micro-batches, plus what the
-rank holds besides: fivefold.planner.simulate's `rank_fixed_bytes`): a bisection on that
-time, each stage taking as many blocks as fit under it. `MixedStepModel` is a
-fivefold.planner.simulate.StepModel whose per-stage quantities (stage times, activation
-bytes, the data-parallel tail, the optimizer, memory) come from the StepModel of that
+rank holds besides: fivefold.planner.step.LayoutStep.rank_fixed_bytes): a bisection on that
+time, each stage taking as many blocks as fit under it. `MixedLayoutStep` is a
+fivefold.planner.step.LayoutStep whose per-stage quantities (stage times, activation
+bytes, the data-parallel tail, the optimizer, memory) come from the LayoutStep of that
 stage's group, so the schedule's event replay (the same one every layout uses) lets the
 slowest path decide the step. Transfers between stages are priced on the slowest group's
 links (fivefold.planner.cluster).
@@ -26,19 +26,20 @@ from fivefold.hardware import HardwareProfile
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.schedules import peak_in_flight
-from fivefold.planner.simulate import Estimate, StepModel
+from fivefold.planner.estimate import Estimate
+from fivefold.planner.step import LayoutStep
 
 
-class MixedStepModel(StepModel):
-    """A StepModel whose stage `g` (= pipeline rank g: one virtual stage per rank) is priced
-    by `members[stage_member[g]]`, a StepModel of the same layout on that group's profile."""
+class MixedLayoutStep(LayoutStep):
+    """A LayoutStep whose stage `g` (= pipeline rank g: one virtual stage per rank) is priced
+    by `members[stage_member[g]]`, a LayoutStep of the same layout on that group's profile."""
 
     def __init__(self, cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
-                 members: list[StepModel], stage_member: list[int]):
+                 members: list[LayoutStep], stage_member: list[int]):
         super().__init__(cfg, prof, lay)
         self.members, self.stage_member = members, stage_member
 
-    def member(self, g: int) -> StepModel:
+    def member(self, g: int) -> LayoutStep:
         return self.members[self.stage_member[g]]
 
     def stage_times(self, g: int) -> tuple[float, float, float, float, float]:
@@ -75,7 +76,7 @@ class MixedStepModel(StepModel):
                                    hardware_tflops_per_gpu=hw_fl * rate / self.lay.gpus / 1e12)
 
 
-def split_layers(members: list[StepModel], stage_member: list[int]) -> list[int] | None:
+def split_layers(members: list[LayoutStep], stage_member: list[int]) -> list[int] | None:
     """Blocks per stage (module docstring); None when no split fits the devices' memory.
     `members` hold the layout (pp stages, any split); stage s runs on
     members[stage_member[s]]."""
@@ -122,7 +123,7 @@ def split_layers(members: list[StepModel], stage_member: list[int]) -> list[int]
     return cut(hi)
 
 
-def _block_figures(sm: StepModel, kinds: list[bool]
+def _block_figures(sm: LayoutStep, kinds: list[bool]
                    ) -> tuple[list[float], list[float], list[float]]:
     """(prefix sums of forward + backward seconds, state bytes, saved bytes) per block of
     `sm`, each computed once per kind of block (dense or MoE): blocks of a kind are alike."""
@@ -134,7 +135,7 @@ def _block_figures(sm: StepModel, kinds: list[bool]
             [saved[k] for k in kinds])
 
 
-def slowest_stage_s(members: list[StepModel], stage_member: list[int],
+def slowest_stage_s(members: list[LayoutStep], stage_member: list[int],
                     counts: list[int]) -> float:
     """Forward plus backward seconds of the slowest stage for one micro-batch."""
     out, start = 0.0, 0
@@ -154,7 +155,7 @@ def _prefix(values: list[float]) -> list[float]:
     return out
 
 
-def closed_form_step(members: list[StepModel], stage_member: list[int],
+def closed_form_step(members: list[LayoutStep], stage_member: list[int],
                      counts: list[int]) -> float:
     """The first pass's step: 1F1B's (m + pp - 1) slots of the slowest stage."""
     lay = members[0].lay

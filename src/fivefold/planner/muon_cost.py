@@ -138,7 +138,7 @@ def muon_optimizer_bytes(cfg: Config, lay: ParallelPlan, units: list[Unit], laye
 
 def muon_step_s(sim, rank: int) -> float:
     """Muon's part of pipeline rank `rank`'s optimizer step on the simulator `sim`
-    (fivefold.planner.simulate): the Newton-Schulz iterations of the busiest owner and,
+    (fivefold.planner.step.LayoutStep): the Newton-Schulz iterations of the busiest owner and,
     sharded, each unit's gather and scatter over its Muon axis."""
     lay, model = sim.lay, sim.model
     units = [block_matrices(model, lay, i) for i in sim.rank_layers(rank)]

@@ -115,8 +115,8 @@ def offload_times(work: list[UnitWork], tier: str, host: HostTier, sharing: int,
 
 
 def rank_work(sm, rank: int) -> list[UnitWork]:
-    """The offloaded units of pipeline rank `rank` of StepModel `sm` (fivefold.planner.
-    simulate), in the engine's order (fivefold.planner.memory.stage_units: the root when the
+    """The offloaded units of pipeline rank `rank` of LayoutStep `sm` (fivefold.planner.
+    step), in the engine's order (fivefold.planner.memory.stage_units: the root when the
     stage has one, then each block's unit and, where they are apart, its experts' unit), with the
     simulator's per-block forward seconds. A block's forward waits for all its
     units, so it is charged to the last of them; the root's is the embedding's (the head
@@ -144,7 +144,7 @@ def device_units(units: list[Unit], lay: ParallelPlan) -> list[Unit]:
 
 
 def work_offload(sm, work: list[UnitWork], device_s: float) -> OffloadTimes:
-    """`offload_times` of the offloaded units `work` of one rank of StepModel `sm`'s layout,
+    """`offload_times` of the offloaded units `work` of one rank of LayoutStep `sm`'s layout,
     whose training thread spends `device_s` on the device's step and re-gathers before the
     next forward."""
     lay = sm.lay
@@ -159,7 +159,7 @@ def rank_offload(sm, rank: int, device_s: float) -> OffloadTimes:
 
 
 def sharing(sm) -> int:
-    """Ranks of StepModel `sm`'s layout that share one host."""
+    """Ranks of LayoutStep `sm`'s layout that share one host."""
     return ranks_on_host(sm.prof.host, sm.lay.gpus, sm.cfg.cluster.gpus_per_node)
 
 

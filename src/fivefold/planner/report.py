@@ -18,7 +18,7 @@ from __future__ import annotations
 from fivefold.config import Config
 from fivefold.hardware import PROFILES, HardwareProfile
 from fivefold.planner.bands import step_time_band
-from fivefold.planner.simulate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
+from fivefold.planner.estimate import BREAKDOWN_FIELDS, MEMORY_FIELDS, Estimate
 from fivefold.planner.stack import STACKS
 
 GiB = 2**30

@@ -31,7 +31,7 @@ def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
     """The runtime's action lists for a layout's `schedule` (vpp > 1 is interleaved 1F1B;
     `slices` counts only for TeraPipe, `steps` only for PipeDream-2BW). They carry no
     tied-embedding exchange: the simulator times the head gradient's return itself, after
-    the replay (StepModel.estimate)."""
+    the replay (LayoutStep.estimate)."""
     if schedule == "pipedream-2bw":
         return runtime.pipedream_2bw_schedule(pp, m, steps)
     name = "interleaved" if vpp > 1 and schedule not in runtime.V_SCHEDULES else schedule

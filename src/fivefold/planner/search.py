@@ -42,7 +42,9 @@ from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
 from fivefold.planner.params import block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
-from fivefold.planner.simulate import Estimate, StepModel, default_precision, exposed
+from fivefold.planner.events import exposed
+from fivefold.planner.simulate import Estimate, default_precision
+from fivefold.planner.step import LayoutStep
 from fivefold.planner.spec import cluster_gpus
 
 RECOMPUTE = ("none", "selective", "full")
@@ -128,7 +130,7 @@ class FastScorer:
         """(step seconds, peak bytes per device (infinite when offload's host tier cannot
         hold the offloaded state), the least peak any offloaded variant of it can reach). A
         layout over the device's memory is not timed: its step reads infinite."""
-        sm = StepModel(self.cfg, self.prof, lay, self.cache)
+        sm = LayoutStep(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
         L, pp, v = m.layers, lay.pp, lay.vpp
         dense_layers = L - self.moe_layers
@@ -177,7 +179,7 @@ class FastScorer:
             peak = peak if host_fits else math.inf
         return step, peak, peak
 
-    def _offload(self, sm: StepModel, lay: ParallelPlan, costs: list, local: float,
+    def _offload(self, sm: LayoutStep, lay: ParallelPlan, costs: list, local: float,
                  device_s: float) -> tuple[float, bool]:
         """(exposed seconds, whether the host holds it) of offloading `offload_fraction`
         of the rank's `local` elements: fivefold.planner.offload on the rank's blocks, each
@@ -193,7 +195,7 @@ class FastScorer:
                       * offload.sharing(sm))
         return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
 
-    def _dp(self, sm: StepModel, lay: ParallelPlan, grad_bytes: tuple[float, float],
+    def _dp(self, sm: LayoutStep, lay: ParallelPlan, grad_bytes: tuple[float, float],
             window: float):
         """(exposed gradient sync, parameter re-gather) of a rank's (dense, routed-expert)
         gradient bytes."""
@@ -205,7 +207,7 @@ class FastScorer:
         tail = exposed(sm._data_coll(op, *grad_bytes), window, self.prof.eff.overlap_eff)
         return tail, regather
 
-    def _memory(self, sm: StepModel, lay: ParallelPlan, numel: float, shard: int,
+    def _memory(self, sm: LayoutStep, lay: ParallelPlan, numel: float, shard: int,
                 rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:
         """Peak device bytes; `kept`: the share of master and optimizer state that offload
         leaves on the device."""
@@ -267,7 +269,7 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
                    cache: dict) -> Estimate | None:
     """Simulate `lay` with its blocks cut into stages by the planner's partition (by time,
     each stage within its share of the device memory); None when no split fits."""
-    sm = StepModel(cfg, prof, lay, cache)
+    sm = LayoutStep(cfg, prof, lay, cache)
     stages = lay.pp * lay.vpp
     if stages > 1:
         m, v = cfg.model, lay.vpp
@@ -286,5 +288,5 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
             counts = sm.balanced_stage_layers(fits)
         except ValueError:
             return None
-        sm = StepModel(cfg, prof, lay.replace(stage_layers=tuple(counts)), cache)
+        sm = LayoutStep(cfg, prof, lay.replace(stage_layers=tuple(counts)), cache)
     return sm.estimate()

@@ -50,7 +50,11 @@ def predict(run: RunData, profile: str | None = None) -> Prediction | str:
         est = simulate(cfg, prof, plan=plan, keep_events=True)
     except (ConfigError, ValueError) as err:
         return f"no predicted timeline: the planner cannot simulate this run's config ({err})"
-    events = [e for e in trace_events(est, est.step_model) if e["ph"] == "X"]
+    # the page's two lanes per rank: the actions and the optimizer, and every stream's
+    # collectives as one comm lane (the block ops inside an action are the trace's detail)
+    events = [dict(e, tid=min(e["tid"], 1)) for e in trace_events(est, est.step_model)
+              if e["ph"] == "X" and (e["tid"] or e.get("cat") == "action"
+                                     or e["name"] == "optimizer")]
     return Prediction(est, prof, events)
 
 
