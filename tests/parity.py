@@ -35,6 +35,7 @@ class TrainedRun(NamedTuple):
     params: dict[str, torch.Tensor]  # this rank's parameters by name, whole (full_parameters)
     records: list[dict]  # the last step's ledger records
     val_loss: float | None  # Trainer.evaluate() after the steps, when asked for
+    first_ledger: tuple  # the first step's (bytes totals, wire-bytes totals, model-state bytes)
 
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -52,11 +53,14 @@ def train_steps(rt: Runtime, cfg: Config, run_dir: str | Path, steps: int = STEP
     """`steps` Trainer steps from step 0 (then a validation pass if `evaluate`); a collective
     call when rt has several ranks, so every rank must make it."""
     trainer = Trainer(cfg, rt, run_dir)
-    results = [trainer.train_step(s) for s in range(steps)]
+    results = [trainer.train_step(0)]
+    first_ledger = (trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
+                    dict(trainer.ledger.model_state_bytes))
+    results += [trainer.train_step(s) for s in range(1, steps)]
     records = trainer.ledger.as_dicts()  # before evaluate adds its own collectives
     val_loss = trainer.evaluate() if evaluate else None
     return TrainedRun([r.loss for r in results], [r.grad_norm for r in results],
-                      full_parameters(trainer), records, val_loss)
+                      full_parameters(trainer), records, val_loss, first_ledger)
 
 
 def resumed_losses(rt: Runtime, cfg: Config, run_dir: str | Path, save_at: int,

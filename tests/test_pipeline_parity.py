@@ -152,8 +152,20 @@ def pipeline_run(rt, base, layout, tmp):
     return losses, params, records, val.item() / (t.eval_batches * global_tokens)
 
 
-def _group(rt, base, layouts, tmp):
-    return [pipeline_run(rt, base, layout, tmp) for layout in layouts]
+def _world(rt, base, layouts, two_bw_layouts, tmp):
+    """One start of these ranks for every check on them: the synchronous schedules'
+    layouts (pipeline_run), then PipeDream-2BW's (two_bw_run)."""
+    return ([pipeline_run(rt, base, layout, tmp) for layout in layouts],
+            two_bw_run(rt, base, two_bw_layouts))
+
+
+@pytest.fixture(scope="module")
+def ranks(parity_overrides, tmp_path_factory):
+    """Every rank's results per world size (2 and 4)."""
+    return {world: run_on_ranks(_world, world, parity_overrides, layouts,
+                                [x for x in TWO_BW if x[0] * x[1] == world],
+                                str(tmp_path_factory.mktemp(f"w{world}")), timeout_s=900)
+            for world, layouts in ((2, LAYOUTS_PP2), (4, LAYOUTS_4))}
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +193,9 @@ def _assert_parity(per_rank, ref, label, atol=1e-5):
 
 
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_PP2), (4, LAYOUTS_4)])
-def test_parity_with_one_process(world, layouts, parity_overrides, reference, tmp_path):
-    results = run_on_ranks(_group, world, parity_overrides, layouts, str(tmp_path),
-                           timeout_s=600)
+def test_parity_with_one_process(world, layouts, ranks, reference):
     for i, layout in enumerate(layouts):
-        per_rank = [results[r][i] for r in range(world)]
+        per_rank = [ranks[world][r][0][i] for r in range(world)]
         atol = 3e-5 if layout[0] == "terapipe" else 1e-5
         _assert_parity(per_rank, reference[(layout[3], layout[4])], f"world {world} {layout}",
                        atol)
@@ -230,14 +240,14 @@ def _pp_bytes(records, op, purpose):
                if (r["op"], r["mesh_dim"], r["purpose"]) == (op, "pp", purpose))
 
 
-def test_ledger_records_every_pipeline_message(parity_overrides, tmp_path):
-    """1F1B, pp 2, 8 micro-batches of one sequence, tied embeddings: each micro-batch sends
-    one activation (1 x 32 tokens x 64 wide x 4 bytes) down and one gradient up, and the
-    512 x 64 embedding matrix goes to the last stage and its gradient share comes back."""
-    layout = ("1f1b", 1, 1, 7, True, None, 1)
-    results = run_on_ranks(pipeline_run, 2, parity_overrides, layout, str(tmp_path))
+def test_ledger_records_every_pipeline_message(ranks):
+    """1F1B, pp 2, 8 micro-batches of one sequence, tied embeddings (a layout of the parity
+    test's 2 ranks): each micro-batch sends one activation (1 x 32 tokens x 64 wide x 4
+    bytes) down and one gradient up, and the 512 x 64 embedding matrix goes to the last
+    stage and its gradient share comes back."""
+    i = LAYOUTS_PP2.index(("1f1b", 1, 1, 7, True, None, 1))
     act, table = 1 * 32 * 64 * 4, 512 * 64 * 4
-    first, last = results[0][2], results[1][2]
+    first, last = ranks[2][0][0][i][2], ranks[2][1][0][i][2]
     assert _pp_bytes(first, "send", "pp_activations") == 8 * act
     assert _pp_bytes(last, "recv", "pp_activations") == 8 * act
     assert _pp_bytes(last, "send", "pp_grads") == 8 * act
@@ -367,12 +377,12 @@ def stale_reference(cfg, predict):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides):
+def test_pipedream_2bw_applies_stale_gradients(world, parity_overrides, ranks):
     """pp 2 and pp 4 (tied and untied), and pp 2 x dp 2 (gradients all-reduced at UPDATE),
     with AdamW and Muon; losses and validation loss rel 2e-5, parameters atol 3e-5 (Muon
     1e-4) + rtol 1e-4 (module docstring)."""
     layouts = [x for x in TWO_BW if x[0] * x[1] == world]
-    results = run_on_ranks(two_bw_run, world, parity_overrides, layouts, timeout_s=600)
+    results = [rank[1] for rank in ranks[world]]
     for i, (pp, dp, micro, layers, tied, predict, optimizer) in enumerate(layouts):
         ref_losses, ref_params, ref_val = stale_reference(
             _two_bw_config(parity_overrides, micro, layers, tied, optimizer), predict)
