@@ -63,8 +63,9 @@ import tempfile
 import time
 import warnings
 
-from harness import (TrainerSide, add_timing_args, machine_info, plain_adamw, plain_lr,
-                     random_batch, rss_mib, split_rounds, write_json)
+from harness import (SPEED_MEMORY_HEADER, TrainerSide, add_timing_args, machine_info,
+                     memory_summary, plain_adamw, plain_lr, random_batch, rotated, rss_mib,
+                     speed_memory_cells, speed_memory_ratios, split_rounds, write_json)
 
 FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
 TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
@@ -377,8 +378,7 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
             rates = {name: [] for name in running}
             losses = {}
             for r, n in enumerate(per_round):
-                order = list(running)  # rotated each round: no side always follows another
-                for name in order[r % len(order):] + order[:r % len(order)]:
+                for name in rotated(list(running), r):
                     out = running[name].ask({"steps": n})
                     if out is None:
                         drop(name)
@@ -413,9 +413,7 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
         bases = [o["base_rss_mib"] for o in ready[name]]
         result["sides"][name] = {
             "tokens_per_s": statistics.median(rates[name]), "tokens_per_s_best": max(rates[name]),
-            "tokens_per_s_rounds": rates[name], "peak_rss_mib": max(peaks),
-            "peak_rss_mib_per_rank": peaks, "base_rss_mib_per_rank": bases,
-            "rss_growth_mib": max(p - b for p, b in zip(peaks, bases)),
+            "tokens_per_s_rounds": rates[name], **memory_summary(peaks, bases),
             "last_loss": losses[name], "threads_per_rank": ready[name][0]["threads"],
             **finals[name][0]["report"]}
     result["ratios"] = ratios(result["sides"])
@@ -427,11 +425,7 @@ def ratios(sides: dict) -> dict:
     out = {}
     for peer, ref in REFERENCE.items():
         if peer in sides and ref in sides:
-            p, f = sides[peer], sides[ref]
-            out[peer] = {"reference": ref,
-                         "tokens_per_s": p["tokens_per_s"] / f["tokens_per_s"],
-                         "peak_rss": p["peak_rss_mib"] / f["peak_rss_mib"],
-                         "rss_growth": p["rss_growth_mib"] / f["rss_growth_mib"]}
+            out[peer] = {"reference": ref, **speed_memory_ratios(sides[peer], sides[ref])}
     return out
 
 
@@ -442,15 +436,10 @@ def print_table(res: dict) -> None:
           f"{c['seq_len']} tokens, {c['timed_steps']} timed steps per side in {c['rounds']} "
           f"round(s) (+{c['warmup_steps']} warm-up); {m['cpu_count']} CPUs, torch {m['torch']}"
           + (f", deepspeed {m['deepspeed']}" if "deepspeed" in m else ""))
-    print(f"{'side':<13}{'tokens/s':>10}{'ratio':>8}{'peak RSS/rank':>15}{'ratio':>8}"
-          f"{'growth':>9}{'ratio':>8}  vs")
+    print(f"{'side':<13}{SPEED_MEMORY_HEADER}  vs")
     for name, s in res["sides"].items():
         r = res["ratios"].get(name)
-        cell = lambda key: f"{r[key]:>8.3f}" if r else f"{'':>8}"  # noqa: E731
-        print(f"{name:<13}{s['tokens_per_s']:>10,.0f}{cell('tokens_per_s')}"
-              f"{s['peak_rss_mib']:>11,.0f} MiB{cell('peak_rss')}"
-              f"{s['rss_growth_mib']:>5,.0f} MiB{cell('rss_growth')}"
-              f"  {r['reference'] if r else ''}")
+        print(f"{name:<13}{speed_memory_cells(s, r)}  {r['reference'] if r else ''}")
     for name, reason in res["skipped"].items():
         print(f"{name}: not run: {reason.splitlines()[-1]}")
 

@@ -67,6 +67,43 @@ def split_rounds(steps: int, rounds: int) -> list[int]:
     return [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """`names` in round `r`'s order: rotated by r, so that no side always follows another
+    and machine noise hits every side alike."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def memory_summary(peaks: list[float], bases: list[float]) -> dict:
+    """A side's peak resident set (MiB) per rank after its steps and after set-up: the
+    largest rank's peak and growth, and every rank's."""
+    return {"peak_rss_mib": max(peaks), "peak_rss_mib_per_rank": peaks,
+            "base_rss_mib_per_rank": bases,
+            "rss_growth_mib": max(p - b for p, b in zip(peaks, bases))}
+
+
+def speed_memory_ratios(side: dict, ref: dict) -> dict:
+    """`side`'s tokens/s, peak and growth over the reference side's."""
+    return {"tokens_per_s": side["tokens_per_s"] / ref["tokens_per_s"],
+            "peak_rss": side["peak_rss_mib"] / ref["peak_rss_mib"],
+            "rss_growth": side["rss_growth_mib"] / ref["rss_growth_mib"]}
+
+
+SPEED_MEMORY_HEADER = (f"{'tokens/s':>10}{'ratio':>8}{'peak RSS/rank':>15}{'ratio':>8}"
+                       f"{'growth':>9}{'ratio':>8}")
+
+
+def speed_memory_cells(side: dict, ratios: dict | None) -> str:
+    """A table row's tokens/s, peak and growth, each with its ratio (blank for the
+    reference), under SPEED_MEMORY_HEADER."""
+    def cell(key: str) -> str:
+        return f"{ratios[key]:>8.3f}" if ratios else f"{'':>8}"
+
+    return (f"{side['tokens_per_s']:>10,.0f}{cell('tokens_per_s')}"
+            f"{side['peak_rss_mib']:>11,.0f} MiB{cell('peak_rss')}"
+            f"{side['rss_growth_mib']:>5,.0f} MiB{cell('rss_growth')}")
+
+
 def add_timing_args(ap: argparse.ArgumentParser, steps: int, rounds: int, warmup: int,
                     what: str = "side") -> None:
     """--steps, --rounds, --warmup and --json with this script's defaults."""

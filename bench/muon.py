@@ -37,8 +37,9 @@ import statistics
 import sys
 import time
 
-from harness import (TrainerSide, add_timing_args, machine_info, rss_mib, split_rounds,
-                     write_json)
+from harness import (SPEED_MEMORY_HEADER, TrainerSide, add_timing_args, machine_info,
+                     memory_summary, rotated, rss_mib, speed_memory_cells, speed_memory_ratios,
+                     split_rounds, write_json)
 
 SIDES = {"ddp": 0, "zero-1": 1}  # side: ZeRO stage
 REFERENCE = "ddp"
@@ -74,9 +75,8 @@ def _rates_on_ranks(rt, per_round: list[int], warmup: int, threads: int) -> dict
         side.run(warmup)
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     losses = {}
-    order = list(sides)
     for r, n in enumerate(per_round):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in rotated(list(sides), r):
             dist.barrier()
             start = time.perf_counter()
             losses[name] = sides[name].run(n)
@@ -124,15 +124,10 @@ def run_bench(nproc: int, steps: int, rounds: int, warmup: int, memory_steps: in
                              timeout_s=3600)
         peaks = [r["peak_rss_mib"] for r in ranks]
         bases = [r["base_rss_mib"] for r in ranks]
-        sides[name].update(
-            peak_rss_mib=max(peaks), peak_rss_mib_per_rank=peaks, base_rss_mib_per_rank=bases,
-            rss_growth_mib=max(p - b for p, b in zip(peaks, bases)),
-            model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks])
+        sides[name].update(memory_summary(peaks, bases),
+                           model_state_bytes_per_rank=[r["model_state_bytes"] for r in ranks])
     ref = sides[REFERENCE]
-    ratios = {name: {"reference": REFERENCE,
-                     "tokens_per_s": s["tokens_per_s"] / ref["tokens_per_s"],
-                     "peak_rss": s["peak_rss_mib"] / ref["peak_rss_mib"],
-                     "rss_growth": s["rss_growth_mib"] / ref["rss_growth_mib"],
+    ratios = {name: {"reference": REFERENCE, **speed_memory_ratios(s, ref),
                      "optimizer_bytes": (s["model_state_bytes_per_rank"][0]["optimizer"]
                                          / ref["model_state_bytes_per_rank"][0]["optimizer"])}
               for name, s in sides.items() if name != REFERENCE}
@@ -154,16 +149,12 @@ def print_table(res: dict) -> None:
           f"round(s) (+{c['warmup_steps']} warm-up); {m['cpu_count']} CPUs, load "
           f"{m['load_average_before'][0]:.2f} before / {m['load_average'][0]:.2f} after, "
           f"torch {m['torch']}")
-    print(f"{'side':<8}{'tokens/s':>10}{'ratio':>8}{'peak RSS/rank':>15}{'ratio':>8}"
-          f"{'growth':>9}{'ratio':>8}{'optimizer/rank':>16}{'ratio':>8}")
+    print(f"{'side':<8}{SPEED_MEMORY_HEADER}{'optimizer/rank':>16}{'ratio':>8}")
     for name, s in res["sides"].items():
         r = res["ratios"].get(name)
-        cell = lambda key: f"{r[key]:>8.3f}" if r else f"{'':>8}"  # noqa: E731
         opt = s["model_state_bytes_per_rank"][0]["optimizer"]
-        print(f"{name:<8}{s['tokens_per_s']:>10,.0f}{cell('tokens_per_s')}"
-              f"{s['peak_rss_mib']:>11,.0f} MiB{cell('peak_rss')}"
-              f"{s['rss_growth_mib']:>5,.0f} MiB{cell('rss_growth')}"
-              f"{opt / 2**20:>12,.2f} MiB{cell('optimizer_bytes')}")
+        opt_ratio = f"{r['optimizer_bytes']:>8.3f}" if r else f"{'':>8}"
+        print(f"{name:<8}{speed_memory_cells(s, r)}{opt / 2**20:>12,.2f} MiB{opt_ratio}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fivefold import validate as V
+from fivefold import validate_parallel as VP
 from fivefold.cli import _auto_plan, _device, _preflight
 from fivefold.config import Config, ConfigError, MoEConfig, load_config
 from fivefold.models.presets import PRESETS
@@ -38,8 +39,8 @@ from fivefold.parallel.plan import training_plan
 
 CHOICES = {
     "model.preset": tuple(PRESETS), "model.ffn_type": V.FFN_TYPES,
-    "parallel.cp_mode": V.CP_MODES, "parallel.schedule": V.SCHEDULES,
-    "parallel.recompute": V.RECOMPUTE, "parallel.precision": V.PRECISIONS,
+    "parallel.cp_mode": VP.CP_MODES, "parallel.schedule": VP.SCHEDULES,
+    "parallel.recompute": VP.RECOMPUTE, "parallel.precision": VP.PRECISIONS,
     "parallel.reduce_dtype": ("fp32", "bf16", "fp16"), "train.optimizer": V.OPTIMIZERS,
     "train.stack": V.STACKS, "train.device": V.DEVICES,
     "train.on_nonfinite": ("stop", "skip"), "data.format": V.DATA_FORMATS,

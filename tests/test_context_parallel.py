@@ -40,11 +40,12 @@ TP2 = ("parallel.tp=2",)
 SP2 = ("parallel.tp=2", "parallel.sequence_parallel=true")
 PP2 = ("parallel.pp=2",)
 # (model, cp, cp_mode, zero_stage, micro_batch, other keys); dp = world / (cp tp pp)
+RESUMED = ("gqa-tied", 2, "ring", 3, None, ())  # a LAYOUTS_4 layout, stopped and resumed
 LAYOUTS_2 = [("gqa-tied", 2, "ring", 0, None, ()), ("gqa-tied", 2, "ulysses", 0, None, ()),
              ("mqa-untied", 2, "ring", 0, 2, ()), ("mqa-untied", 2, "ulysses", 0, None, ())]
 LAYOUTS_4 = [("gqa-tied", 4, "ring", 0, None, ()), ("gqa-tied", 4, "ulysses", 0, None, ()),
              ("mqa-untied", 4, "ulysses", 0, None, ()),
-             ("gqa-tied", 2, "ring", 3, None, ()), ("mqa-untied", 2, "ulysses", 1, None, ()),
+             RESUMED, ("mqa-untied", 2, "ulysses", 1, None, ()),
              ("gqa-tied", 2, "ulysses", 2, 2, ()), ("mqa-untied", 2, "ring", 0, None, ()),
              ("gqa-tied", 2, "ring", 0, None, SP2), ("gqa-tied", 2, "ulysses", 1, None, TP2),
              ("gqa-tied", 2, "ring", 0, 2, PP2),
@@ -67,22 +68,16 @@ def _sets(overrides, model, cp=1, mode="ring", stage=0, micro=None, other=()):
 def _on_ranks(rt, overrides, layouts, tmp):
     trained = [train_steps(rt, load_config(None, _sets(overrides, *layout)), tmp, evaluate=True)
                for layout in layouts]
-    ledgers = []
-    for layout in layouts:
-        trainer = Trainer(load_config(None, _sets(overrides, *layout)), rt, tmp)
-        trainer.train_step(0)
-        ledgers.append((trainer.ledger.totals("bytes"), trainer.ledger.totals("wire_bytes"),
-                        trainer.ledger.model_state_bytes))
+    ledgers = [run.first_ledger for run in trained]
     saved = [_saved_bytes(rt, load_config(None, _sets(overrides, *layout)), tmp)
              for layout in _activation_layouts(layouts)]
     resume = None
-    if rt.world_size == 4:  # cp 2 x dp 2 under ZeRO-3: stopped at step 2, resumed
-        cfg = load_config(None, _sets(overrides, "gqa-tied", 2, "ring", 3))
-        straight = Trainer(cfg, rt, f"{tmp}/straight")
-        resume = ([straight.train_step(s).loss for s in range(4)],
-                  resumed_losses(rt, cfg, f"{tmp}/resumed", save_at=2, steps=4)[0])
-        straight._save(4)
-        resume += (full_parameters(straight), f"{tmp}/straight")
+    if rt.world_size == 4:  # cp 2 x dp 2 under ZeRO-3: stopped at step 2, resumed to step 4
+        straight = trained[layouts.index(RESUMED)]  # the same config, run straight
+        cfg = load_config(None, _sets(overrides, *RESUMED))
+        losses, _, resumed = resumed_losses(rt, cfg, f"{tmp}/resumed", save_at=2, steps=4)
+        resumed._save(4)
+        resume = (straight.losses[:4], losses, full_parameters(resumed), f"{tmp}/resumed")
     return (trained if rt.rank == 0 else None), ledgers, resume, saved
 
 

@@ -35,10 +35,74 @@ def _config(overrides, stage, group, micro, extra=()):
     return load_config(None, sets)
 
 
-def _layouts(rt, overrides, layouts, tmp):
-    """Every layout in turn on these ranks; rank 0 returns the runs (parameters gathered)."""
-    runs = [train_steps(rt, _config(overrides, *layout), tmp) for layout in layouts]
-    return runs if rt.rank == 0 else None
+MUON = ["train.optimizer=muon"]
+MUON_LAYOUTS = {2: [(0, None, 1, MUON), (0, None, None, MUON + ["parallel.pp=2"])],
+                4: [(0, None, None, MUON + ["parallel.pp=2"])]}
+RESUME_LAYOUTS = [(0, None, None), (1, None, None), (3, None, 1), (2, 1, None),
+                  (0, None, None, MUON)]  # on 2 ranks
+FOUR_BLOCKS = ["model.layers=4"]
+
+
+def _recompute_layouts(mode: str) -> dict[int, list]:
+    """DDP with micro-batches, ZeRO-2, ZeRO-3, pipelines (1F1B, GPipe, interleaved on 4
+    blocks) and tp 2 with and without sequence parallelism on 2 ranks; pp 2 x ZeRO-3 on 4."""
+    rec = [f"parallel.recompute={mode}"]
+    tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    return {2: [(0, None, 1, rec), (2, None, None, rec), (3, None, 1, rec),
+                (0, None, 1, rec + ["parallel.pp=2"]),
+                (0, None, 2, rec + ["parallel.pp=2", "parallel.schedule=gpipe"]),
+                (0, None, 2, rec + FOUR_BLOCKS + ["parallel.pp=2", "parallel.schedule=interleaved",
+                                                  "parallel.vpp=2"]),
+                (0, None, None, rec + ["parallel.tp=2"]), (0, None, 1, rec + tp_sp)],
+            4: [(3, None, 1, rec + ["parallel.pp=2"])]}
+
+
+def _groups(world: int) -> dict[str, list]:
+    """The layouts each test checks on `world` ranks, by test."""
+    groups = {"parity": dict(WORLDS)[world]}
+    if world in MUON_LAYOUTS:
+        groups["muon"] = MUON_LAYOUTS[world]
+        for mode in ("full", "selective"):
+            groups[mode] = _recompute_layouts(mode)[world]
+    return groups
+
+
+def _world(rt, overrides, groups: dict[str, list], tmp):
+    """Every group's layouts in turn on these ranks (each rank's runs, parameters
+    gathered), and on 2 ranks the interrupted and straight runs of RESUME_LAYOUTS."""
+    runs = {name: [train_steps(rt, _config(overrides, *layout), f"{tmp}/{i}/{k}")
+                   for k, layout in enumerate(layouts)]
+            for i, (name, layouts) in enumerate(groups.items())}
+    resumed = (_interrupted_and_straight(rt, overrides, RESUME_LAYOUTS, f"{tmp}/resume")
+               if rt.world_size == 2 else None)
+    return runs, resumed
+
+
+class _RunsByWorld(dict):
+    """Each world's ranks started once, for every test's layouts, when a test first asks
+    for that world (so a run without `-m slow` never starts the 8 ranks)."""
+
+    def __init__(self, overrides, tmp_path_factory):
+        super().__init__()
+        self.overrides, self.tmp = overrides, tmp_path_factory
+
+    def __missing__(self, world):
+        self[world] = run_on_ranks(_world, world, self.overrides, _groups(world),
+                                   str(self.tmp.mktemp(f"w{world}")), timeout_s=1800)
+        return self[world]
+
+
+@pytest.fixture(scope="module")
+def ranks(parity_overrides, tmp_path_factory):
+    return _RunsByWorld(parity_overrides, tmp_path_factory)
+
+
+def _stages_params(runs: list, group: str, k: int) -> dict:
+    """Layout k of `group`'s parameters over all ranks: a pipeline's stages, each once."""
+    params = {}
+    for rank_runs, _ in runs:
+        params.update(rank_runs[group][k].params)
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +113,14 @@ def reference(parity_overrides, tmp_path_factory):
             for micro in (None, 1)}
 
 
+WORLDS = [(2, LAYOUTS_2), (4, LAYOUTS_4), (8, LAYOUTS_8)]
+
+
 @pytest.mark.parametrize("world, layouts", [
     (2, LAYOUTS_2), (4, LAYOUTS_4), pytest.param(8, LAYOUTS_8, marks=pytest.mark.slow)])
-def test_parity_with_one_process(world, layouts, parity_overrides, reference, tmp_path):
+def test_parity_with_one_process(world, layouts, ranks, reference):
     """Losses rel 2e-5; parameters atol 1e-5 + rtol 1e-4 (module docstring)."""
-    results = run_on_ranks(_layouts, world, parity_overrides, layouts, str(tmp_path),
-                           timeout_s=600)[0]
-    for layout, run in zip(layouts, results):
+    for layout, run in zip(layouts, ranks[world][0][0]["parity"]):
         ref, label = reference[layout[2]], f"world {world} layout {layout}"
         assert run.losses == pytest.approx(ref.losses, rel=2e-5), label
         assert_params_close(run.params, ref.params, label, atol=1e-5, rtol=1e-4)
@@ -97,50 +162,34 @@ def _interrupted_and_straight(rt, overrides, layouts, tmp):
     return out
 
 
-MUON = ["train.optimizer=muon"]
-
-
-def test_sharded_checkpoint_resume_is_bit_identical(parity_overrides, tmp_path):
+def test_sharded_checkpoint_resume_is_bit_identical(ranks):
     """The engine's DCP checkpoint (master shards + Adam moments; with Muon its momentum
-    and AdamW's moments per parameter) restores a run exactly."""
-    layouts = [(0, None, None), (1, None, None), (3, None, 1), (2, 1, None),
-               (0, None, None, MUON)]
-    results = run_on_ranks(_interrupted_and_straight, 2, parity_overrides, layouts,
-                           str(tmp_path), timeout_s=600)[0]
-    for layout, (straight, resumed) in zip(layouts, results):
+    and AdamW's moments per parameter) restores a run exactly (2 ranks)."""
+    for layout, (straight, resumed) in zip(RESUME_LAYOUTS, ranks[2][0][1]):
         assert [r["step"] for r in resumed] == list(range(1, STEPS + 1)), layout
         for a, b in zip(straight, resumed):
             assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (layout, a["step"])
 
 
-def test_muon_matches_one_process(parity_overrides, tmp_path):
+def test_muon_matches_one_process(parity_overrides, ranks, tmp_path):
     """Muon through the engine (DDP on 2 ranks, with micro-batches of 1; a synchronous
     pipeline, pp 2 x 1F1B; DDP x pp, 4 ranks) against the one-process Trainer with Muon:
     losses rel 2e-5, parameters atol 1e-4 + rtol 1e-4 (torch's Muon orthogonalizes in bf16,
     which turns the layouts' float-sum order into up to ~3e-5 after 5 steps: see
     tests/test_pipeline_parity.py)."""
     ref = train_steps(CPU, _config(parity_overrides, 0, None, None, MUON), tmp_path / "ref")
-    for world, layouts in ((2, [(0, None, 1, MUON), (0, None, None, MUON + ["parallel.pp=2"])]),
-                           (4, [(0, None, None, MUON + ["parallel.pp=2"])])):
-        runs = run_on_ranks(_layouts_all_ranks, world, parity_overrides, layouts,
-                            str(tmp_path / f"w{world}"), timeout_s=600)
+    for world, layouts in MUON_LAYOUTS.items():
         for k, layout in enumerate(layouts):
             label = f"world {world} {layout}"
-            params = {}
-            for rank_runs in runs:
-                params.update(rank_runs[k].params)  # the pipeline's stages, each once
-            assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
-            assert_params_close(params, ref.params, label, atol=1e-4, rtol=1e-4)
-
-
-def _layouts_all_ranks(rt, overrides, layouts, tmp):
-    return [train_steps(rt, _config(overrides, *layout), f"{tmp}/{k}")
-            for k, layout in enumerate(layouts)]
+            assert ranks[world][0][0]["muon"][k].losses == pytest.approx(ref.losses,
+                                                                         rel=2e-5), label
+            assert_params_close(_stages_params(ranks[world], "muon", k), ref.params, label,
+                                atol=1e-4, rtol=1e-4)
 
 
 @AMD_KNOWN_DIFFERENCE
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_matches_one_process(mode, parity_overrides, reference, tmp_path):
+def test_recompute_matches_one_process(mode, parity_overrides, reference, ranks, tmp_path):
     """parallel.recompute = 'full' and 'selective' under DDP with micro-batches, ZeRO-2,
     ZeRO-3 (its backward gather, started by the block output's gradient hook, precedes the
     recomputation, which so finds the block's weights gathered), tp 2 with and without
@@ -148,24 +197,13 @@ def test_recompute_matches_one_process(mode, parity_overrides, reference, tmp_pa
     (1F1B, GPipe, interleaved on 4 blocks) on 2 ranks, and pp 2 x ZeRO-3 on 4: the module
     docstring's tolerances against the plain one-process run (recomputation itself
     changes nothing, tests/test_train.py)."""
-    rec, four = [f"parallel.recompute={mode}"], ["model.layers=4"]
-    layouts = [(0, None, 1, rec), (2, None, None, rec), (3, None, 1, rec),
-               (0, None, 1, rec + ["parallel.pp=2"]),
-               (0, None, 2, rec + ["parallel.pp=2", "parallel.schedule=gpipe"]),
-               (0, None, 2, rec + four + ["parallel.pp=2", "parallel.schedule=interleaved",
-                                           "parallel.vpp=2"])]
-    four_blocks = train_steps(CPU, _config(parity_overrides, 0, None, None, four),
+    four_blocks = train_steps(CPU, _config(parity_overrides, 0, None, None, FOUR_BLOCKS),
                               tmp_path / "ref4")
-    tp_sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    layouts += [(0, None, None, rec + ["parallel.tp=2"]), (0, None, 1, rec + tp_sp)]
-    for world, layouts in ((2, layouts), (4, [(3, None, 1, rec + ["parallel.pp=2"])])):
-        runs = run_on_ranks(_layouts_all_ranks, world, parity_overrides, layouts,
-                            str(tmp_path / f"w{world}"), timeout_s=600)
+    for world, layouts in _recompute_layouts(mode).items():
         for k, layout in enumerate(layouts):
-            ref = four_blocks if "model.layers=4" in layout[3] else reference[None]
-            params = {}
-            for rank_runs in runs:
-                params.update(rank_runs[k].params)  # a pipeline's stages, each once
+            ref = four_blocks if FOUR_BLOCKS[0] in layout[3] else reference[None]
             label = f"world {world} layout {layout}"
-            assert runs[0][k].losses == pytest.approx(ref.losses, rel=2e-5), label
-            assert_params_close(params, ref.params, label, atol=1e-5, rtol=1e-4)
+            assert ranks[world][0][0][mode][k].losses == pytest.approx(ref.losses,
+                                                                       rel=2e-5), label
+            assert_params_close(_stages_params(ranks[world], mode, k), ref.params, label,
+                                atol=1e-5, rtol=1e-4)

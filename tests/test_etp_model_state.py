@@ -23,10 +23,7 @@ tests/test_expert_tensor.py (8 experts of width 32, top-2, both blocks MoE, a sh
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-import fivefold.parallel.expert_tensor as expert_tensor
 from fivefold.config import load_config
 from fivefold.parallel.plan import plan_from_config, training_plan
 from fivefold.planner.ledger_model import predict_ledger
@@ -34,8 +31,7 @@ from fivefold.planner.ledger_pipeline import stage_layers_of_rank
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.testing import run_on_ranks
 from fivefold.train.dist import Runtime
-from fivefold.train.trainer import Trainer
-from test_expert_tensor import SETS
+from test_expert_tensor import SETS, counted_expert_step
 
 STATE_KEYS = ("params", "grads", "master", "optimizer", "total")
 EP2 = ["parallel.ep=2"]  # on 2 ranks
@@ -75,28 +71,11 @@ def test_the_planner_halves_each_ranks_expert_model_state(sets, extra, etp_over)
 
 def expert_work(rt: Runtime, sets: list[str], run_dir: str) -> dict:
     """One step: the ledger's model-state bytes, and the FLOPs of a forward and backward of
-    this rank's expert SwiGLUs on the rows and weights they got (counted on detached copies,
-    so the step itself runs as always); this rank's place in the experts' grid."""
-    flops = []
-    plain = expert_tensor.expert_swiglu
-
-    def counted(x, counts, w1, w3, w2, *args, **kwargs):
-        copies = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
-        with FlopCounterMode(display=False) as counter:
-            out = plain(copies[0], counts, *copies[1:], *args, **kwargs)
-            out.backward(torch.ones_like(out))
-        flops.append(counter.get_total_flops())
-        return plain(x, counts, w1, w3, w2, *args, **kwargs)
-
-    expert_tensor.expert_swiglu = counted
-    try:
-        trainer = Trainer(load_config(None, sets + ["model.moe.expert_matmul='loop'"]), rt,
-                          run_dir)
-        trainer.train_step(0)
-    finally:
-        expert_tensor.expert_swiglu = plain
+    this rank's expert SwiGLUs (test_expert_tensor.counted_expert_step); this rank's place
+    in the experts' grid."""
+    trainer, flops = counted_expert_step(rt, sets, run_dir, backward=True)
     axes = trainer.expert_axes
-    return {"state": trainer.ledger.model_state_bytes, "flops": sum(flops),
+    return {"state": trainer.ledger.model_state_bytes, "flops": flops,
             "ep_rank": axes.ep.rank, "etp_rank": axes.etp.rank}
 
 

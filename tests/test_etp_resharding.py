@@ -50,8 +50,9 @@ from fivefold.train.checkpoint import step_dir
 from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
 from fivefold.train.trainer import Trainer
 
-from parity import CPU, assert_state_equal
-from test_moe_resharding import BIAS, LOSS_REL, MOE, SAVE_AT, STEPS
+from parity import CPU, assert_hf_export_matches, assert_state_equal
+from test_moe_resharding import (BIAS, LOSS_REL, MOE, SAVE_AT, STEPS,
+                                assert_resumes_in_one_process)
 
 ZERO1 = ["parallel.zero_stage=1"]
 EP2 = ["parallel.ep=2"] + ZERO1
@@ -156,18 +157,8 @@ def test_an_ep_checkpoint_resumes_under_etp_and_in_one_process(sets, one_process
     saved = step_dir(tmp_path / "0.loaded", SAVE_AT)  # written by etp 2
     assert {"master.layers.1.experts0of1x0of2.shard0of1",
             "master.layers.1.experts0of1x1of2.shard0of1"} <= unit_keys(saved)
-    shutil.copytree(saved, step_dir(tmp_path / "plain", SAVE_AT))
-    cfg = load_config(None, sets + BIAS)
-    trainer = Trainer(cfg, CPU, tmp_path / "plain")
-    assert trainer._resume() == SAVE_AT
-    names = {id(q): n for n, q in trainer.model.named_parameters()}
-    got = ({n: q.detach() for n, q in trainer.model.named_parameters()},
-           {names[id(q)]: state for q, state in trainer.optimizer.state.items()})
-    assert_state_equal(got, read_training_state(saved, cfg.model), "etp 2 -> one process")
-    for block, bias in read_expert_biases(saved).items():
-        assert torch.equal(trainer.model.get_submodule(block).mlp.expert_bias, bias), block
-    losses = [trainer.train_step(s).loss for s in range(SAVE_AT, STEPS)]
-    assert losses == pytest.approx(one_process["ep2"][SAVE_AT:], rel=LOSS_REL)
+    assert_resumes_in_one_process(saved, sets, tmp_path / "plain", one_process["ep2"],
+                                  "etp 2 -> one process")
 
 
 @pytest.fixture(scope="module")
@@ -192,30 +183,12 @@ def test_convert_of_an_etp_checkpoint_loads_in_transformers(four_ranks, sets, tm
     """`fivefold convert` of the etp 2 x ep 2 checkpoint: a Mixtral folder whose per-expert
     tensors are the whole experts (both etp column halves), whose logits in transformers
     equal fivefold's on the checkpoint's weights (rtol 1e-4, atol 1e-5)."""
-    transformers = pytest.importorskip("transformers")
-    from fivefold.models.hf import read_hf_tensors
-    from fivefold.models.llama import Transformer
-    from fivefold.train.checkpoint_export import read_checkpoint
-    from fivefold.train.model_source import convert
-
     tmp, _ = four_ranks
-    source = step_dir(tmp / "etp2 x ep2", SAVE_AT)
-    _, fmt = convert(source, tmp_path / "hf")
-    assert fmt == "hf"
-    pre = read_checkpoint(source)
-    tensors = read_hf_tensors(tmp_path / "hf")
+    pre, tensors = assert_hf_export_matches(step_dir(tmp / "etp2 x ep2", SAVE_AT),
+                                            tmp_path / "hf")
     assert pre.state["layers.1.mlp.w1"].shape == (4, 32, 64)  # both etp halves of 32 columns
     for e in range(4):  # expert 3: ep rank 1, its columns on etp ranks 0 and 1
         assert torch.equal(tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"],
                            pre.state["layers.1.mlp.w1"][e])
         assert torch.equal(tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"],
                            pre.state["layers.1.mlp.w2"][e])
-    model = Transformer(pre.cfg)
-    model.load_state_dict(pre.state)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = torch.randint(0, pre.cfg.vocab, (2, pre.cfg.seq_len),
-                           generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, theirs = model.eval()(tokens), loaded(tokens).logits
-    assert ours.abs().max() > 0.1  # 3 steps from init: logits of magnitude 0.1-1
-    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)

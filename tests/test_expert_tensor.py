@@ -48,17 +48,23 @@ def train(rt: Runtime, sets: list[str], run_dir: str) -> dict:
             "params": params}
 
 
-def expert_work(rt: Runtime, sets: list[str], run_dir: str) -> dict:
-    """One step: this rank's expert elements (its engine's expert units) and the forward
-    FLOPs of its expert SwiGLUs; its place in the experts' grid."""
+def counted_expert_step(rt: Runtime, sets: list[str], run_dir: str,
+                        backward: bool = False) -> tuple[Trainer, int]:
+    """One step of `sets` with the experts' SwiGLU in its "loop" form (which FlopCounterMode
+    sees), and the FLOPs of this rank's expert SwiGLUs on the rows and weights they got: of
+    the forward, or with `backward` of a forward and backward; counted on detached copies,
+    so the step itself runs as always."""
     flops = []
     plain = expert_tensor.expert_swiglu
 
-    def counted(*args, **kwargs):
+    def counted(x, counts, w1, w3, w2, *args, **kwargs):
+        copies = [t.detach().clone().requires_grad_() for t in (x, w1, w3, w2)]
         with FlopCounterMode(display=False) as counter:
-            out = plain(*args, **kwargs)
+            out = plain(copies[0], counts, *copies[1:], *args, **kwargs)
+            if backward:
+                out.backward(torch.ones_like(out))
         flops.append(counter.get_total_flops())
-        return out
+        return plain(x, counts, w1, w3, w2, *args, **kwargs)
 
     expert_tensor.expert_swiglu = counted
     try:
@@ -67,9 +73,16 @@ def expert_work(rt: Runtime, sets: list[str], run_dir: str) -> dict:
         trainer.train_step(0)
     finally:
         expert_tensor.expert_swiglu = plain
+    return trainer, sum(flops)
+
+
+def expert_work(rt: Runtime, sets: list[str], run_dir: str) -> dict:
+    """One step: this rank's expert elements (its engine's expert units) and the forward
+    FLOPs of its expert SwiGLUs; its place in the experts' grid."""
+    trainer, flops = counted_expert_step(rt, sets, run_dir)
     engine, axes = trainer.engine, trainer.expert_axes
     return {"elements": sum(u.numel for u, e in zip(engine.units, engine.is_expert) if e),
-            "flops": sum(flops), "ep_rank": axes.ep.rank, "etp_rank": axes.etp.rank}
+            "flops": flops, "ep_rank": axes.ep.rank, "etp_rank": axes.etp.rank}
 
 
 def on_ranks(rt: Runtime, layouts: list[list[str]], run_dir: str,

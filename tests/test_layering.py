@@ -35,8 +35,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 COMMAND_LINE = ("fivefold.cli", "fivefold.plan_commands", "fivefold.generate_command",
                 "fivefold.eval_command", "fivefold.report_command", "fivefold.__main__")
-FOUNDATIONS = ("fivefold.config", "fivefold.validate", "fivefold.compositions",
-               "fivefold.hardware", "fivefold.optim")
+FOUNDATIONS = ("fivefold.config", "fivefold.model_config", "fivefold.parallel_config",
+               "fivefold.train_config", "fivefold.data_config", "fivefold.comm_config",
+               "fivefold.validate", "fivefold.validate_parallel", "fivefold.validate_runtime",
+               "fivefold.compositions", "fivefold.hardware", "fivefold.optim")
 # models/ by what it may import; the other layers by what they may not:
 # (importer prefix, the prefixes it may not import, the rule)
 MODELS_MAY_IMPORT = ("fivefold.models", "fivefold.config")

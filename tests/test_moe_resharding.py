@@ -41,7 +41,7 @@ from fivefold.train.checkpoint import check_layout, layout_record, step_dir
 from fivefold.train.checkpoint_export import read_expert_biases, read_training_state
 from fivefold.train.trainer import Trainer
 
-from parity import CPU, assert_state_equal
+from parity import CPU, assert_hf_export_matches, assert_state_equal
 
 STEPS, SAVE_AT = 4, 3  # at step 3 the routing biases are not zero (at 2 they happen to be)
 LOSS_REL = 2e-5  # module docstring
@@ -146,19 +146,27 @@ def test_an_ep_checkpoint_resumes_in_one_process(resharded, moe_sets, one_proces
     """ep 2 x edp 2 ZeRO-1 -> one process: the plain model, its routing biases and torch's
     AdamW hold exactly the checkpoint's tensors; step 4 is the one-process run's."""
     tmp, _ = resharded
-    saved = step_dir(tmp / "ep2", SAVE_AT)
-    shutil.copytree(saved, step_dir(tmp_path, SAVE_AT))
-    cfg = load_config(None, moe_sets + BIAS)
-    trainer = Trainer(cfg, CPU, tmp_path)
+    assert_resumes_in_one_process(step_dir(tmp / "ep2", SAVE_AT), moe_sets, tmp_path,
+                                  one_process["ep2"], "one process")
+
+
+def assert_resumes_in_one_process(saved: Path, sets: list[str], run_dir: Path,
+                                  want_losses: list[float], label: str) -> None:
+    """The expert-parallel checkpoint folder `saved` resumed by one process in `run_dir`:
+    the plain model, its routing biases and torch's AdamW hold exactly its tensors, and the
+    steps after SAVE_AT are `want_losses`' (rel LOSS_REL)."""
+    shutil.copytree(saved, step_dir(run_dir, SAVE_AT))
+    cfg = load_config(None, sets + BIAS)
+    trainer = Trainer(cfg, CPU, run_dir)
     assert trainer._resume() == SAVE_AT
     names = {id(q): n for n, q in trainer.model.named_parameters()}
     got = ({n: q.detach() for n, q in trainer.model.named_parameters()},
            {names[id(q)]: state for q, state in trainer.optimizer.state.items()})
-    assert_state_equal(got, read_training_state(saved, cfg.model), "one process")
+    assert_state_equal(got, read_training_state(saved, cfg.model), label)
     for block, bias in read_expert_biases(saved).items():
         assert torch.equal(trainer.model.get_submodule(block).mlp.expert_bias, bias), block
     losses = [trainer.train_step(s).loss for s in range(SAVE_AT, STEPS)]
-    assert losses == pytest.approx(one_process["ep2"][SAVE_AT:], rel=LOSS_REL)
+    assert losses == pytest.approx(want_losses[SAVE_AT:], rel=LOSS_REL), label
 
 
 @pytest.mark.slow
@@ -166,31 +174,13 @@ def test_convert_of_an_ep_checkpoint_loads_in_transformers(resharded, tmp_path):
     """`fivefold convert` of the ep 2 x edp 2 ZeRO-3 checkpoint: a Mixtral folder whose
     per-expert tensors are the checkpoint's rows, and whose logits in transformers equal
     fivefold's on the checkpoint's weights (rtol 1e-4, atol 1e-5)."""
-    transformers = pytest.importorskip("transformers")
-    from fivefold.models.hf import read_hf_tensors
-    from fivefold.models.llama import Transformer
-    from fivefold.train.checkpoint_export import read_checkpoint
-    from fivefold.train.model_source import convert
-
     tmp, _ = resharded
     k = list(CHANGES).index("dp4 (no ep) -> ep2 ZeRO-3")
-    source = step_dir(tmp / f"{k}.loaded", SAVE_AT)
-    _, fmt = convert(source, tmp_path / "hf")
-    assert fmt == "hf"
-    pre = read_checkpoint(source)
-    tensors = read_hf_tensors(tmp_path / "hf")
+    pre, tensors = assert_hf_export_matches(step_dir(tmp / f"{k}.loaded", SAVE_AT),
+                                            tmp_path / "hf")
     for e in range(4):  # expert 3 lives on ep rank 1, in its edp shards
         assert torch.equal(tensors[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"],
                            pre.state["layers.1.mlp.w2"][e])
-    model = Transformer(pre.cfg)
-    model.load_state_dict(pre.state)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tokens = torch.randint(0, pre.cfg.vocab, (2, pre.cfg.seq_len),
-                           generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, theirs = model.eval()(tokens), loaded(tokens).logits
-    assert ours.abs().max() > 0.1  # 3 steps from init: logits of magnitude 0.1-1
-    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
 
 
 def test_an_ep_change_of_layout_is_resharded_not_refused(moe_sets):

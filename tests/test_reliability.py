@@ -190,18 +190,34 @@ def _nonfinite_on_ranks(rt: Runtime, sets: list[str], run_dir: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", [["parallel.zero_stage=1"],
-                                    ["parallel.pp=2", "parallel.schedule=1f1b"],
-                                    ["train.optimizer=galore", "parallel.zero_stage=2"]],
-                         ids=["zero1-dp2", "pp2-1f1b", "galore-zero2-dp2"])
-def test_nonfinite_guard_agrees_across_ranks(tiny_overrides, tmp_path, layout):
+NONFINITE_LAYOUTS = {"zero1-dp2": ["parallel.zero_stage=1"],
+                     "pp2-1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
+                     "galore-zero2-dp2": ["train.optimizer=galore", "parallel.zero_stage=2"]}
+
+
+def _nonfinite_layouts(rt: Runtime, layouts: dict[str, list[str]], run_dir: str) -> dict:
+    return {name: _nonfinite_on_ranks(rt, sets, f"{run_dir}/{name}")
+            for name, sets in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tiny_overrides, tmp_path_factory) -> list[dict]:
+    """Each rank's _nonfinite_on_ranks of every layout, from one start of 2 ranks."""
+    layouts = {name: tiny_overrides + layout + ["train.steps=3", "train.sample_tokens=0",
+                                                 "parallel.micro_batch=2"]
+               for name, layout in NONFINITE_LAYOUTS.items()}
+    for sets in layouts.values():
+        prepare_data(load_config(None, sets))
+    return run_on_ranks(_nonfinite_layouts, 2, layouts, str(tmp_path_factory.mktemp("nan")),
+                        timeout_s=480)
+
+
+@pytest.mark.parametrize("layout", NONFINITE_LAYOUTS)
+def test_nonfinite_guard_agrees_across_ranks(nonfinite, layout):
     """2 gloo ranks, a NaN gradient on rank 1 only: under "skip" both ranks drop the update
     (the norm they share is NaN) and keep parameters and optimizer state; under "stop" both
     raise at step 2, and the rank holding the poisoned gradient names the parameter."""
-    sets = tiny_overrides + layout + ["train.steps=3", "train.sample_tokens=0",
-                                      "parallel.micro_batch=2"]
-    prepare_data(load_config(None, sets))
-    results = run_on_ranks(_nonfinite_on_ranks, 2, sets, str(tmp_path), timeout_s=240)
+    results = [rank[layout] for rank in nonfinite]
     for r in results:
         untouched, norm, skipped = r["skip"]
         assert untouched and math.isnan(norm) and skipped == 1

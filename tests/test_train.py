@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fivefold import cli
 from fivefold.config import load_config
 from fivefold.memory.activation_count import SavedActivations
 from fivefold.planner.activations import block_saved_bytes
@@ -213,12 +214,22 @@ def test_checkpoint_killed_mid_save_leaves_last_good_one(tiny_overrides, tmp_pat
     (["--nproc", "3", "--set", "parallel.global_batch=8"], "parallel.global_batch"),
     (["/no/such/config.toml"], "CONFIG"),
 ])
-def test_cli_config_error_exits_2_without_traceback(args, key, tmp_path):
-    proc = run_cli("train", *args, "--run-dir", str(tmp_path), timeout=60)
-    assert proc.returncode == 2
-    assert f"`{key}`" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_config_error_exits_2_without_traceback(args, key, tmp_path, capsys):
+    """`fivefold train` with a bad config: status 2, the key named on stderr, no traceback
+    and no run started (in this process: the command line's own code path)."""
+    assert cli.main(["train", *args, "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"`{key}`" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_python_m_fivefold_exits_2_on_a_config_error(tmp_path):
+    """The same through `python -m fivefold`: the process's exit status is main's 2."""
+    proc = run_cli("train", "--set", "model.kv_heads=3", "--run-dir", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert "`model.kv_heads`" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_cli_two_ranks_match_one_rank(tiny_overrides, tmp_path):

@@ -17,21 +17,14 @@ layouts are marked slow (several minutes on 2 shared cores).
 
 from __future__ import annotations
 
-
 import pytest
 
 from fivefold.config import load_config
-from fivefold.parallel.expert import gather_experts
-from fivefold.parallel.plan import training_plan
-from fivefold.planner.ledger_model import predict_ledger
-from fivefold.testing import run_on_ranks
-from fivefold.train.trainer import Trainer
-from parity import CPU, assert_ledgers_predicted, assert_params_close, full_parameters
+from parity import MOE_ROUTED, assert_layouts_match_one_process
 
 STEPS = 3
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.aux_loss_weight=0.01"]
-ROUTED = ("moe_combine", "moe_dispatch_backward")  # sized by the routing
 
 
 def v(schedule: str, pp: int, micro: int, *extra: str) -> list[str]:
@@ -60,57 +53,14 @@ LAYOUTS = {  # group (world size, and "slow" for the long ones) -> (overrides, l
 }
 
 
-def _train(rt, sets: list[str], run_dir: str) -> dict:
-    """STEPS steps: losses, whole parameters of this rank's stages (experts gathered over
-    ep), the ledger's byte totals and model-state bytes."""
-    trainer = Trainer(load_config(None, sets), rt, run_dir)
-    losses = [trainer.train_step(s).loss for s in range(STEPS)]
-    ledger = trainer.ledger  # read before the test's own gathers below add to it
-    out = {"losses": losses, "bytes": ledger.totals("bytes"),
-           "wire": ledger.totals("wire_bytes"), "state": ledger.model_state_bytes}
-    params = full_parameters(trainer)
-    if trainer.expert_axes:
-        params = gather_experts(params, trainer.expert_axes)
-    return {**out, "params": params}
-
-
-def _on_ranks(rt, base: list[str], layouts: list[list[str]], tmp: str) -> list[dict]:
-    return [_train(rt, base + sets, f"{tmp}/{i}") for i, sets in enumerate(layouts)]
-
-
 @pytest.fixture(scope="module")
 def base(parity_overrides) -> list[str]:
     return parity_overrides + [f"train.steps={STEPS}"]
 
 
-def _reference(base: list[str], sets: list[str], tmp) -> dict:
-    """The one-process run of the layout's model and micro-batches."""
-    model = [s for s in sets if s.startswith("model.")]
-    micro = [s for s in sets if s.startswith("parallel.micro_batch")]
-    return _train(CPU, base + model + micro, str(tmp))
-
-
 def _check(group, base: list[str], tmp_path) -> None:
-    layouts, world = LAYOUTS[group], int(str(group).split()[0])
-    runs = run_on_ranks(_on_ranks, world, base, [s for s, _ in layouts], str(tmp_path),
-                        timeout_s=2000)
-    for i, (sets, label) in enumerate(layouts):
-        ref = _reference(base, sets, tmp_path / f"ref{i}")
-        params = {}
-        for rank in range(world):
-            run = runs[rank][i]
-            assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), (label, rank)
-            params.update(run["params"])
-        assert_params_close(params, ref["params"], label)
-        _check_ledger(world, base + sets, [runs[r][i] for r in range(world)], label)
-
-
-def _check_ledger(world: int, sets: list[str], runs: list[dict], label: str) -> None:
-    cfg = load_config(None, sets)
-    plan = training_plan(cfg, world, "cpu")
-    assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(len(runs))],
-                             [(run["bytes"], run["wire"], run["state"]) for run in runs],
-                             ROUTED, label)
+    world = int(str(group).split()[0])
+    assert_layouts_match_one_process(world, base, LAYOUTS[group], tmp_path, STEPS, MOE_ROUTED)
 
 
 SLOW = [pytest.mark.slow, pytest.mark.timeout(2400)]  # minutes on 2 shared cores

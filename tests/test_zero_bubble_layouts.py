@@ -32,11 +32,8 @@ from fivefold.parallel.pipeline.build import build_pipeline_stage
 from fivefold.parallel.pipeline.executor import PipelineEngine
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.tensor_stage import apply_tensor_parallel_to_stage
-from fivefold.parallel.plan import plan_from_config, training_plan
-from fivefold.planner.ledger_model import predict_ledger
-from fivefold.testing import run_on_ranks
-from fivefold.train.trainer import Trainer
-from parity import CPU, assert_ledgers_predicted, assert_params_close, full_parameters
+from fivefold.parallel.plan import plan_from_config
+from parity import assert_layouts_match_one_process
 
 STEPS = 3
 PP_TP = ["parallel.pp=2", "parallel.tp=2", "model.layers=4"]
@@ -74,21 +71,6 @@ LAYOUTS = {  # group -> [(overrides, label)], all on 4 ranks
 SLOW = [pytest.mark.slow, pytest.mark.timeout(2400)]  # minutes on 2 shared cores
 
 
-def _train(rt, sets: list[str], run_dir: str) -> dict:
-    """STEPS steps: losses, whole parameters of this rank's stages, the ledger's byte totals
-    and model-state bytes."""
-    trainer = Trainer(load_config(None, sets), rt, run_dir)
-    losses = [trainer.train_step(s).loss for s in range(STEPS)]
-    ledger = trainer.ledger  # read before full_parameters' gathers add to it
-    out = {"losses": losses, "bytes": ledger.totals("bytes"),
-           "wire": ledger.totals("wire_bytes"), "state": ledger.model_state_bytes}
-    return {**out, "params": full_parameters(trainer)}
-
-
-def _on_ranks(rt, base: list[str], layouts: list[list[str]], tmp: str) -> list[dict]:
-    return [_train(rt, base + sets, f"{tmp}/{i}") for i, sets in enumerate(layouts)]
-
-
 @pytest.fixture(scope="module")
 def base(parity_overrides) -> list[str]:
     return parity_overrides + [f"train.steps={STEPS}"]
@@ -101,24 +83,7 @@ def test_zero_bubble_layouts_match_one_process_and_the_ledger(group, base, tmp_p
     zero-bubble schedule with sequence parallelism, and with full and selective
     recomputation; pp 2 x dp 2: the V schedules with ZeRO-2 and ZeRO-3, ZB-H1 with MoE and
     ZeRO-2 and ZeRO-3): losses, parameters and every rank's ledger."""
-    world, layouts = 4, LAYOUTS[group]
-    runs = run_on_ranks(_on_ranks, world, base, [s for s, _ in layouts], str(tmp_path),
-                        timeout_s=2000)
-    for i, (sets, label) in enumerate(layouts):
-        same_model = [s for s in sets if s.startswith(("model.", "parallel.micro_batch"))]
-        ref = _train(CPU, base + same_model, str(tmp_path / f"ref{i}"))
-        params = {}
-        for rank in range(world):
-            run = runs[rank][i]
-            assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), (label, rank)
-            params.update(run["params"])
-        assert_params_close(params, ref["params"], label)
-        cfg = load_config(None, base + sets)
-        plan = training_plan(cfg, world, "cpu")
-        assert_ledgers_predicted(
-            [predict_ledger(cfg, plan, rank=r) for r in range(world)],
-            [(runs[r][i]["bytes"], runs[r][i]["wire"], runs[r][i]["state"])
-             for r in range(world)], (), label)
+    assert_layouts_match_one_process(4, base, LAYOUTS[group], tmp_path, STEPS, routed=())
 
 
 TINY = ["model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=96",

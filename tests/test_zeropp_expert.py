@@ -18,16 +18,8 @@ the ranks).
 from __future__ import annotations
 
 
-import torch
+from parity import assert_moe_layouts_match
 
-from fivefold.config import load_config
-from fivefold.parallel.plan import training_plan
-from fivefold.planner.ledger_model import predict_ledger
-from fivefold.testing import run_on_ranks
-from fivefold.train.dist import Runtime
-from parity import MOE_ROUTED, assert_ledgers_predicted, assert_params_close, moe_run, moe_runs
-
-CPU = Runtime(0, 1, 0, torch.device("cpu"))
 WORLD = 4
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32",
        "model.moe.aux_loss_weight=0.01", "parallel.micro_batch=2"]
@@ -40,35 +32,8 @@ LAYOUTS = [  # (overrides, label, quantized)
 ]
 
 
-def _assert_ledger_predicted(cfg, ledgers: list[tuple], label: str) -> None:
-    plan = training_plan(cfg, WORLD, "cpu")
-    assert_ledgers_predicted([predict_ledger(cfg, plan, rank=r) for r in range(len(ledgers))],
-                             ledgers, MOE_ROUTED, label)
-
-
 def test_zeropp_with_ep2_matches_one_process_and_the_ledger(parity_overrides):
-    base = parity_overrides + MOE
-    ref = moe_run(CPU, base)
-    per_rank = run_on_ranks(moe_runs, WORLD, [base + sets for sets, _, _ in LAYOUTS],
-                            timeout_s=600)
-    for i, (sets, label, quantized) in enumerate(LAYOUTS):
-        run = per_rank[0][i]
-        for rank in per_rank:
-            assert rank[i]["losses"] == run["losses"], label
-        if quantized:
-            torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-2, atol=0,
-                                       msg=label)
-            worst = max((run["params"][n] - p).norm() / p.norm()
-                        for n, p in ref["params"].items())
-            print(f"{label}: losses {run['losses']} vs {ref['losses']}, worst relative "
-                  f"parameter error {worst:.2e}")
-            assert worst < 0.1, (label, worst)
-        else:
-            torch.testing.assert_close(run["losses"], ref["losses"], rtol=1e-5, atol=0,
-                                       msg=label)
-            assert_params_close(run["params"], ref["params"], label)
-        _assert_ledger_predicted(load_config(None, base + sets),
-                                 [rank[i]["ledger"] for rank in per_rank], label)
+    per_rank = assert_moe_layouts_match(WORLD, parity_overrides + MOE, LAYOUTS)
     ledger = per_rank[0][1]["ledger"][0]  # the expert units' ZeRO++ subgroups were used
     assert any(dim == "edp.intra" for _, dim, _ in ledger)
     assert any(dim == "edp.inter" for _, dim, _ in per_rank[0][2]["ledger"][0])

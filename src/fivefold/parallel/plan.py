@@ -33,7 +33,9 @@ from fivefold.expert_grid import expert_data_degree
 from fivefold.parallel.pipeline.actions import SPLIT_SCHEDULES
 from fivefold.parallel.pipeline.partition import stage_ids_of_rank
 from fivefold.parallel.pipeline.schedules import V_SCHEDULES, Schedule, build_schedule
-from fivefold.validate import context_degrees, ranks_per_node, validate_for_training
+from fivefold.validate import validate_for_training
+from fivefold.validate_parallel import ranks_per_node
+from fivefold.validate_runtime import context_degrees
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 activations
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.validate import FP8_TENSORS
+from fivefold.validate_parallel import FP8_TENSORS
 
 GEMM_OPERANDS = {"forward": ("input", "weight"), "grad_input": ("grad_output", "weight"),
                  "grad_weight": ("grad_output", "input")}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.validate import V_SCHEDULES
+from fivefold.validate_parallel import V_SCHEDULES
 
 F, B, I, W = "F", "B", "I", "W"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "send_act", "recv_act", "send_grad", "recv_grad"
