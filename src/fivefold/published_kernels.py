@@ -16,9 +16,9 @@ a profile never inherits another architecture's efficiencies):
 
 Each source was checked against this repository's own H200 measurements before it was used
 (HOPPER_CHECKS): TORCH_PERF's H100 entry (issue #79: bf16 8192^3 at 797.5 TFLOP/s; the H200
-measured 770.7), MAMF's H100 SXM best shape (794.5; the H200's best of its 35 bf16 shapes
-770.5) and its H200 fp8 best shape (1453.4; the H200's best fp8 1406.1): each within 4% of
-ours (tests/test_kernel_tables.py holds 5%). AO_2427 has no Hopper row.
+measured 770.7), MAMF's H100 SXM best shape (794.5; the best of the H200's 35 bf16 shapes is
+that 8192^3) and its H200 fp8 best shape (1453.4; the H200's best fp8 1406.1): each within
+4% of ours (tests/test_kernel_tables.py holds 5%). AO_2427 has no Hopper row.
 
 How a table becomes a profile's GEMM terms (`published_gemm_terms`), the same rule for every
 GPU and no row of calibration_runs.json read: the compute term's rate (`gemm_eff`, and
