@@ -21,16 +21,18 @@ come from. No profile holds another architecture's efficiencies:
   the GEMM surfaces read from that file's 35 bf16 and 5 fp8 shapes, FlashAttention-2-class
   kernels at arXiv 2407.08608's H100 ratio; checked against the file's HF Llama-1B step.
 - Ampere (A100-80GB / A100-40GB): FlashAttention-2 at 73% of peak, the top of the 50-73% that
-  arXiv 2307.08691 (abstract) measured on A100; GEMMs at 0.81 of peak, fitted to the 16
-  Megatron-LM 2021 rows of arXiv 2104.04473 (no A100 GEMM microbenchmark here; listed in
-  fivefold.planner.stack.FITTED_TO); no GEMM surface. The unfused attention of that paper's
-  Megatron-LM is the stack's (fivefold.planner.stack.attention_generation), not the profile's.
-- Blackwell (B200, GB200): attention at cuDNN 9.13's fused-attention rate on B200, which
-  FlashAttention-4 beats by up to 1.3x at up to 1613 TFLOP/s, 71% of the bf16 peak (Zadouri,
-  Hoehnerbach, Shah, Liu, Thakkar and Dao, "FlashAttention-4: Algorithm and Kernel Pipelining
-  Co-Design for Asymmetric Hardware Scaling", abstract): 0.71 / 1.3; no GEMM or element-wise
-  measurement: those terms are fivefold.kernel_tables.NEUTRAL.
-- Volta (V100): no kernel measurements: NEUTRAL throughout.
+  arXiv 2307.08691 (abstract) measured on A100; GEMMs from a published A100 SXM microbenchmark
+  (fivefold.published_kernels: its rate and surface). The unfused attention of Megatron-LM
+  2021 is the stack's (fivefold.planner.stack.attention_generation), not the profile's.
+- Blackwell (B200, GB200): GEMMs from published microbenchmarks on each GPU
+  (fivefold.published_kernels: B200 bf16 and fp8; GB200 bf16 and fp8, measured on a GB200);
+  attention at cuDNN 9.13's fused-attention rate on B200, which FlashAttention-4 beats by up
+  to 1.3x at up to 1613 TFLOP/s, 71% of the bf16 peak (Zadouri, Hoehnerbach, Shah, Liu,
+  Thakkar and Dao, "FlashAttention-4: Algorithm and Kernel Pipelining Co-Design for
+  Asymmetric Hardware Scaling", abstract): 0.71 / 1.3; no element-wise measurement: those
+  terms are fivefold.kernel_tables.NEUTRAL.
+- Volta (V100): GEMMs from a published V100 SXM2 fp16 microbenchmark
+  (fivefold.published_kernels); no attention or element-wise measurement: NEUTRAL.
 - cpu: the development machine, measured by `fivefold calibrate` (which writes a profile file
   that `cluster.gpu = PATH` accepts); rerun it for another machine.
 
@@ -64,6 +66,8 @@ from pathlib import Path
 from fivefold.config import ConfigError
 from fivefold.kernel_tables import (FLASH2_RATE_H100, GB, NEUTRAL, Efficiency, GemmSurface,
                                     gemm_surface, h200_gemm_samples, roofline_gemm_s)
+from fivefold.published_kernels import (A100_BF16, B200_BF16, B200_FP8, GB200_BF16, GB200_FP8,
+                                        V100_FP16, published_gemm_terms)
 
 
 # DRAM traffic per element of a CPU AdamW step: the fp32 master, gradient and two moments
@@ -222,34 +226,53 @@ def _h200_surfaces() -> dict[str, GemmSurface]:
 HOPPER_KERNELS = dict(architecture="hopper", kernel_source=H200_SOURCE, kernels_measured=True,
                       gemm_surfaces=_h200_surfaces(),
                       attention_generations=(("fa2", FLASH2_RATE_H100), ("fa3", 1.0)))
-# Ampere (A100). gemm_eff: fitted to the 16 Megatron-LM runs (arXiv 2104.04473) of
-# calibration_runs.json (`python -m fivefold.planner.fit A100-80GB --fields gemm_eff`;
-# stack.FITTED_TO); no A100 GEMM microbenchmark here. attn_eff: FlashAttention-2 on A100, up to
+# Ampere (A100). GEMMs: fivefold.published_kernels.A100_BF16 (its rate, 0.869 of peak, and
+# surface; fp8 runs at the bf16 rate: no fp8 units). attn_eff: FlashAttention-2 on A100, up to
 # 73% of peak (arXiv 2307.08691, abstract: 50-73%); its per-shape fall-off not modelled (no
 # per-shape figures). Link efficiencies, overlap and NIC aggregation are
 # fivefold.planner.fitted's (the values here are overridden).
-AMPERE = Efficiency(gemm_eff=0.81, gemm_fp8_eff=0.81, gemm_mem_eff=1.0, attn_eff=0.73,
-                    attn_score_s=0.0, attn_row_s=0.0, mem_eff=0.80, eltwise_passes=1.0,
-                    kernel_overhead_s=6e-6, comm_intra_eff=0.90, comm_inter_eff=0.85,
-                    latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.70,
-                    nic_aggregation=0.06, reserved_bytes=3 * GB)
+A100_PEAK = {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5}
+AMPERE_BASE = Efficiency(gemm_mem_eff=1.0, attn_eff=0.73, attn_score_s=0.0, attn_row_s=0.0,
+                         mem_eff=0.80, eltwise_passes=1.0, kernel_overhead_s=6e-6,
+                         comm_intra_eff=0.90, comm_inter_eff=0.85, latency_intra_s=1.5e-6,
+                         latency_inter_s=6e-6, overlap_eff=0.70, nic_aggregation=0.06,
+                         reserved_bytes=3 * GB)
+AMPERE, A100_40GB_SURFACES = published_gemm_terms((A100_BF16,), A100_PEAK, 1555, AMPERE_BASE)
+A100_80GB_SURFACES = published_gemm_terms((A100_BF16,), A100_PEAK, 2039, AMPERE_BASE)[1]
 AMPERE_KERNELS = dict(
     architecture="ampere", kernels_measured=True, attention_generations=(("fa2", 1.0),),
     kernel_source="published: FlashAttention-2 at 73% of peak on A100 (arXiv 2307.08691, "
-                  "abstract); GEMMs at 0.81, fitted to arXiv 2104.04473's 16 rows "
-                  "(stack.FITTED_TO); no GEMM surface")
+                  "abstract); GEMMs: " + A100_BF16.source)
 # Blackwell: attention from FlashAttention-4's abstract (module docstring): cuDNN 9.13 at up to
-# 1.3x below FA4's 71% of peak; no GEMM or element-wise measurement: NEUTRAL's terms.
-BLACKWELL = dataclasses.replace(NEUTRAL, attn_eff=0.71 / 1.3)
-BLACKWELL_KERNELS = dict(
-    architecture="blackwell", kernels_measured=False, attention_generations=(("fa3", 1.0),),
-    kernel_source="attention published: cuDNN 9.13 fused attention on B200 at 0.71 / 1.3 of "
-                  "peak (FlashAttention-4, Zadouri et al.: up to 1613 TFLOP/s, 71%, up to "
-                  "1.3x over cuDNN 9.13; abstract); no GEMM or element-wise kernel "
-                  "measurements: fivefold.kernel_tables.NEUTRAL; no FlashAttention-2-class "
-                  "figure on Blackwell, so every generation runs at that rate")
-VOLTA_KERNELS = dict(architecture="volta", kernels_measured=False,
-                     kernel_source="no kernel measurements: fivefold.kernel_tables.NEUTRAL")
+# 1.3x below FA4's 71% of peak; GEMMs published per GPU (fivefold.published_kernels); no
+# element-wise measurement: NEUTRAL's terms.
+B200_PEAK = {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}
+GB200_PEAK = {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}
+BLACKWELL_BASE = dataclasses.replace(NEUTRAL, attn_eff=0.71 / 1.3)
+B200_EFF, B200_SURFACES = published_gemm_terms((B200_BF16, B200_FP8), B200_PEAK, 8000,
+                                               BLACKWELL_BASE)
+GB200_EFF, GB200_SURFACES = published_gemm_terms((GB200_BF16, GB200_FP8), GB200_PEAK, 8000,
+                                                 BLACKWELL_BASE)
+
+
+def blackwell_kernels(gemms: str, surfaces: dict[str, GemmSurface]) -> dict:
+    return dict(
+        architecture="blackwell", kernels_measured=False, attention_generations=(("fa3", 1.0),),
+        gemm_surfaces=surfaces,
+        kernel_source="GEMMs published: " + gemms + "; attention published: cuDNN 9.13 fused "
+                      "attention on B200 at 0.71 / 1.3 of peak (FlashAttention-4, Zadouri et "
+                      "al.: up to 1613 TFLOP/s, 71%, up to 1.3x over cuDNN 9.13; abstract); no "
+                      "element-wise kernel measurements: fivefold.kernel_tables.NEUTRAL; no "
+                      "FlashAttention-2-class figure on Blackwell, so every generation runs at "
+                      "that rate")
+
+
+V100_PEAK = {"fp16": 125, "bf16": 125, "fp32": 15.7}
+VOLTA, V100_SURFACES = published_gemm_terms((V100_FP16,), V100_PEAK, 900, NEUTRAL)
+VOLTA_KERNELS = dict(architecture="volta", kernels_measured=False, gemm_surfaces=V100_SURFACES,
+                     kernel_source="GEMMs published: " + V100_FP16.source + "; no attention or "
+                                   "element-wise kernel measurements: "
+                                   "fivefold.kernel_tables.NEUTRAL")
 
 # Device memory as the device reports it: a datasheet's "80 GB" of HBM is binary-sized.
 # nvidia-smi's totals, collected across GPU types in modal-labs/modal-client PR #2797
@@ -260,19 +283,20 @@ MIB, GIB = 2**20, 2**30
 H100_MIB, A100_80GB_MIB, A100_40GB_MIB = 81559, 81920, 40960
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
-    HardwareProfile("V100-32GB", {"fp16": 125, "bf16": 125, "fp32": 15.7}, 32 * GIB, 900, 150,
+    HardwareProfile("V100-32GB", V100_PEAK, 32 * GIB, 900, 150,
                     12.5, "NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16 units;"
                     " the fp16 rate is used), 900 GB/s HBM2, NVLink2 300 GB/s total; one "
-                    "100 Gb/s EDR NIC per GPU", NEUTRAL, host=DGX1, **VOLTA_KERNELS),
-    HardwareProfile("A100-40GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
+                    "100 Gb/s EDR NIC per GPU", VOLTA, host=DGX1, **VOLTA_KERNELS),
+    HardwareProfile("A100-40GB", A100_PEAK,
                     A100_40GB_MIB * MIB, 1555, 300, 25, "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16, "
                     "1555 GB/s HBM2, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s HDR NIC "
                     "per GPU (no fp8 units: fp8 runs at the bf16 rate)", AMPERE,
-                    host=DGX_A100_320, **AMPERE_KERNELS),
-    HardwareProfile("A100-80GB", {"bf16": 312, "fp16": 312, "fp8": 312, "fp32": 19.5},
+                    host=DGX_A100_320, gemm_surfaces=A100_40GB_SURFACES, **AMPERE_KERNELS),
+    HardwareProfile("A100-80GB", A100_PEAK,
                     A100_80GB_MIB * MIB, 2039, 300, 25, "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s "
                     "bf16, 2039 GB/s HBM2e, NVLink3 600 GB/s total; DGX A100: one 200 Gb/s "
-                    "HDR NIC per GPU", AMPERE, host=DGX_A100_640, **AMPERE_KERNELS),
+                    "HDR NIC per GPU", AMPERE, host=DGX_A100_640, gemm_surfaces=A100_80GB_SURFACES,
+                    **AMPERE_KERNELS),
     HardwareProfile("H100-SXM", {"bf16": 989, "fp16": 989, "fp8": 1979, "fp32": 67},
                     H100_MIB * MIB, 3350, 450, 50, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 "
                     "fp8, 3.35 TB/s HBM3, NVLink4 900 GB/s total; DGX H100: one 400 Gb/s NDR "
@@ -293,15 +317,19 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in [
                     4800, 450, 50, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at "
                     "4.8 TB/s, NVLink4 900 GB/s total; 400 Gb/s NDR NIC per GPU", HOPPER,
                     host=DGX_H100, **HOPPER_KERNELS),
-    HardwareProfile("B200", {"bf16": 2250, "fp16": 2250, "fp8": 4500, "fp32": 75}, 180 * GIB,
+    HardwareProfile("B200", B200_PEAK, 180 * GIB,
                     8000, 900, 50, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 4.5 fp8, "
                     "180 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total; DGX B200: one 400 Gb/s "
-                    "NIC per GPU", BLACKWELL, host=DGX_B200, **BLACKWELL_KERNELS),
-    HardwareProfile("GB200", {"bf16": 2500, "fp16": 2500, "fp8": 5000, "fp32": 80}, 186 * GIB,
+                    "NIC per GPU", B200_EFF, host=DGX_B200,
+                    **blackwell_kernels(B200_BF16.source + "; " + B200_FP8.source,
+                                        B200_SURFACES)),
+    HardwareProfile("GB200", GB200_PEAK, 186 * GIB,
                     8000, 900, 50, "NVIDIA GB200 NVL72 datasheet: per GPU 2.5 PFLOP/s bf16 "
                     "dense, 5 fp8, 186 GB HBM3e at 8 TB/s, NVLink5 1.8 TB/s total in a 72-GPU "
-                    "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", BLACKWELL, 72,
-                    host=GB200_TRAY, **BLACKWELL_KERNELS),
+                    "domain; compute tray: 4 GPUs, 4 ConnectX-7 400 Gb/s NICs", GB200_EFF, 72,
+                    host=GB200_TRAY,
+                    **blackwell_kernels(GB200_BF16.source + "; " + GB200_FP8.source,
+                                        GB200_SURFACES)),
     HardwareProfile("cpu", {"fp32": 0.1055, "bf16": 0.0009, "fp16": 0.0009}, 24 * 2**30, 38.1,
                     1.54, 1.54, "`fivefold calibrate` on the idle 2-core development machine "
                     "(one thread, 2026-11-30; no bf16 units: a bf16 matmul ran at 0.9 GFLOP/s); rerun "

@@ -354,8 +354,6 @@ FITTED_TO: dict[tuple[str, str], str] = {
     **{("deepspeed", k): _DEEPSPEED_ROWS for k in (
         "zero3_recompute_gathers", "zero3_live_params", "zero3_overlap",
         "zero3_persist_numel", "zero3_list_gather")},
-    ("hardware", "A100 gemm_eff"): "fitted to the 16 Table 1 rows of arXiv 2104.04473 "
-                                   "(megatron21); fixed in every fold",
 }
 
 
