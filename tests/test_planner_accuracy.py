@@ -244,7 +244,8 @@ def test_megatron_2021_exposes_its_tensor_parallel_all_reduces():
             "model": {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2,
                       "ffn_hidden": 512, "vocab": 1024, "seq_len": 4096},
             "cluster": {"gpu": "H100-SXM", "gpus": 8, "gpus_per_node": 8},
-            "parallel": {"global_batch": 8, "micro_batch": 1, "tp": 8},
+            "parallel": {"global_batch": 8, "micro_batch": 1, "tp": 8,
+                         "sequence_parallel": True},  # tp_overlap needs it (stack.py)
             "train": {"stack": "megatron", "stack_release": release}})
 
     new, old = megatron("2025-11"), megatron("2021-04")

@@ -63,6 +63,23 @@ def test_megatron_stack_holds_less_and_hides_its_collectives():
     assert meg.breakdown_s["exposed_comm"] < mine.breakdown_s["exposed_comm"]
 
 
+def test_megatron_hides_tensor_parallel_collectives_only_with_sequence_parallelism():
+    """Megatron-LM refuses tp_comm_overlap without sequence parallelism (stack.py,
+    tp_overlap): without it the same layout's all-reduces are exposed, as under a release
+    before the overlap."""
+    meg = stack_of("megatron", "2025-09")
+    assert meg.overlaps_tp_collectives(2, True)
+    assert not meg.overlaps_tp_collectives(2, False) and not meg.overlaps_tp_collectives(1, True)
+    assert not stack_of("megatron", "2023-01").overlaps_tp_collectives(2, True)
+    no_sp = {"sequence_parallel": False, "recompute": "selective"}
+    newer = simulate(spec_config(_spec("megatron", **no_sp)
+                                 | {"train": {"stack": "megatron", "stack_release": "2025-09"}}))
+    older = simulate(spec_config(_spec("megatron", **no_sp)
+                                 | {"train": {"stack": "megatron", "stack_release": "2023-04"}}))
+    assert newer.breakdown_s["exposed_comm"] == pytest.approx(older.breakdown_s["exposed_comm"],
+                                                              rel=1e-9)
+
+
 def _rate(stack, gpu: str) -> float:
     prof = PROFILES[gpu]
     return attention_rate(prof.attention_generations, stack.attention_generation(prof.architecture))

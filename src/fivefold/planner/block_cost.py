@@ -171,7 +171,7 @@ class BlockCosts:
         tp_mlp, ep, ep_counts = moe_comm_s(self, act) if moe else (tp_one, 0.0, 0.0)
         tp = tp_one + (tp_one if tp_mlp is None else tp_mlp)
         comm = BlockComm(tp_f=tp, tp_b=tp, sp_regather=regather,
-                         tp_overlapped=self.stack.overlaps_tp and lay.tp > 1,
+                         tp_overlapped=self.stack.overlaps_tp_collectives(lay.tp, lay.sequence_parallel),
                          ep_f=ep + ep_counts, ep_b=ep, **self._cp_comm())
         compute = Compute(t.fwd, at_f, t.bwd, at_b, t.wgrad, t.recompute,
                           lay.recompute == "full")

@@ -226,7 +226,7 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     attn_g, mlp_g = block_gemms(model, sh, moe)
     gemms = attn_g + mlp_g
     in_fp8 = fp8_gemms(sh.fp8_tensors)  # which of a linear's three GEMMs run in fp8
-    ring_chunked = sh.stack.tp_overlap_chunks and sh.stack.overlaps_tp and sh.tp > 1 and sh.sp
+    ring_chunked = sh.stack.tp_overlap_chunks and sh.stack.overlaps_tp_collectives(sh.tp, sh.sp)
     shard_tp = sh.tp if sh.stack.fp8_shard_casts and sh.sp else 1
     gemm_s = wgrad_s = bwd_gemm_s = selective_s = cast_f = cast_b = 0.0
     selected = selective_recomputed(gemms, moe)

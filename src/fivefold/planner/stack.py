@@ -65,7 +65,10 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   date. The date is the merge's, not placed by published rows.
 - tp_overlap: tensor-parallel collectives overlap the GEMMs they feed (Transformer
   Engine's userbuffers, NeMo's tp_comm_overlap = True): only the excess over the block's
-  GEMM time and (1 - overlap_eff) of it show.
+  GEMM time and (1 - overlap_eff) of it show. Only with sequence parallelism: Megatron-LM
+  refuses tp_comm_overlap without it (megatron/training/arguments.py `validate_args`:
+  "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is
+  enabled"), so a tp run without sequence parallelism runs its all-reduces exposed.
 - tp_overlap_since: the first release (`train.stack_release`) with tp_overlap: Transformer
   Engine's userbuffers overlap arrived in TE v0.9 (2023-05; TE PR #147, "TP communication
   overlap with userbuffers"); Megatron-LM of 2021 (arXiv 2104.04473) runs its tensor-parallel
@@ -247,6 +250,11 @@ class Stack:
         """tp_overlap in this release."""
         return self.tp_overlap and self.released_since(self.tp_overlap_since)
 
+    def overlaps_tp_collectives(self, tp: int, sequence_parallel: bool) -> bool:
+        """A layout's tensor-parallel collectives run beside its GEMMs: tp_overlap in this
+        release, tp > 1 and sequence parallelism on (module docstring, tp_overlap)."""
+        return self.overlaps_tp and tp > 1 and sequence_parallel
+
     @property
     def unfused_gpt_block(self) -> bool:
         """This release predates the stack's FlashAttention: its blocks are the older GPT
@@ -346,6 +354,11 @@ FITTED_TO: dict[tuple[str, str], str] = {
                                                  "mcore ModelZoo rows (it prices nothing "
                                                  "while Blackwell profiles have one "
                                                  "attention generation)",
+    ("megatron", "tp_overlap needs sequence parallelism"): "megascale_t2_mcore_* (the only "
+                                                           "rows with tp > 1 and no sequence "
+                                                           "parallelism on a release with "
+                                                           "tp_overlap; the rule was looked "
+                                                           "up after reading their misses)",
     ("megatron", "tp_overlap_chunks"): "one launch per chunk, chosen over one per GEMM "
                                        "because it fitted " + _MEGATRON_ROWS + " better",
     **{("torchtitan", k): _TORCHTITAN_ROWS for k in (
