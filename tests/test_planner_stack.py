@@ -80,6 +80,18 @@ def test_megatron_hides_tensor_parallel_collectives_only_with_sequence_paralleli
                                                               rel=1e-9)
 
 
+def test_megatron_issues_backward_tensor_parallel_collectives_beside_the_weight_gradients():
+    """From 2021-09 Megatron-LM all-reduces a column-parallel linear's input gradient beside
+    its weight-gradient GEMM (stack.py, tp_async_grad_since); the forward's stay exposed."""
+    assert not stack_of("megatron", "2021-04").async_tp_grads
+    assert stack_of("megatron", "2022-05").async_tp_grads and not FIVEFOLD.async_tp_grads
+    plain = {"sequence_parallel": False, "recompute": "full"}
+    runs = {r: simulate(spec_config(_spec("megatron", **plain)
+                                    | {"train": {"stack": "megatron", "stack_release": r}}))
+            for r in ("2021-04", "2022-05")}
+    assert runs["2022-05"].breakdown_s["exposed_comm"] < runs["2021-04"].breakdown_s["exposed_comm"]
+
+
 def _rate(stack, gpu: str) -> float:
     prof = PROFILES[gpu]
     return attention_rate(prof.attention_generations, stack.attention_generation(prof.architecture))

@@ -172,6 +172,7 @@ class BlockCosts:
         tp = tp_one + (tp_one if tp_mlp is None else tp_mlp)
         comm = BlockComm(tp_f=tp, tp_b=tp, sp_regather=regather,
                          tp_overlapped=self.stack.overlaps_tp_collectives(lay.tp, lay.sequence_parallel),
+                         tp_async_grads=self.stack.async_tp_grads,
                          ep_f=ep + ep_counts, ep_b=ep, **self._cp_comm())
         compute = Compute(t.fwd, at_f, t.bwd, at_b, t.wgrad, t.recompute,
                           lay.recompute == "full")

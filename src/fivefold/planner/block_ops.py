@@ -11,7 +11,9 @@ of its time:
   next compute waiting for each; a stack that overlaps them (Transformer Engine's userbuffers,
   `Stack.overlaps_tp`) runs them beside the GEMMs they feed (the non-attention compute).
   Sequence parallelism gathers each region's input again in backward for its weight
-  gradients, beside those matmuls (2205.05198, Sec. 4.2.2).
+  gradients, beside those matmuls (2205.05198, Sec. 4.2.2); a stack that issues the
+  backward's input-gradient collectives asynchronously (`Stack.async_tp_grads`, Megatron-LM
+  since 2021-09) runs them there too.
 - context parallelism: ring attention (arXiv 2310.01889) sends K/V shards around the ring
   beside attention, and the output projection waits for the last; Ulysses (arXiv 2309.14509)
   all-to-alls q, k, v and the output, the compute waiting; the all-gather variant (torch
@@ -44,6 +46,7 @@ class BlockComm:
     tp_b: float = 0.0
     sp_regather: float = 0.0  # sequence parallelism's backward re-gathers
     tp_overlapped: bool = False  # beside the GEMMs (Stack.overlaps_tp)
+    tp_async_grads: bool = False  # backward's beside the weight gradients (Stack.async_tp_grads)
     cp_mode: str = "none"  # "ring", "allgather", "ulysses" or "none"
     cp_step: float = 0.0  # ring: one K/V shard's send; allgather: one fp32 dK/dV pass
     cp_gather: float = 0.0  # allgather: the K/V all-gather of one pass
@@ -160,8 +163,12 @@ def backward_ops(c: BlockComm, t: Compute) -> list[Op]:
                  ("dgrad gemms", dgrad), ("wgrad gemms", wgrad))
     else:
         o.then("dgrad gemms", COMPUTE, dgrad)
-        o.beside("sp re-gathers", "tp", c.sp_regather, ("wgrad gemms", wgrad))
-        o.then("tp collectives", "tp", c.tp_b)
+        if c.tp_async_grads:
+            o.beside("sp re-gathers, input-gradient collectives", "tp",
+                     c.sp_regather + c.tp_b, ("wgrad gemms", wgrad))
+        else:
+            o.beside("sp re-gathers", "tp", c.sp_regather, ("wgrad gemms", wgrad))
+            o.then("tp collectives", "tp", c.tp_b)
     o.then("dispatch/combine", "ep", c.ep_b)
     o.tail += gather + reduce_
     return o.ops
