@@ -1,5 +1,6 @@
 """The planner and simulator: memory, compute and communication formulas, schedules, the
-layer partition, the search, validation against published runs, and the CLI.
+layer partition, the search and validation against published runs (the CLI:
+tests/test_planner_cli.py; profiles from measurements: tests/test_planner_calibration.py).
 
 Formula tests compare against closed forms written out in the test (ZeRO's table, the ring
 volumes, the pipeline bubble), so a change to a model shows up as a changed number.
@@ -10,18 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 
 import pytest
 
-from fivefold.cli import main
-from fivefold.config import ConfigError, load_config
-from fivefold.hardware import PROFILES, load_profile, profile_from_dict
+from fivefold.config import load_config
+from fivefold.hardware import PROFILES
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.parallel.pipeline.partition import balanced_counts
 from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner import calibrate as cal
-from fivefold.planner import calibrate_fit
 from fivefold.planner.comm import Group, Links, collective_time
 from fivefold.planner.compute import Gemm, attention_time, gemm_time
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -29,31 +27,13 @@ from fivefold.planner.params import total_params
 from fivefold.planner.schedules import bubble_fraction, replay_step, runtime_schedule
 from fivefold.planner.search import candidates, search
 from fivefold.planner.simulate import model_flops_per_token, simulate
-from fivefold.planner.spec import load_spec, spec_config
+from fivefold.planner.spec import spec_config
 from fivefold.planner.validation import mape, read_runs, validate_runs
 from fivefold.validate import validate
 
-# run_spec.md, "Output of --json": exactly these fields, and these sub-tables
-# the CLI's --json adds the cross-validated band (fivefold.planner.bands) to run_spec.md's fields
-BAND_FIELDS = {"step_time_band_s", "step_time_band_rows"}
-OUTPUT_FIELDS = {"step_time_s", "tokens_per_s", "model_tflops_per_gpu",
-                 "hardware_tflops_per_gpu", "mfu", "hfu", "memory_per_gpu_bytes", "fits",
-                 "breakdown_s", "parallel"}
-CONTEXT_FIELDS = {"stack", "profile"}  # what simulate/plan --json add to each estimate
-# what plan --json adds: fivefold.planner.objective.scored_json
-OBJECTIVE_FIELDS = {"placement", "cost", "goodput", "productive_tokens_per_s", "train"}
-MEMORY_FIELDS = {"params", "grads", "optimizer", "activations", "other", "total"}
-BREAKDOWN_FIELDS = {"compute", "exposed_comm", "bubble", "optimizer"}
+from planner_specs import BREAKDOWN_FIELDS, MEMORY_FIELDS, OUTPUT_FIELDS, spec
 
 H100 = PROFILES["H100-SXM"]
-
-
-def spec(**sections) -> dict:
-    base = {"model": {"preset": "8B"}, "cluster": {"gpu": "H100-SXM", "gpus": 64},
-            "parallel": {"global_batch": 128}}
-    for name, table in sections.items():
-        base[name] = {**base.get(name, {}), **table}
-    return base
 
 
 # ------------------------------------------------------------------ model sizes and FLOPs
@@ -381,153 +361,3 @@ def test_validate_against_published_runs():
         "nemo2507_DGX-GB200_LLAMA3_70B_64gpu_FP8", "bridge2511_DGX-GB200_LLAMA3_70B_64gpu_FP8-CS",
         "bridge2511_DGX-GB200_LLAMA3.1_405B_256gpu_FP8-CS", "llama3_405B_8192gpu_cp1",
         "llama3_405B_16384gpu_cp1", "llama3_405B_16384gpu_cp16"}
-
-
-def test_h200_profile_is_the_fit_of_its_measurements():
-    from pathlib import Path
-
-    ref = Path(__file__).resolve().parents[1] / "docs/reference/h200_measured.json"
-    fit = calibrate_fit.fit_h200_reference(ref)
-    e = PROFILES["H200"].eff
-    for key in ("gemm_eff", "attn_eff", "gemm_fp8_eff", "mem_eff"):
-        assert getattr(e, key) == pytest.approx(fit[key], rel=0.01), key
-
-
-# ------------------------------------------------------------------ calibrate
-
-def test_fits_recover_known_efficiencies():
-    peak, hbm = 100e12, 1e12
-    truth = (0.7, 0.8, 5e-6)
-    samples = [(M, K, N, 2 * M * K * N / (peak * truth[0]) + 2 * (M * K + K * N + M * N)
-                / (hbm * truth[1]) + truth[2])
-               for M, K, N in [(512, 512, 512), (4096, 1024, 256), (8192, 8192, 8192),
-                               (1024, 4096, 4096)]]
-    assert calibrate_fit.fit_gemm(samples, peak, hbm, 2) == pytest.approx(truth, rel=1e-6)
-    attn = []
-    for b, h, s, d in [(1, 8, 1024, 64), (2, 16, 4096, 128), (1, 4, 16384, 128)]:
-        n, rows = calibrate_fit.attention_scores(b, h, s), b * h * s
-        fwd = n * 4 * d / (peak * 0.6) + n * 1e-15 + rows * 2e-10
-        total = fwd + n * 10 * d / (peak * 0.6) + 2 * n * 1e-15 + 5 * rows * 2e-10
-        attn.append((b, h, s, d, fwd, total))
-    assert calibrate_fit.fit_attention(attn, peak) == pytest.approx((0.6, 1e-15, 2e-10), rel=1e-6)
-
-
-def test_a_time_sliced_cpu_is_priced_at_the_share_of_its_core_it_held():
-    """Probes timed in CPU time say what a rank computes while it runs; a rank that held
-    half its core over the sweeps (cpu_share 0.5) sustains half those rates: every compute
-    rate halves and every per-operation time doubles; host tier and links as measured."""
-    peak = 50e9
-    gemms = [(M, K, N, 2 * M * K * N / peak + 1e-5)
-             for M, K, N in [(256, 256, 256), (1024, 1024, 1024), (512, 256, 8192)]]
-    attn = [(1, 8, 512, 32, 1e-3, 3e-3), (2, 4, 256, 32, 4e-4, 1.3e-3)]
-    m = {"device": "cpu", "threads": 1, "elem_bytes": 4, "gemms": gemms, "attention": attn,
-         "copy_Bps": 10e9, "op_overhead_s": 2e-6, "masked_exp_s": 1e-9,
-         "host_copy_Bps": 10e9, "host_link_Bps": 5e9, "adam_elems_per_s": 1e8,
-         "adam_fused_elems_per_s": None}
-    args = (None, 1 << 30, 2, 1 << 30, (1e9, 1e9))
-    whole = cal.profile_from_measurements("cpu", {**m, "cpu_share": 1.0}, *args)
-    half = cal.profile_from_measurements("cpu", {**m, "cpu_share": 0.5}, *args)
-    assert half.peak_tflops["fp32"] == pytest.approx(whole.peak_tflops["fp32"] / 2)
-    assert half.hbm_GBps == pytest.approx(whole.hbm_GBps / 2)
-    for term in ("kernel_overhead_s", "attn_score_s", "attn_row_s", "masked_exp_s"):
-        assert getattr(half.eff, term) == pytest.approx(2 * getattr(whole.eff, term))
-    assert half.host == whole.host and half.intra_node_GBps == whole.intra_node_GBps
-    assert "x 0.50" in half.source
-
-
-def test_calibration_sweeps_interleave_the_probes_and_run_each_ones_preparation(monkeypatch):
-    """`_sweeps`: every probe once per sweep, in turn; its value the median over the sweeps
-    of its timed call; a probe's `before` (the GEMMs' cache eviction) runs ahead of each
-    timed call, never timed."""
-    clock, log = [0.0], []
-    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
-    gemm_s = iter([9.0, 3.0, 9.0, 1.0, 9.0, 2.0])  # (warm-up, timed) per sweep
-
-    def probe(name, seconds):
-        def fn():
-            log.append(name)
-            clock[0] += next(seconds) if name == "gemm" else seconds
-
-        return fn
-
-    def evict():
-        log.append("evict")
-        clock[0] += 100.0
-
-    probes = {("gemm", 8, 8, 8): (probe("gemm", gemm_s), evict),
-              "copy": (probe("copy", 0.5), None)}
-    t = cal._sweeps(probes, lambda: None, repeat=1, passes=3)
-    assert t == {("gemm", 8, 8, 8): 2.0, "copy": 0.5}
-    assert log == ["gemm", "evict", "gemm", "copy", "copy"] * 3
-
-
-def test_profile_file_round_trip(tmp_path):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(H100.to_dict()))
-    assert load_profile(str(path)) == H100
-    assert profile_from_dict(H100.to_dict()) == H100
-
-
-# ------------------------------------------------------------------ CLI and bad input
-
-def _spec_file(tmp_path, table: dict):
-    path = tmp_path / "spec.json"
-    path.write_text(json.dumps(table))
-    return str(path)
-
-
-def test_cli_simulate_json_and_trace(tmp_path, capsys):
-    path = _spec_file(tmp_path, spec(parallel={"pp": 2, "micro_batch": 4}))
-    trace = tmp_path / "trace.json"
-    assert main(["simulate", path, "--json", "--trace", str(trace)]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert set(out) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS
-    events = json.loads(trace.read_text())["traceEvents"]
-    computes = [e for e in events if e.get("ph") == "X" and e["tid"] == 0
-                and e["name"][0] in "FB"]
-    assert len(computes) == 2 * 2 * (128 // 32 // 4)  # F and B, 2 stages, 4 micro-batches
-    assert {e["pid"] for e in computes} == {0, 1}
-
-
-def test_cli_plan_json_lists_best_first(tmp_path, capsys):
-    path = _spec_file(tmp_path, spec(model={"preset": "8B", "layers": 4},
-                                     cluster={"gpus": 8}, parallel={"global_batch": 16}))
-    assert main(["plan", path, "--top", "2", "--json"]) == 0
-    captured = capsys.readouterr()
-    best = json.loads(captured.out)
-    assert len(best) == 2 and best[0]["step_time_s"] <= best[1]["step_time_s"]
-    assert all(set(b) == OUTPUT_FIELDS | CONTEXT_FIELDS | BAND_FIELDS | OBJECTIVE_FIELDS
-               for b in best)
-    assert "scored" in captured.err
-    assert main(["plan", path, "--top", "1"]) == 0
-    assert "fivefold train" in capsys.readouterr().out
-
-
-def test_cli_plan_validate_prints_rows_and_mape(capsys):
-    assert main(["plan", "validate"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("%") >= 37 and "MAPE all" in out
-    assert "megatron21_t1_1.7B" in out
-
-
-@pytest.mark.parametrize("table, key", [
-    (spec(parallel={"tpp": 2}), "parallel.tpp"),
-    (spec(parallel={"tp": 3}), "parallel.tp"),  # does not divide 64 devices
-    (spec(parallel={"global_batch": 100}), "parallel.global_batch"),  # not over dp = 64
-    (spec(cluster={"gpu": "Z100"}), "cluster.gpu"),
-    ({"model": {"preset": "8B"}, "cluster": {"gpu": "H100-SXM"}}, "cluster.gpus"),
-])
-def test_bad_specs_exit_2_naming_the_key(tmp_path, capsys, table, key):
-    assert main(["simulate", _spec_file(tmp_path, table)]) == 2
-    assert f"`{key}`" in capsys.readouterr().err
-
-
-def test_a_profile_file_that_does_not_parse(tmp_path, capsys):
-    bad = tmp_path / "profile.json"
-    bad.write_text("{not json")
-    path = _spec_file(tmp_path, spec(cluster={"gpu": str(bad)}))
-    assert main(["simulate", path]) == 2
-    err = capsys.readouterr().err
-    assert "`cluster.gpu`" in err and "does not parse" in err
-    with pytest.raises(ConfigError):
-        load_spec(path)
