@@ -1,4 +1,5 @@
-"""Corpus, tokenizer, token caches and the deterministic rank-aware batch sampler."""
+"""Corpus, token caches and the data checks (the tokenizer: tests/test_tokenizer.py; the batch
+sampler: tests/test_batch_sampler.py)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,12 @@ from fivefold.train.corpus import (TEXT_CHUNK_CHARS, Document, detect_format, is
                                    jsonl_documents, load_documents, split_documents,
                                    stdlib_documents, text_documents)
 from fivefold.train.data import BatchSampler, TokenData, check_data, prepare_data
-from fivefold.train.tokenizer import EOS, eos_id, train_tokenizer
+from fivefold.train.tokenizer import EOS, eos_id
+
+from text_samples import SAMPLES
 
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
         "model.ffn_hidden=96", "model.vocab=512", "model.seq_len=32"]
-
-SAMPLES = {
-    "code.py": "def f(x, y=2):\n    \"\"\"Doc.\"\"\"\n    return {'a': [x ** y, x // y]}\n\n\n"
-               "class A:\n\tpass  # tab-indented\n",
-    "unicode.txt": "Héllo wörld — naïve café. 😀🎉👩\u200d💻 日本語のテキスト、中文字符。한국어 "
-                   "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u00a0non-breaking\u200bzero-width\r\nCRLF line\n",
-    "spaces.txt": "   leading spaces\n\n\n\n   trailing   \n\t\t mixed \t whitespace  \n" + " " * 37,
-}
 
 
 def names_in_split(n: int, val: bool, val_fraction: float, prefix: str = "doc") -> list[str]:
@@ -45,48 +40,6 @@ def names_in_split(n: int, val: bool, val_fraction: float, prefix: str = "doc") 
 def paragraph(i: int) -> str:
     return (f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i * 7} times.\n"
             f"def func_{i}(a, b):\n    return a * {i} + b\n\n")
-
-
-# ---------------------------------------------------------------- tokenizer
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    docs = [Document(name, text) for name, text in SAMPLES.items()] * 4
-    return train_tokenizer(docs, vocab_size=400, sample_mib=1.0)
-
-
-def test_tokenizer_vocab_size_and_eos(tokenizer):
-    assert 257 <= tokenizer.get_vocab_size() <= 400  # 256 bytes + EOS, then merges
-    eos = eos_id(tokenizer)
-    assert tokenizer.encode(EOS).ids == [eos]
-    ids = tokenizer.encode("abc" + EOS + "def").ids
-    assert ids.count(eos) == 1
-    assert tokenizer.decode(ids, skip_special_tokens=False) == "abc" + EOS + "def"
-
-
-@pytest.mark.parametrize("text", list(SAMPLES.values()) + [
-    "", " ", "\n", "  a\tb\n\n c   ", "unseen: Ωμέγα ✓ ☃ 🦀 ﷽ \x00\x01 control",
-    "x" * 1000, "mixed日本😀code();\r\n\r\n"])
-def test_tokenizer_round_trip_exact(tokenizer, text):
-    ids = tokenizer.encode(text).ids
-    assert tokenizer.decode(ids) == text
-    assert eos_id(tokenizer) not in ids
-
-
-def test_tokenizer_training_is_deterministic():
-    docs = [Document(name, text) for name, text in SAMPLES.items()] * 4
-    a = train_tokenizer(docs, 350, 1.0)
-    b = train_tokenizer(docs, 350, 1.0)
-    assert a.to_str() == b.to_str()
-    assert a.get_vocab_size() > 257  # it learned merges
-    text = SAMPLES["code.py"]
-    assert len(a.encode(text).ids) < len(text.encode())  # and they compress
-
-
-def test_eos_id_requires_the_token():
-    from tokenizers import Tokenizer, models
-    with pytest.raises(ValueError, match="endoftext"):
-        eos_id(Tokenizer(models.BPE()))
 
 
 # ---------------------------------------------------------------- corpus
@@ -434,69 +387,6 @@ def test_check_data():
 
 
 # ---------------------------------------------------------------- BatchSampler
-
-TOKENS = np.arange(10_000, dtype=np.uint16)
-
-
-def test_sampler_same_step_same_batch_and_steps_differ():
-    s = BatchSampler(TOKENS, seq_len=16, global_batch=8, seed=3)
-    x, y = s.rank_batch(5)
-    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
-    x2, y2 = s.rank_batch(5)
-    assert torch.equal(x, x2) and torch.equal(y, y2)
-    assert not torch.equal(s.rank_batch(6)[0], x)
-    assert not torch.equal(BatchSampler(TOKENS, 16, 8, seed=4).rank_batch(5)[0], x)
-    assert not torch.equal(BatchSampler(TOKENS, 16, 8, seed=3, split=1).rank_batch(5)[0], x)
-
-
-def test_sampler_targets_are_inputs_shifted_by_one():
-    s = BatchSampler(TOKENS, seq_len=16, global_batch=8, seed=0)
-    for step in range(4):
-        x, y = s.rank_batch(step)
-        assert torch.equal(x[:, 1:], y[:, :-1])
-        assert torch.equal(y, x + 1)  # the stream is 0, 1, 2, ...: rows are contiguous
-        starts = x[:, 0].numpy()
-        assert np.array_equal(starts, s.global_offsets(step))
-
-
-def test_sampler_stays_in_bounds():
-    tokens = np.arange(17, dtype=np.uint16)  # exactly one sequence of seq_len + 1
-    x, y = BatchSampler(tokens, seq_len=16, global_batch=4, seed=0).rank_batch(0)
-    assert torch.equal(x, torch.arange(16).expand(4, 16))
-    assert torch.equal(y, torch.arange(1, 17).expand(4, 16))
-    s = BatchSampler(np.arange(40, dtype=np.uint16), seq_len=16, global_batch=64, seed=1)
-    for step in range(10):
-        x, y = s.rank_batch(step)
-        assert y.max() <= 39 and x.min() >= 0
-        assert x.shape == (64, 16)
-    assert set(np.concatenate([s.global_offsets(k) for k in range(10)])) == set(range(24))
-
-
-def test_sampler_rank_shares_concatenate_to_the_global_batch():
-    full_x, full_y = BatchSampler(TOKENS, 16, 8, seed=9).rank_batch(11)
-    parts = [BatchSampler(TOKENS, 16, 8, seed=9, dp_rank=r, dp_size=4).rank_batch(11)
-             for r in range(4)]
-    assert all(p[0].shape == (2, 16) for p in parts)
-    assert torch.equal(torch.cat([p[0] for p in parts]), full_x)
-    assert torch.equal(torch.cat([p[1] for p in parts]), full_y)
-    halves = [BatchSampler(TOKENS, 16, 8, seed=9, dp_rank=r, dp_size=2).rank_batch(11)[0]
-              for r in range(2)]
-    assert torch.equal(torch.cat(halves), full_x)
-
-
-def test_sampler_is_resumable_from_the_step_alone():
-    first = BatchSampler(TOKENS, 16, 8, seed=2)
-    for step in range(7):
-        first.rank_batch(step)  # consuming earlier steps changes nothing
-    x, y = first.rank_batch(7)
-    fresh_x, fresh_y = BatchSampler(TOKENS, 16, 8, seed=2).rank_batch(7)
-    assert torch.equal(x, fresh_x) and torch.equal(y, fresh_y)
-
-
-def test_sampler_rejects_uneven_dp():
-    with pytest.raises(ValueError):
-        BatchSampler(TOKENS, 16, 6, seed=0, dp_rank=0, dp_size=4)
-
 
 def test_sampler_reads_a_memmapped_cache(text_folder, tmp_path):
     data = prepare_data(data_cfg(text_folder, tmp_path / "cache"), log=lambda m: None)
