@@ -18,12 +18,12 @@ at 1.0, on the built-in corpus.
   `DS_ACCELERATOR=cpu` on the same gloo group. Skipped, with the reason printed, when
   DeepSpeed is not importable (it is the `bench` extra: `pip install -e '.[bench]'`).
 
-The peer sides use none of fivefold's trainer, engine, sampler or optimizer construction; their
-model is `fivefold.models.llama.Transformer`, a plain `nn.Module` with no parallel code, so
-every side runs the same forward/backward math and the comparison isolates the data-parallel
-machinery. Their batches are cut at numpy random offsets from the same token array, and their
-loss is the per-rank token mean (each wrapper averages gradients over ranks, so the update is
-the global-mean gradient, as fivefold's).
+The peer sides (bench/peer_sides.py) use none of fivefold's trainer, engine, sampler or
+optimizer construction; their model is `fivefold.models.llama.Transformer`, a plain `nn.Module`
+with no parallel code, so every side runs the same forward/backward math and the comparison
+isolates the data-parallel machinery. Their batches are cut at numpy random offsets from the
+same token array, and their loss is the per-rank token mean (each wrapper averages gradients
+over ranks, so the update is the global-mean gradient, as fivefold's).
 
 Each rank of each side is its own process (this script re-invoked with `--side`, the rank in
 its environment as `torch.distributed.run` would set it), so its peak resident set (`VmHWM`)
@@ -39,7 +39,7 @@ deepspeed-k / fivefold-k).
 
 `--ledger` instead records one fivefold training step on 4 gloo ranks with
 `cluster.gpus_per_node = 2` for each ZeRO stage and each ZeRO++ switch, and prints the bytes
-per step of every collective (the table of docs/data_parallel.md).
+per step of every collective (bench/zero_ledger.py; the table of docs/data_parallel.md).
 
     python bench/data_parallel.py                  # 30 timed steps per side, 5 rounds of 6
     python bench/data_parallel.py --quick          # smoke test: 2 steps, 1 round
@@ -64,8 +64,9 @@ import time
 import warnings
 
 from harness import (SPEED_MEMORY_HEADER, TrainerSide, add_timing_args, machine_info,
-                     memory_summary, plain_adamw, plain_lr, random_batch, rotated, rss_mib,
-                     speed_memory_cells, speed_memory_ratios, split_rounds, write_json)
+                     memory_summary, rotated, rss_mib, speed_memory_cells, speed_memory_ratios,
+                     split_rounds, write_json)
+from peer_sides import PeerSide, import_side
 
 FIVEFOLD_SIDES = ("fivefold-0", "fivefold-1", "fivefold-2", "fivefold-3")
 TORCH_SIDES = ("torch-ddp", "torch-fsdp2")
@@ -94,6 +95,15 @@ def bench_config(zero_stage: int, world: int, extra: tuple[str, ...] = ()):
     return cfg
 
 
+def ledger_report(ledger) -> dict:
+    """A step's collectives (bytes and wire bytes by op, axis, purpose) and model-state bytes."""
+    wire = ledger.totals("wire_bytes")
+    return {"model_state_bytes": dict(ledger.model_state_bytes),
+            "comm": [{"op": op, "mesh_dim": dim, "purpose": purpose, "bytes": nbytes,
+                      "wire_bytes": wire[(op, dim, purpose)]}
+                     for (op, dim, purpose), nbytes in sorted(ledger.totals().items())]}
+
+
 # ------------------------------------------------------------------ the sides (one rank each)
 
 class FivefoldSide(TrainerSide):
@@ -104,108 +114,7 @@ class FivefoldSide(TrainerSide):
                          spec["total_steps"], rank, world)
 
     def report(self) -> dict:
-        """The last step's collectives (bytes by op, axis, purpose) and model-state bytes."""
-        ledger = self.trainer.ledger
-        wire = ledger.totals("wire_bytes")
-        return {"model_state_bytes": dict(ledger.model_state_bytes),
-                "comm": [{"op": op, "mesh_dim": dim, "purpose": purpose, "bytes": nbytes,
-                          "wire_bytes": wire[(op, dim, purpose)]}
-                         for (op, dim, purpose), nbytes in sorted(ledger.totals().items())]}
-
-
-class PeerSide:
-    """A plain training loop around a peer's data-parallel wrapper of the same model."""
-
-    def __init__(self, spec: dict, rank: int, world: int):
-        import numpy as np
-        import torch
-
-        from fivefold.config import ModelConfig  # only to build the model definition
-        from fivefold.models.llama import Transformer
-
-        self.torch, self.F = torch, torch.nn.functional
-        self.side, self.world = spec["side"], world
-        self.hp, self.total_steps = spec["train"], spec["total_steps"]
-        self.rows, self.seq_len = GLOBAL_BATCH // world, spec["model"]["seq_len"]
-        self.tokens = np.load(spec["train_tokens"], mmap_mode="r")
-        self.rng = np.random.default_rng([1234, rank])
-        torch.manual_seed(0)  # the same initial weights on every rank
-        model = Transformer(ModelConfig(**spec["model"]))
-        with torch.no_grad():  # GPT-2 style normal(0, 0.02), as fivefold initializes
-            for param in model.parameters():
-                if param.dim() >= 2:
-                    param.normal_(0.0, 0.02)
-        self.model, self.opt = self._wrap(model)
-        self.step = 0
-
-    def _wrap(self, model):
-        if self.side == "torch-ddp":
-            from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(model), plain_adamw(list(model.parameters()), self.hp)
-        if self.side == "torch-fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            mesh = init_device_mesh("cpu", (self.world,))
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model, plain_adamw(list(model.parameters()), self.hp)
-        import deepspeed
-        client = plain_adamw(list(model.parameters()), self.hp)
-        config = {"train_batch_size": GLOBAL_BATCH,
-                  "train_micro_batch_size_per_gpu": self.rows,
-                  "gradient_accumulation_steps": 1,
-                  "gradient_clipping": self.hp["grad_clip"],
-                  # persistence threshold 0: ZeRO-3 shards every parameter, as fivefold-3 and
-                  # FSDP2 do (the default 1e5 would keep this model's attention matrices whole)
-                  "zero_optimization": {"stage": int(self.side.split("-")[1]),
-                                        "stage3_param_persistence_threshold": 0},
-                  "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 10**9}
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
-        return engine, client  # ZeRO keeps the client's param_groups: the learning rate goes there
-
-    def run(self, n: int) -> float:
-        torch, F = self.torch, self.F
-        deepspeed = self.side.startswith("deepspeed")
-        loss = torch.zeros(())
-        for _ in range(n):
-            self.model.train()
-            for group in self.opt.param_groups:
-                group["lr"] = plain_lr(self.hp, self.step, self.total_steps)
-            x_BT, y_BT = random_batch(self.tokens, self.rng, self.rows, self.seq_len)
-            # one expression, so the (B, T, V) logits are not kept alive into the next step
-            loss = F.cross_entropy(self.model(x_BT).flatten(0, 1), y_BT.flatten())
-            if deepspeed:  # the engine clips (config) and steps its ZeRO optimizer
-                self.model.backward(loss)
-                self.model.step()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp["grad_clip"])
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-            loss = loss.detach()
-            self.step += 1
-        total = loss.clone()  # the global mean of the last step's loss, for the log
-        torch.distributed.all_reduce(total)
-        return total.item() / self.world
-
-    def report(self) -> dict:
-        return {}
-
-
-def import_side(side: str) -> None:
-    """Load the side's libraries before the baseline RSS is taken."""
-    if side.startswith("fivefold"):
-        import fivefold.train.trainer  # noqa: F401
-    elif side.startswith("deepspeed"):
-        import logging
-
-        import deepspeed  # noqa: F401
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    else:
-        import torch.distributed.fsdp  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
+        return ledger_report(self.trainer.ledger)
 
 
 def worker(side: str) -> None:
@@ -351,6 +260,7 @@ def run_bench(sides: list[str], skipped: dict[str, str], nproc: int, steps: int,
     per_round = split_rounds(steps, rounds)
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "moe"}
     spec = {"model": model, "total_steps": warmup + steps, "threads": threads,
+            "global_batch": GLOBAL_BATCH,
             "train": dataclasses.asdict(cfg.train), "train_tokens": str(data.train.filename)}
     tokens_per_step = GLOBAL_BATCH * SEQ_LEN
     running: dict[str, Side] = {}
@@ -444,70 +354,6 @@ def print_table(res: dict) -> None:
         print(f"{name}: not run: {reason.splitlines()[-1]}")
 
 
-# ------------------------------------------------------------------ the ZeRO++ ledger
-
-LEDGER_WORLD = 4
-LEDGER_LAYOUTS = {
-    "stage 0": ("parallel.zero_stage=0",),
-    "stage 1": ("parallel.zero_stage=1",),
-    "stage 2": ("parallel.zero_stage=2",),
-    "stage 3": ("parallel.zero_stage=3",),
-    "stage 3 + qwZ": ("parallel.zero_stage=3", "parallel.qwz=true"),
-    "stage 3 + hpZ": ("parallel.zero_stage=3", "parallel.hpz=true"),
-    "stage 3 + qgZ": ("parallel.zero_stage=3", "parallel.qgz=true"),
-    "stage 3 + qwZ+hpZ+qgZ": ("parallel.zero_stage=3", "parallel.qwz=true", "parallel.hpz=true",
-                              "parallel.qgz=true"),
-}
-
-
-def _ledger_step(rt, layouts: dict) -> dict:
-    """On each rank: one training step per layout; its collectives and model-state bytes."""
-    from fivefold.train.trainer import Trainer
-
-    out = {}
-    for label, sets in layouts.items():
-        cfg = bench_config(0, rt.world_size, ("cluster.gpus_per_node=2", *sets))
-        with tempfile.TemporaryDirectory(prefix="bench-dp-ledger-") as tmp:
-            trainer = Trainer(cfg, rt, tmp)
-            trainer.train_step(0)
-        wire = trainer.ledger.totals("wire_bytes")
-        out[label] = {"model_state_bytes": dict(trainer.ledger.model_state_bytes),
-                      "comm": [{"op": op, "mesh_dim": dim, "purpose": purpose, "bytes": nbytes,
-                                "wire_bytes": wire[(op, dim, purpose)]}
-                               for (op, dim, purpose), nbytes in
-                               sorted(trainer.ledger.totals().items())]}
-    return out
-
-
-def run_ledger() -> dict:
-    from fivefold.testing import run_on_ranks
-    from fivefold.train.data import prepare_data
-
-    prepare_data(bench_config(0, LEDGER_WORLD), log=lambda text: print(text, file=sys.stderr))
-    layouts = run_on_ranks(_ledger_step, LEDGER_WORLD, LEDGER_LAYOUTS, timeout_s=900)[0]
-    return {"config": {"preset": PRESET, "precision": "fp32", "world": LEDGER_WORLD,
-                       "gpus_per_node": 2, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN},
-            "machine": machine_info(**peer_versions()), "layouts": layouts}
-
-
-def print_ledger(res: dict) -> None:
-    c = res["config"]
-    print(f"{c['preset']} preset, {c['precision']}, {c['world']} ranks, {c['gpus_per_node']} per "
-          f"node; one step, bytes on this rank (rank 0)")
-    base = res["layouts"]["stage 3"]
-    base_total = sum(r["wire_bytes"] for r in base["comm"] if r["purpose"] in ("grads", "params"))
-    for label, layout in res["layouts"].items():
-        state = layout["model_state_bytes"]
-        print(f"{label}: model states {state['total']:,} B (params {state['params']:,}, grads "
-              f"{state['grads']:,}, optimizer {state['optimizer']:,})")
-        total = 0
-        for r in layout["comm"]:
-            print(f"  {r['op']:<15}{r['mesh_dim']:<24}{r['purpose']:<10}{r['bytes']:>14,} B"
-                  f"{r['wire_bytes']:>14,} B on the wire")
-            total += r["wire_bytes"] if r["purpose"] in ("grads", "params") else 0
-        print(f"  grads + params on the wire: {total:,} B ({total / base_total:.3f} of stage 3)")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks per side (default 2)")
@@ -524,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.side:
         return worker(args.side)
     if args.ledger:
+        from zero_ledger import print_ledger, run_ledger
         res = run_ledger()
         print_ledger(res)
     else:
