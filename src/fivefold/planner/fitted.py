@@ -71,7 +71,9 @@ def in_training(prof: HardwareProfile, fit: Fitted = FITTED) -> HardwareProfile:
 def _sustained(prof: HardwareProfile, fit: Fitted) -> HardwareProfile:
     e = prof.eff
     s = fit.sustained
+    rowwise = None if e.gemm_fp8_rowwise_eff is None else e.gemm_fp8_rowwise_eff * s
     eff = dataclasses.replace(e, gemm_eff=e.gemm_eff * s, gemm_fp8_eff=e.gemm_fp8_eff * s,
+                              gemm_fp8_rowwise_eff=rowwise,
                               attn_eff=e.attn_eff * s, overlap_eff=fit.overlap_eff,
                               comm_intra_eff=fit.comm_eff, comm_inter_eff=fit.comm_eff,
                               nic_aggregation=fit.nic_aggregation)
