@@ -94,7 +94,19 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   scaling recipes set fp8_param_gather = True, its MXFP8 ones from v2.4.0; the NeMo docs:
   "reducing the all-gather overhead by half"). Megatron-LM scripts choose it by a flag
   (--fp8-param-gather) no row states; the rows of 2024-09 and later outside NeMo take the
-  release's default, and their re-gather hides behind the forward either way.
+  release's default, and their re-gather hides behind the forward either way. The weights
+  then live as fp8 (`fp8_weight_bytes`, what fivefold.planner.memory counts): Megatron
+  builds the model under Transformer Engine's fp8_model_init (pretrain_gpt.py
+  model_provider), so every TE linear's weight (TransformerEngineBaseModule's
+  primary_weights_in_fp8: qkv, proj, fc1, fc2, the grouped experts; not norms, router,
+  embedding or head) is one byte; where the GPU's fp8 GEMMs take only the TN layout TE
+  also keeps each weight's transpose, one byte more (transformer_engine/pytorch/tensor/
+  utils.py post_all_gather_processing: "if backend does not support non-transposed FP8
+  GEMM, pre-create the transpose"; utils.is_non_tn_fp8_gemm_supported: compute
+  capability 10.x or 13+, i.e. NON_TN_FP8_ARCHITECTURES): on Hopper two bytes, as bf16.
+  An MXFP8 weight holds a rowwise and a columnwise copy on any GPU (TE's MXFP8 master-weight
+  cast writes `_rowwise_data` and `_columnwise_data`), two bytes; the spec cannot state
+  MXFP8, so its rows are counted as per-tensor ones, one byte short on Blackwell.
 - fp8_sp_gather: under fp8 with sequence parallelism the all-gather of a region's input
   moves its fp8 copy, one byte per element (Transformer Engine's LayerNormLinear writes the
   norm's output in fp8 and gathers that, `_LayerNormLinear.forward` @v1.7; torchao's
@@ -204,6 +216,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+# Architectures whose fp8 GEMMs read either operand layout (fp8_param_gather_since, above)
+NON_TN_FP8_ARCHITECTURES = ("blackwell",)
+
+
 @dataclass(frozen=True)
 class Stack:
     name: str
@@ -259,6 +275,14 @@ class Stack:
         """Under fp8 the distributed optimizer all-gathers fp8 parameters (this release)."""
         return (self.fp8_param_gather_since is not None
                 and self.released_since(self.fp8_param_gather_since))
+
+    def fp8_weight_bytes(self, precision: str, architecture: str) -> int | None:
+        """Bytes per element of the blocks' linear weights where the stack keeps them as fp8
+        (gathers_fp8_params; module docstring): one, and one more for the transpose off
+        NON_TN_FP8_ARCHITECTURES; None where it does not (the compute dtype's bytes)."""
+        if precision != "fp8" or not self.gathers_fp8_params:
+            return None
+        return 1 if architecture in NON_TN_FP8_ARCHITECTURES else 2
 
     def expert_width_split(self, tp: int, etp: int) -> int:
         """The degree a routed expert's width is split over under this stack."""
