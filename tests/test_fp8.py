@@ -353,8 +353,9 @@ def test_planner_cast_bytes_follow_the_recipe():
 
 def test_planner_time_follows_the_recipe_switches():
     """grad_output off: both backward GEMMs leave fp8 (slower backward, same forward); input
-    off: the forward and weight-gradient GEMMs; rowwise: more backward cast traffic, the
-    same forward; every class off costs more than fp8 and less than nothing at all."""
+    off: the forward and weight-gradient GEMMs; rowwise: the H100's rowwise GEMM rate
+    (measured below the tensorwise one) forward and backward, and more backward cast
+    traffic; every class off costs more than fp8 and less than nothing at all."""
     m = load_config(None, ["model.preset='8B'"]).model
     prof = PROFILES["H100-SXM"]
 
@@ -368,7 +369,7 @@ def test_planner_time_follows_the_recipe_switches():
     bf16 = block_times(m, Shard(2, 8192, 2, 1, False, 1, "bf16", "none"), prof, False)
     assert no_grad.fwd == pytest.approx(full.fwd) and no_grad.bwd > full.bwd
     assert no_input.fwd > full.fwd and no_input.wgrad > full.wgrad
-    assert rowwise.fwd == full.fwd and rowwise.bwd > full.bwd
+    assert rowwise.fwd > full.fwd and rowwise.bwd > full.bwd
     assert full.fwd < bf16.fwd and full.bwd < bf16.bwd
     none_on = times(fp8_tensors=())
     assert none_on.fwd == pytest.approx(bf16.fwd) and none_on.bwd == pytest.approx(bf16.bwd)

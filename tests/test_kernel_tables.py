@@ -1,7 +1,9 @@
 """Kernel tables (fivefold.kernel_tables, fivefold.published_kernels): every GPU profile names
 where its tables come from, no architecture holds another's efficiencies or tables, the H200
-GEMM surface and attention terms reproduce h200_measured.json, each published GEMM surface its
-source's points, and unfused attention is the stack's, priced from bytes."""
+GEMM surfaces (bf16, fp8 tensorwise and rowwise) and attention terms reproduce
+h200_measured.json, each published GEMM surface its source's points, rowwise fp8 GEMMs run on
+the rowwise table where one was measured and on the fp8 one elsewhere, and unfused attention
+is the stack's, priced from bytes."""
 
 from __future__ import annotations
 
@@ -13,19 +15,20 @@ from pathlib import Path
 import pytest
 
 from fivefold.hardware import HOPPER, PROFILES, profile_from_dict
-from fivefold.kernel_tables import (H200_MEASURED, NEUTRAL, h200_gemm_samples,
+from fivefold.kernel_tables import (FP8_ROWWISE, H200_MEASURED, NEUTRAL, h200_gemm_samples,
                                     roofline_gemm_s)
-from fivefold.planner.op_prices import (Gemm, attention_time, gemm_time,
+from fivefold.planner.fitted import FITTED, in_training
+from fivefold.planner.op_prices import (Gemm, attention_time, gemm_table, gemm_time,
                                         unfused_attention_time)
-from fivefold.planner.stack import FITTED_TO
+from fivefold.planner.fitted_to import FITTED_TO
 from fivefold.published_kernels import (A100_BF16, B200_BF16, B200_FP8, GB200_BF16, GB200_FP8,
                                         HOPPER_CHECKS, V100_FP16)
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "h200_measured.json"
 GPUS = {name: p for name, p in PROFILES.items() if not p.cores}
 # the kernel-level terms a profile's tables set (the links' terms are fivefold.planner.fitted's)
-KERNEL_TERMS = ("gemm_eff", "gemm_fp8_eff", "gemm_mem_eff", "attn_eff", "attn_score_s",
-                "attn_row_s", "mem_eff", "kernel_overhead_s")
+KERNEL_TERMS = ("gemm_eff", "gemm_fp8_eff", "gemm_fp8_rowwise_eff", "gemm_mem_eff", "attn_eff",
+                "attn_score_s", "attn_row_s", "mem_eff", "kernel_overhead_s")
 
 
 def test_every_gpu_profile_names_its_architecture_and_kernel_source():
@@ -102,19 +105,51 @@ def test_the_packaged_measurements_are_the_reference_file():
 
 
 def test_the_h200_gemm_surface_reproduces_the_measured_shapes():
-    """Every one of the 35 bf16 and 5 fp8 measured shapes within 6% (the worst, 16384 x 8192
-    x 32000 at 597 TFLOP/s, sits between neighbours measured at 711-721: 5.8%), 1% on
-    average; far from every measurement the surface is the roofline."""
+    """Every one of the 35 bf16 and the 5 fp8 measured shapes, tensorwise and rowwise, within
+    6% (the worst, 16384 x 8192 x 32000 at 597 TFLOP/s, sits between neighbours measured at
+    711-721: 5.8%), 1% on average; far from every measurement the surface is the roofline."""
     h200 = PROFILES["H200"]
     errors = []
-    for dtype, fp8 in (("bf16", False), ("fp8", True)):
-        for m, k, n, t in h200_gemm_samples()[dtype]:
-            errors.append(abs(gemm_time(Gemm("g", m, k, n), h200, fp8, 2) / t - 1))
-    assert len(errors) == 40
+    for table, fp8, recipe in (("bf16", False, ""), ("fp8", True, "tensorwise"),
+                               (FP8_ROWWISE, True, "rowwise")):
+        for m, k, n, t in h200_gemm_samples()[table]:
+            errors.append(abs(gemm_time(Gemm("g", m, k, n), h200, fp8, 2, recipe) / t - 1))
+    assert len(errors) == 45
     assert max(errors) < 0.06 and sum(errors) / len(errors) < 0.01
     far = Gemm("narrow", 64, 2048, 1536)  # a narrow MoE expert GEMM
     assert gemm_time(far, h200, False, 2) == pytest.approx(
         roofline_gemm_s(64, 2048, 1536, 989e12, 4800e9, h200.eff, 2, False), rel=1e-3)
+
+
+def test_rowwise_fp8_gemms_are_priced_from_the_rowwise_measurements():
+    """`parallel.fp8_recipe = "rowwise"`: on the Hopper profiles a GEMM is priced from
+    h200_measured.json's rowwise column, its roofline at gemm_fp8_rowwise_eff (the column's
+    mean rate over the fp8 peak) times the rowwise surface: at each of the 5 measured shapes
+    within 1% of the measured seconds and of the measured rowwise / tensorwise ratio
+    (0.89-0.99). A Blackwell profile, with no rowwise table, prices it as tensorwise (equal
+    to the float) and says so in its kernel_source."""
+    h200 = PROFILES["H200"]
+    samples = h200_gemm_samples()
+    for (m, k, n, t), (*_, t_tensor) in zip(samples[FP8_ROWWISE], samples["fp8"], strict=True):
+        g, surface = Gemm("g", m, k, n), h200.gemm_surfaces[FP8_ROWWISE]
+        roofline = roofline_gemm_s(m, k, n, 1979e12, 4800e9, h200.eff, 2, True, rowwise=True)
+        rowwise = gemm_time(g, h200, True, 2, "rowwise")
+        assert rowwise == pytest.approx(roofline * surface.factor(m, k, n), rel=1e-12)
+        assert rowwise == pytest.approx(t, rel=0.01)
+        assert rowwise / gemm_time(g, h200, True, 2) == pytest.approx(t / t_tensor, rel=0.01)
+    assert h200.eff.gemm_fp8_rowwise_eff == pytest.approx(
+        sum(2 * m * k * n / t for m, k, n, t in samples[FP8_ROWWISE]) / 5 / 1979e12, rel=1e-3)
+    for name in ("H100-SXM", "H100-96GB-500W", "H800"):
+        assert gemm_table(PROFILES[name], True, "rowwise", 2) == FP8_ROWWISE, name
+    sustained = in_training(h200).eff  # a training step sustains the same share of it
+    assert sustained.gemm_fp8_rowwise_eff == pytest.approx(0.641 * FITTED.sustained)
+    g = Gemm("g", 16384, 4096, 14336)
+    for name in ("B200", "GB200"):
+        prof = PROFILES[name]
+        assert gemm_table(prof, True, "rowwise", 2) == "fp8"
+        assert gemm_time(g, prof, True, 2, "rowwise") == gemm_time(g, prof, True, 2)
+        assert "rowwise" in prof.kernel_source and prof.eff.gemm_fp8_rowwise_eff is None
+    assert gemm_table(h200, False, "rowwise", 2) == "bf16"  # the recipe reaches fp8 GEMMs only
 
 
 def test_the_h200_attention_terms_reproduce_the_measured_sdpa_shapes():

@@ -248,3 +248,31 @@ def test_fivefold_runs_moe_layers_on_the_experts_grid_megatron_splits_them_over_
     assert [g.n for g in gemms] == [F, F // 2, F // 2]
     # the rank routes half the tokens; with etp 2 it computes its etp pair's rows
     assert gemms[0].m * 2 == gemms[1].m == gemms[2].m
+
+
+def test_fp8_weights_are_counted_at_the_bytes_the_stack_keeps_them_in():
+    """Megatron from its fp8_param_gather release keeps the blocks' linear weights as fp8
+    (Stack.fp8_weight_bytes): on Blackwell one byte each, so the 8B model's parameters drop by
+    one byte per linear weight element the rank holds, exact to the byte (ZeRO-1: all 32
+    blocks'; ZeRO-3 over 8 ranks: an eighth of them, and the two gathered blocks' copies);
+    on Hopper TE also keeps each fp8 weight's transpose: two bytes, as bf16. Gradients,
+    master and optimizer states and activations do not move; before the release and under
+    the fivefold stack (memory equal to its runtime's) nothing does."""
+    linear = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336  # one 8B block's linears
+
+    def mem(gpu: str, zero: int, stack: str = "megatron", **train) -> dict:
+        spec = {"model": {"preset": "8B"}, "cluster": {"gpu": gpu, "gpus": 8},
+                "parallel": {"global_batch": 8, "micro_batch": 1, "precision": "fp8",
+                             "zero_stage": zero}, "train": {"stack": stack, **train}}
+        return simulate(spec_config(spec)).memory_per_gpu_bytes
+
+    for zero, held, gathered in ((1, 32 * linear, 0), (3, 32 * linear // 8, 2 * linear)):
+        new = mem("B200", zero, stack_release="2025-11")
+        old = mem("B200", zero, stack_release="2024-03")  # before fp8_param_gather_since
+        assert (old["params"] - new["params"], old["other"] - new["other"]) == (held, gathered)
+        assert all(new[k] == old[k] for k in ("grads", "optimizer", "activations"))
+        hopper = [mem("H100-SXM", zero, stack_release=r) for r in ("2025-11", "2024-03")]
+        assert [(m["params"], m["other"]) for m in hopper] == [(hopper[1]["params"],
+                                                                 hopper[1]["other"])] * 2
+        ours = mem("B200", zero, "fivefold")
+        assert ours["params"] == old["params"]

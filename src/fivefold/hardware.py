@@ -18,14 +18,16 @@ come from. No profile holds another architecture's efficiencies:
 - Hopper (H200; H800, H100-SXM and the H100-96GB-500W are the same die, with their own
   datasheet figures): the GEMM, attention, fp8 and copy terms fitted to one H200's
   measurements (h200_measured.json) by fivefold.planner.calibrate_fit.fit_h200_reference,
-  the GEMM surfaces read from that file's 35 bf16 and 5 fp8 shapes, FlashAttention-2-class
-  kernels at arXiv 2407.08608's H100 ratio; checked against the file's HF Llama-1B step.
+  the GEMM surfaces read from that file's 35 bf16 and 5 fp8 shapes (tensorwise and rowwise
+  scales, each its own rate and surface), FlashAttention-2-class kernels at arXiv
+  2407.08608's H100 ratio; checked against the file's HF Llama-1B step.
 - Ampere (A100-80GB / A100-40GB): FlashAttention-2 at 73% of peak, the top of the 50-73% that
   arXiv 2307.08691 (abstract) measured on A100; GEMMs from a published A100 SXM microbenchmark
   (fivefold.published_kernels: its rate and surface). The unfused attention of Megatron-LM
   2021 is the stack's (fivefold.planner.stack.attention_generation), not the profile's.
 - Blackwell (B200, GB200): GEMMs from published microbenchmarks on each GPU
   (fivefold.published_kernels: B200 bf16 and fp8; GB200 bf16 and fp8, measured on a GB200);
+  rowwise-scaled fp8 GEMMs at that fp8 rate (no rowwise table published there);
   attention at cuDNN 9.13's fused-attention rate on B200, which FlashAttention-4 beats by up
   to 1.3x at up to 1613 TFLOP/s, 71% of the bf16 peak (Zadouri, Hoehnerbach, Shah, Liu,
   Thakkar and Dao, "FlashAttention-4: Algorithm and Kernel Pipelining Co-Design for
@@ -65,7 +67,7 @@ from pathlib import Path
 
 from fivefold.config import ConfigError
 from fivefold.kernel_tables import (FLASH2_RATE_H100, GB, NEUTRAL, Efficiency, GemmSurface,
-                                    gemm_surface, h200_gemm_samples, roofline_gemm_s)
+                                    h200_surfaces)
 from fivefold.published_kernels import (A100_BF16, B200_BF16, B200_FP8, GB200_BF16, GB200_FP8,
                                         V100_FP16, published_gemm_terms)
 
@@ -196,35 +198,27 @@ class HardwareProfile:
 
 
 # Hopper: GEMM, attention and copy terms fitted to one H200's measurements (h200_measured.json:
-# 30 + 5 bf16 GEMM shapes, 4 causal SDPA shapes, 5 fp8 GEMMs, a copy) by
-# fivefold.planner.calibrate_fit.fit_h200_reference. Eager element-wise passes (3) from that
-# file's HF Llama-1B step: 0.313 s predicted eager, 0.346 s measured (compiled, one pass:
-# 0.272 s vs 0.281 s). Latencies: NCCL's per-hop figures on NVLink and NDR. H100-SXM, H800
-# and the power-capped H100-96GB-500W are the same die: the same kernel terms, their own
-# datasheet figures (peak, HBM bandwidth, memory).
-HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_mem_eff=1.0, attn_eff=0.678,
-                    attn_score_s=0.0, attn_row_s=3.49e-10, mem_eff=0.883, eltwise_passes=3.0,
-                    kernel_overhead_s=9.7e-6, comm_intra_eff=0.80, comm_inter_eff=0.80,
+# 30 + 5 bf16 GEMM shapes, 4 causal SDPA shapes, 5 fp8 GEMMs with tensorwise and with rowwise
+# scales, a copy) by fivefold.planner.calibrate_fit.fit_h200_reference. Eager element-wise
+# passes (3) from that file's HF Llama-1B step: 0.313 s predicted eager, 0.346 s measured
+# (compiled, one pass: 0.272 s vs 0.281 s). Latencies: NCCL's per-hop figures on NVLink and
+# NDR. H100-SXM, H800 and the power-capped H100-96GB-500W are the same die: the same kernel
+# terms, their own datasheet figures (peak, HBM bandwidth, memory).
+HOPPER = Efficiency(gemm_eff=0.722, gemm_fp8_eff=0.672, gemm_fp8_rowwise_eff=0.641,
+                    gemm_mem_eff=1.0, attn_eff=0.678, attn_score_s=0.0, attn_row_s=3.49e-10,
+                    mem_eff=0.883, eltwise_passes=3.0, kernel_overhead_s=9.7e-6,
+                    comm_intra_eff=0.80, comm_inter_eff=0.80,
                     latency_intra_s=1.5e-6, latency_inter_s=6e-6, overlap_eff=0.85,
                     reserved_bytes=3 * GB)
 H200_SOURCE = ("one H200 measured (docs/reference/h200_measured.json, torch 2.11, 2026-11-29): "
-               "GEMM roofline and surface from 35 bf16 and 5 fp8 shapes, attention terms "
-               "from 4 causal SDPA shapes (FlashAttention-3-class), copy rate; "
+               "GEMM roofline and surface from 35 bf16 and 5 fp8 shapes (tensorwise and "
+               "rowwise scales, a rate and surface each), attention terms from 4 causal "
+               "SDPA shapes (FlashAttention-3-class), copy rate; "
                "FlashAttention-2-class kernels at 0.565 of it (arXiv 2407.08608 Figs. 5-6, "
                "H100)")
 
-
-def _h200_surfaces() -> dict[str, GemmSurface]:
-    """The H200's GEMM surfaces, read against its own roofline (fivefold.kernel_tables)."""
-    samples = h200_gemm_samples()
-    peak = {"bf16": 989e12, "fp8": 1979e12}
-    return {dtype: gemm_surface(points, lambda m, k, n, d=dtype: roofline_gemm_s(
-        m, k, n, peak[d], 4800e9, HOPPER, 2, d == "fp8"), f"h200_measured.json, {dtype}")
-        for dtype, points in samples.items()}
-
-
 HOPPER_KERNELS = dict(architecture="hopper", kernel_source=H200_SOURCE, kernels_measured=True,
-                      gemm_surfaces=_h200_surfaces(),
+                      gemm_surfaces=h200_surfaces(HOPPER),
                       attention_generations=(("fa2", FLASH2_RATE_H100), ("fa3", 1.0)))
 # Ampere (A100). GEMMs: fivefold.published_kernels.A100_BF16 (its rate, 0.869 of peak, and
 # surface; fp8 runs at the bf16 rate: no fp8 units). attn_eff: FlashAttention-2 on A100, up to
@@ -264,7 +258,8 @@ def blackwell_kernels(gemms: str, surfaces: dict[str, GemmSurface]) -> dict:
                       "al.: up to 1613 TFLOP/s, 71%, up to 1.3x over cuDNN 9.13; abstract); no "
                       "element-wise kernel measurements: fivefold.kernel_tables.NEUTRAL; no "
                       "FlashAttention-2-class figure on Blackwell, so every generation runs at "
-                      "that rate")
+                      "that rate; no rowwise-scaled fp8 GEMM table published: rowwise-scaled "
+                      "fp8 GEMMs run at the fp8 table's rate and surface")
 
 
 V100_PEAK = {"fp16": 125, "bf16": 125, "fp32": 15.7}

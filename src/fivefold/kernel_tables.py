@@ -11,6 +11,11 @@ tables, never from another architecture's:
   Gaussian kernel of SIGMA octaves that fades to the roofline (factor 1) about an octave
   away from the nearest measurement (PRIOR_WEIGHT). A shape near a measured one runs as
   measured; a shape far from all of them (a narrow MoE expert GEMM) runs on the roofline.
+  fp8 GEMMs have two tables where both were measured: tensorwise scales ("fp8") and
+  rowwise scales (FP8_ROWWISE: one scale per row of each operand, torchao's "rowwise",
+  fivefold.parallel.fp8.recipe), each with its own rate (`gemm_fp8_eff`,
+  `gemm_fp8_rowwise_eff`) and surface; a profile that measured no rowwise GEMM prices them
+  at its fp8 rate and surface (fivefold.planner.op_prices.gemm_table).
 - attention: per kernel generation ("fa2": FlashAttention-2-class, arXiv 2307.08691; "fa3":
   FlashAttention-3-class and later, arXiv 2407.08608, cuDNN's fused attention, FlashAttention-4
   on Blackwell) the generation's rate over the profile's own attention terms (Efficiency
@@ -59,6 +64,8 @@ class Efficiency:
 
     gemm_eff          large-GEMM rate / dense peak (compute term of the GEMM roofline)
     gemm_fp8_eff      the same for fp8 GEMMs, over the fp8 peak
+    gemm_fp8_rowwise_eff  the same for rowwise-scaled fp8 GEMMs; None where none was
+                      measured: they run at gemm_fp8_eff
     gemm_mem_eff      HBM fraction reached by a GEMM's operand traffic (its memory term)
     attn_eff          fused causal attention's matmul rate / peak (FlashAttention-2/3)
     attn_score_s      seconds per attention score element for the softmax (exp) work or,
@@ -93,6 +100,7 @@ class Efficiency:
 
     gemm_eff: float = 0.75
     gemm_fp8_eff: float = 0.65
+    gemm_fp8_rowwise_eff: float | None = None
     gemm_mem_eff: float = 0.8
     attn_eff: float = 0.6
     attn_score_s: float = 0.0
@@ -118,14 +126,17 @@ class Efficiency:
 # GPU, not any architecture's measurement; such a profile says "no kernel measurements" in
 # its kernel_source and its prediction band widens (fivefold.planner.bands).
 NEUTRAL = Efficiency()
+FP8_ROWWISE = "fp8_rowwise"  # the table key of rowwise-scaled fp8 GEMMs (module docstring)
 
 
 def roofline_gemm_s(m: float, k: float, n: float, peak_flops: float, hbm_Bps: float,
-                    eff, act_bytes: int, fp8: bool) -> float:
+                    eff, act_bytes: int, fp8: bool, rowwise: bool = False) -> float:
     """Seconds of one (m x k) @ (k x n) GEMM on the roofline of Efficiency `eff`, `peak_flops`
-    already the dtype's (fp8: fp8 operands, a `act_bytes` output)."""
+    already the dtype's (fp8: fp8 operands, a `act_bytes` output; `rowwise`: rowwise scales,
+    at `gemm_fp8_rowwise_eff`, which the caller has checked is measured)."""
     if fp8:
-        rate, nbytes = peak_flops * eff.gemm_fp8_eff, m * k + k * n + act_bytes * m * n
+        rate = peak_flops * (eff.gemm_fp8_rowwise_eff if rowwise else eff.gemm_fp8_eff)
+        nbytes = m * k + k * n + act_bytes * m * n
     else:
         rate, nbytes = peak_flops * eff.gemm_eff, act_bytes * (m * k + k * n + m * n)
     return (2.0 * m * k * n / rate + nbytes / (hbm_Bps * eff.gemm_mem_eff)
@@ -173,8 +184,8 @@ def gemm_surface(samples: list[tuple[int, int, int, float]], model_s, source: st
 
 
 def h200_gemm_samples(path: Path = H200_MEASURED) -> dict[str, list[tuple[int, int, int, float]]]:
-    """(M, K, N, seconds) per dtype from h200_measured.json: its 30-shape bf16 table and the
-    bf16 and fp8 (tensorwise) columns of its fp8 table."""
+    """(M, K, N, seconds) per table from h200_measured.json: its 30-shape bf16 table and the
+    bf16, fp8 tensorwise ("fp8") and fp8 rowwise (FP8_ROWWISE) columns of its fp8 table."""
     data = json.loads(path.read_text())
 
     def secs(g: dict, tflops: float) -> tuple[int, int, int, float]:
@@ -183,7 +194,17 @@ def h200_gemm_samples(path: Path = H200_MEASURED) -> dict[str, list[tuple[int, i
     bf16 = [secs(g, g["tflops"]) for g in data["gemm_table"]]
     bf16 += [secs(g, g["bf16_tflops"]) for g in data["fp8_gemm"]]
     fp8 = [secs(g, g["fp8_tensorwise_tflops"]) for g in data["fp8_gemm"]]
-    return {"bf16": bf16, "fp8": fp8}
+    rowwise = [secs(g, g["fp8_rowwise_tflops"]) for g in data["fp8_gemm"]]
+    return {"bf16": bf16, "fp8": fp8, FP8_ROWWISE: rowwise}
+
+
+def h200_surfaces(eff: Efficiency) -> dict[str, GemmSurface]:
+    """The H200's GEMM surface per table, each read against the H200's own roofline under
+    `eff` (989 TFLOP/s bf16, 1979 fp8, 4.8 TB/s: fivefold.hardware's H200 datasheet)."""
+    peak = {"bf16": 989e12, "fp8": 1979e12, FP8_ROWWISE: 1979e12}
+    return {table: gemm_surface(points, lambda m, k, n, t=table: roofline_gemm_s(
+        m, k, n, peak[t], 4800e9, eff, 2, t != "bf16", t == FP8_ROWWISE),
+        f"h200_measured.json, {table}") for table, points in h200_gemm_samples().items()}
 
 
 def attention_rate(generations: tuple[tuple[str, float], ...], generation: str) -> float:

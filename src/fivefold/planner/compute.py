@@ -10,8 +10,10 @@ rate (the recipe's tensor classes, fivefold.parallel.fp8.recipe: switching a cla
 the two GEMMs that read it back at the bf16 rate) and pays the casts (amax, scale,
 transpose) of the classes in fp8 as memory traffic, by the recipe's scaling
 (`fp8_cast_bytes`); attention, norms and the output head stay in bf16, as torchao's Float8
-training does. Rowwise GEMMs are timed at the tensorwise rate: no rowwise fp8 GEMM was
-measured.
+training does. The recipe's scaling picks the fp8 GEMMs' table (op_prices.gemm_table):
+rowwise-scaled GEMMs run at the profile's measured rowwise rate and surface (Hopper:
+h200_measured.json's rowwise column, 0.89-0.99 of the tensorwise rate per shape), and at its
+fp8 rate where it measured none (Blackwell's published tables, Ampere).
 
 Recomputation (`full`: the whole block's forward again before its backward; `selective`:
 torchtitan's per-op policy, arXiv 2410.06511, which saves matmul and attention outputs except
@@ -58,10 +60,10 @@ TP_RING_FORWARD = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
 def tp_ring_gemm_time(g: Gemm, tp: int, prof: HardwareProfile, fp8: bool,
-                      act_bytes: int) -> float:
+                      act_bytes: int, recipe: str = "tensorwise") -> float:
     """`g` run as tp ring-exchange chunks of 1/tp of its rows: each chunk reads the whole
     weight and pays one launch."""
-    return tp * gemm_time(Gemm(g.name, -(-g.m // tp), g.k, g.n), prof, fp8, act_bytes)
+    return tp * gemm_time(Gemm(g.name, -(-g.m // tp), g.k, g.n), prof, fp8, act_bytes, recipe)
 
 
 def newton_schulz_time(matrices: list[tuple[int, int]], prof: HardwareProfile,
@@ -232,13 +234,15 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     selected = selective_recomputed(gemms, moe)
     for g in gemms:
         quantized = fp8 and g.name != "router"
-        t_fwd, t_dgrad, t_wgrad = (gemm_time(g, prof, quantized and kind in in_fp8, a)
+        t_fwd, t_dgrad, t_wgrad = (gemm_time(g, prof, quantized and kind in in_fp8, a,
+                                             sh.fp8_recipe)
                                    for kind in ("forward", "grad_input", "grad_weight"))
         if ring_chunked and g.name in TP_RING_FORWARD:
-            t_fwd = tp_ring_gemm_time(g, sh.tp, prof, quantized and "forward" in in_fp8, a)
+            t_fwd = tp_ring_gemm_time(g, sh.tp, prof, quantized and "forward" in in_fp8, a,
+                                      sh.fp8_recipe)
             if g.name in ROW_PARALLEL:
-                t_dgrad = tp_ring_gemm_time(g, sh.tp, prof,
-                                            quantized and "grad_input" in in_fp8, a)
+                t_dgrad = tp_ring_gemm_time(g, sh.tp, prof, quantized and "grad_input"
+                                            in in_fp8, a, sh.fp8_recipe)
         gemm_s += t_fwd
         wgrad_s += t_wgrad
         bwd_gemm_s += t_dgrad + t_wgrad

@@ -8,7 +8,7 @@ or profile), fitted to all rows of calibration_runs.json by `fivefold plan valid
 (in-sample) and refitted in each of its leave-one-source-out folds
 (fivefold.planner.validation). They are not the only choices the rows shaped: the stacks'
 switches and release boundaries were chosen while reading the rows
-(fivefold.planner.stack.FITTED_TO), and the folds cannot see those choices. CPU profiles (`cores` > 0) are measured where they train and
+(fivefold.planner.fitted_to.FITTED_TO), and the folds cannot see those choices. CPU profiles (`cores` > 0) are measured where they train and
 take none of them: their semantics are `fivefold calibrate`'s.
 
 - sustained: the share of a microbenchmark's GEMM and attention rate that kernels keep in
@@ -71,7 +71,9 @@ def in_training(prof: HardwareProfile, fit: Fitted = FITTED) -> HardwareProfile:
 def _sustained(prof: HardwareProfile, fit: Fitted) -> HardwareProfile:
     e = prof.eff
     s = fit.sustained
+    rowwise = None if e.gemm_fp8_rowwise_eff is None else e.gemm_fp8_rowwise_eff * s
     eff = dataclasses.replace(e, gemm_eff=e.gemm_eff * s, gemm_fp8_eff=e.gemm_fp8_eff * s,
+                              gemm_fp8_rowwise_eff=rowwise,
                               attn_eff=e.attn_eff * s, overlap_eff=fit.overlap_eff,
                               comm_intra_eff=fit.comm_eff, comm_inter_eff=fit.comm_eff,
                               nic_aggregation=fit.nic_aggregation)

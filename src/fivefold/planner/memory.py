@@ -20,6 +20,13 @@ and the projection, 4 A r, with r = A / 4 (arXiv 2403.03507, Sec. 4; fivefold.me
 and AdamW's 8 elsewhere. Expert parameters of MoE layers are
 split over ep ranks and sharded over the remaining data-parallel ranks.
 
+fp8 weights (`linear_bytes`): a stack that keeps the blocks' linear weights as fp8 tensors
+(fivefold.planner.stack `fp8_weight_bytes`: Megatron's fp8_param_gather) holds their working
+copy, sharded or not, at those bytes per element (Unit.linear: the linear layers' weights,
+routed experts included; norms, biases, the router, embeddings and head stay at p); the
+fp32 master, the gradients and the optimizer states are unchanged. Without it (fivefold's
+runtime, every bf16 run) p holds for every parameter.
+
 Offload (`parallel.offload`, ZeRO-Offload arXiv 2101.06840, ZeRO-Infinity arXiv 2104.07857;
 fivefold.memory.offload) moves the fp32 master and the optimizer state of a prefix of the
 rank's units (ParallelPlan.offloaded_units: the shortest prefix whose shard elements reach
@@ -53,8 +60,8 @@ from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
-from fivefold.planner.params import (block_matrix_shapes, block_params, block_vector_params,
-                                     root_params, total_params)
+from fivefold.planner.params import (block_linear_params, block_matrix_shapes, block_params,
+                                     block_vector_params, root_params, total_params)
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "muon": 4, "sgd": 4, "lomo": 0}  # per element; GaLore: Unit
 
@@ -79,6 +86,7 @@ class Unit:
     matrices: int = 0  # elements in the blocks' weight matrices (Muon's and GaLore's share)
     low_rank_bytes: int = 0  # GaLore's state for those matrices (moments and projections)
     expert: bool = False  # a block's routed experts (ep > 1): synced over the edp ranks
+    linear: int = 0  # elements in the blocks' linear weights (module docstring, fp8 weights)
 
     def state_bytes(self, optimizer: str) -> float:
         """Optimizer state bytes per element: Muon's or GaLore's on the matrices, AdamW's
@@ -165,26 +173,36 @@ def stage_units(model: ModelConfig, lay: ParallelPlan, layers: list[int], first:
         units.append(Unit(root, shard, multiple))
     for i in layers:
         dense, expert = block_params(model, i, lay.tp, lay.ep, etp)
+        linear = block_linear_params(model, i, lay.tp, lay.ep, etp)[0]
         matrices = dense - block_vector_params(model, lay.tp)  # expert weights are 3-D
         muon_experts = expert if lay.optimizer == "muon" else 0  # Muon: E matrices each
         if not apart:  # the experts live in the block's unit, as every other parameter
             dense, expert, matrices = dense + expert, 0, matrices + muon_experts
+            linear = sum(block_linear_params(model, i, lay.tp, lay.ep, etp))
         units.append(Unit(dense, shard, multiple, matrices,
                           galore_state_bytes(model, i, lay.tp) if lay.optimizer == "galore"
-                          else 0))
+                          else 0, linear=linear))
         if expert:
-            units.append(Unit(expert, expert_shard, multiple, muon_experts, expert=True))
+            units.append(Unit(expert, expert_shard, multiple, muon_experts, expert=True,
+                              linear=expert))
     return units
 
 
-def model_state_bytes(units: list[Unit], lay: ParallelPlan) -> dict[str, int]:
+def model_state_bytes(units: list[Unit], lay: ParallelPlan,
+                      linear_bytes: int | None = None) -> dict[str, int]:
     """{params, grads, master, optimizer, total} resident on one rank's device, and {host,
-    disk}: the offloaded units' state (module docstring), as the runtime records them."""
+    disk}: the offloaded units' state (module docstring), as the runtime records them;
+    `linear_bytes`: the bytes per element of the blocks' linear weights where the stack
+    keeps them in fp8 (module docstring; None: p, as the runtime holds them)."""
     p = PRECISION_BYTES[lay.precision]
     stage = lay.zero_stage
     g = lay.grad_bytes if stage >= 2 else p
     params = weight_copies(lay) * sum((u.shard_numel if stage == 3 else u.padded) * p
                                       for u in units)
+    if linear_bytes is not None and linear_bytes != p:  # the held share of each unit's linears
+        params -= weight_copies(lay) * round(sum(
+            (p - linear_bytes) * u.linear * (u.shard_numel / u.padded if stage == 3 else 1)
+            for u in units if u.linear))
     grads = sum((u.shard_numel if stage >= 2 else u.padded) * g for u in units)
     if lay.optimizer == "lomo":
         grads = max((u.padded for u in units), default=0) * g  # one unit's gradient at a time

@@ -8,7 +8,10 @@ profile's kernel tables (fivefold.kernel_tables):
   reproduces the measured fall-off of narrow GEMMs, h200_measured.json: K = N = 2048 reaches
   0.58 of peak, 8192^3 0.76), times the profile's GEMM surface for the dtype where it has
   one (measured time over the roofline's near a measured shape; 1 far from all of them).
-  Each distinct (shape, dtype) is priced once per surface (a cache).
+  Each distinct (shape, dtype) is priced once per surface (a cache). Which table prices a
+  GEMM is decided in one place, `gemm_table`: an fp8 GEMM under rowwise scales
+  (`parallel.fp8_recipe = "rowwise"`) runs at the profile's rowwise rate and surface where
+  it measured them (Hopper: h200_measured.json's rowwise column), else at its fp8 ones.
 - Attention: fused causal attention (FlashAttention-2, arXiv 2307.08691, and later), at the
   rate of the kernel generation the stack runs on the profile's architecture
   (fivefold.planner.stack.attention_generation, fivefold.kernel_tables.attention_rate).
@@ -33,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.hardware import HardwareProfile
-from fivefold.kernel_tables import roofline_gemm_s
+from fivefold.kernel_tables import FP8_ROWWISE, roofline_gemm_s
 
 ATTN_TILE = 128  # FlashAttention's block size along both sequence axes
 
@@ -50,13 +53,25 @@ class Gemm:
         return 2.0 * self.m * self.k * self.n
 
 
-def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int) -> float:
-    """Seconds of GEMM `g` on `prof`: its roofline times its surface (module docstring)."""
-    precision = "fp8" if fp8 else compute_precision(act_bytes)
-    t = roofline_gemm_s(g.m, g.k, g.n, prof.peak_flops(precision), prof.hbm_GBps * 1e9,
-                        prof.eff, act_bytes, fp8)
-    surface = prof.gemm_surfaces.get(precision)
+def gemm_time(g: Gemm, prof: HardwareProfile, fp8: bool, act_bytes: int,
+              recipe: str = "tensorwise") -> float:
+    """Seconds of GEMM `g` on `prof`: its roofline times its surface (module docstring), fp8
+    operands scaled by `recipe` (fivefold.parallel.fp8.recipe) when `fp8`."""
+    table = gemm_table(prof, fp8, recipe, act_bytes)
+    t = roofline_gemm_s(g.m, g.k, g.n, prof.peak_flops("fp8" if fp8 else table),
+                        prof.hbm_GBps * 1e9, prof.eff, act_bytes, fp8, table == FP8_ROWWISE)
+    surface = prof.gemm_surfaces.get(table)
     return t * surface.factor(g.m, g.k, g.n) if surface is not None else t
+
+
+def gemm_table(prof: HardwareProfile, fp8: bool, recipe: str, act_bytes: int) -> str:
+    """The kernel table (roofline rate and GEMM surface key) a GEMM is priced from: rowwise
+    fp8 (kernel_tables.FP8_ROWWISE) where `prof` measured rowwise-scaled fp8 GEMMs
+    (Efficiency.gemm_fp8_rowwise_eff), else "fp8" for any fp8 GEMM, else the compute dtype."""
+    if not fp8:
+        return compute_precision(act_bytes)
+    measured = prof.eff.gemm_fp8_rowwise_eff is not None
+    return FP8_ROWWISE if recipe == "rowwise" and measured else "fp8"
 
 
 def compute_precision(act_bytes: int) -> str:

@@ -88,8 +88,27 @@ def block_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
     (fivefold.expert_grid): the routed experts' width split over etp (not tp), the router
     and shared experts whole on every tp rank; None: the MoE layer split over tp like a
     dense MLP (an external stack's, fivefold.planner.stack `experts_follow_tp`)."""
+    return _dense_expert(model, layer, tp, ep, etp, lambda p: True)
+
+
+@per_model
+def block_linear_params(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1,
+                        etp: int | None = None) -> tuple[int, int]:
+    """(dense, expert) elements of block `layer`'s linear layers' weights on one rank, split
+    as `block_params` splits them: every weight of two or more dims but the router's (norm
+    gains and biases are vectors; the router is no fp8 linear: fivefold.planner.memory)."""
+    return _dense_expert(model, layer, tp, ep, etp,
+                         lambda p: len(p.shape) >= 2 and p.part != "router")
+
+
+def _dense_expert(model: ModelConfig, layer: int, tp: int, ep: int, etp: int | None,
+                  counted) -> tuple[int, int]:
+    """(dense, expert) elements on one rank of block `layer`'s parameters that `counted`
+    accepts (block_params' splits)."""
     dense = expert = 0
     for p in block_parameters(model, layer):
+        if not counted(p):
+            continue
         split = tp if etp is None or p.part not in MOE_PARTS else (
             etp if p.part == "experts" else 1)
         n = local_numel(model, p, split, ep)

@@ -17,7 +17,7 @@ deepspeed stacks was introduced while the rows of calibration_runs.json that it 
 being read and their misses studied, and three placements were made by where rows fall (the
 Hopper and Blackwell FlashAttention-3 release dates, the per-chunk launch charge of
 tp_overlap_chunks). A switch is not keyed by run, model or source, but cross-validation
-cannot see a choice made while reading the held-out rows. `FITTED_TO` (below) lists each
+cannot see a choice made while reading the held-out rows. fivefold.planner.fitted_to lists each
 such switch with the rows it was chosen on; `fivefold plan validate` prints it next to its
 figures. The fivefold stack's switches describe this runtime and are checked against it.
 
@@ -103,7 +103,19 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   scaling recipes set fp8_param_gather = True, its MXFP8 ones from v2.4.0; the NeMo docs:
   "reducing the all-gather overhead by half"). Megatron-LM scripts choose it by a flag
   (--fp8-param-gather) no row states; the rows of 2024-09 and later outside NeMo take the
-  release's default, and their re-gather hides behind the forward either way.
+  release's default, and their re-gather hides behind the forward either way. The weights
+  then live as fp8 (`fp8_weight_bytes`, what fivefold.planner.memory counts): Megatron
+  builds the model under Transformer Engine's fp8_model_init (pretrain_gpt.py
+  model_provider), so every TE linear's weight (TransformerEngineBaseModule's
+  primary_weights_in_fp8: qkv, proj, fc1, fc2, the grouped experts; not norms, router,
+  embedding or head) is one byte; where the GPU's fp8 GEMMs take only the TN layout TE
+  also keeps each weight's transpose, one byte more (transformer_engine/pytorch/tensor/
+  utils.py post_all_gather_processing: "if backend does not support non-transposed FP8
+  GEMM, pre-create the transpose"; utils.is_non_tn_fp8_gemm_supported: compute
+  capability 10.x or 13+, i.e. NON_TN_FP8_ARCHITECTURES): on Hopper two bytes, as bf16.
+  An MXFP8 weight holds a rowwise and a columnwise copy on any GPU (TE's MXFP8 master-weight
+  cast writes `_rowwise_data` and `_columnwise_data`), two bytes; the spec cannot state
+  MXFP8, so its rows are counted as per-tensor ones, one byte short on Blackwell.
 - fp8_sp_gather: under fp8 with sequence parallelism the all-gather of a region's input
   moves its fp8 copy, one byte per element (Transformer Engine's LayerNormLinear writes the
   norm's output in fp8 and gathers that, `_LayerNormLinear.forward` @v1.7; torchao's
@@ -213,6 +225,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+# Architectures whose fp8 GEMMs read either operand layout (fp8_param_gather_since, above)
+NON_TN_FP8_ARCHITECTURES = ("blackwell",)
+
+
 @dataclass(frozen=True)
 class Stack:
     name: str
@@ -281,6 +297,14 @@ class Stack:
         return (self.fp8_param_gather_since is not None
                 and self.released_since(self.fp8_param_gather_since))
 
+    def fp8_weight_bytes(self, precision: str, architecture: str) -> int | None:
+        """Bytes per element of the blocks' linear weights where the stack keeps them as fp8
+        (gathers_fp8_params; module docstring): one, and one more for the transpose off
+        NON_TN_FP8_ARCHITECTURES; None where it does not (the compute dtype's bytes)."""
+        if precision != "fp8" or not self.gathers_fp8_params:
+            return None
+        return 1 if architecture in NON_TN_FP8_ARCHITECTURES else 2
+
     def expert_width_split(self, tp: int, etp: int) -> int:
         """The degree a routed expert's width is split over under this stack."""
         return tp if self.experts_follow_tp else etp
@@ -347,52 +371,3 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
 def stack_of(name: str, release: str | None = None) -> Stack:
     """The switches of stack `name` as of `release` ("YYYY-MM"; None: the newest)."""
     return dataclasses.replace(STACKS[name], release=release)
-
-
-_MEGATRON_ROWS = "the megatron rows (megatron21, nemo, bridge, mcore sources)"
-_TORCHTITAN_ROWS = "the torchtitan rows (Dec 2024 tables, H200 community runs)"
-_DEEPSPEED_ROWS = "arXiv 2104.04473 Table 2's six ZeRO-3 rows (megatron21)"
-# Each stack switch, release boundary or profile constant that was introduced or placed after
-# reading published rows: (stack or "hardware", name) -> the rows it was chosen on. Its
-# citation is in the docstring above (hardware: fivefold.hardware).
-FITTED_TO: dict[tuple[str, str], str] = {
-    **{("megatron", k): _MEGATRON_ROWS for k in (
-        "fused_eltwise", "flash2_attention", "loss_logit_bytes", "loss_saves_fp32",
-        "tp_overlap", "tp_overlap_since", "dp_overlap", "fp8_fused_casts", "fp8_saved_inputs",
-        "expert_group_stride_1", "selective_modules", "fp8_param_gather_since",
-        "fp8_sp_gather")},
-    ("megatron", "fa3_since hopper 2024-07"): "placed so that the nemo 24.03 long-context "
-                                              "rows run at the FlashAttention-2-class rate",
-    ("megatron", "fa3_since blackwell 2025-09"): "placed between the nemo 25.02-25.07 "
-                                                 "Blackwell rows and the bridge 25.11 and "
-                                                 "mcore ModelZoo rows (it prices nothing "
-                                                 "while Blackwell profiles have one "
-                                                 "attention generation)",
-    ("megatron", "tp_overlap needs sequence parallelism"):
-        "megascale_t2_mcore_* (tp > 1 without sequence parallelism on a release with "
-        "tp_overlap; the rule was looked up after reading their misses)",
-    ("megatron", "tp_async_grad_since 2021-09"):
-        "the korthikanti rows (behaviour and commit looked up after reading their misses; "
-        "in-sample it fits the 140 rows worse, 10.20% -> 10.40%)",
-    ("megatron", "tp_overlap_chunks"): "one launch per chunk, chosen over one per GEMM "
-                                       "because it fitted " + _MEGATRON_ROWS + " better",
-    **{("torchtitan", k): _TORCHTITAN_ROWS for k in (
-        "flash2_attention", "loss_logit_bytes", "cp_kv_exchange", "sdpa_repeats_kv",
-        "zero3_pp_unsharded", "fp8_sp_gather", "fp8_shard_casts")},
-    **{("deepspeed", k): _DEEPSPEED_ROWS for k in (
-        "zero3_recompute_gathers", "zero3_live_params", "zero3_overlap",
-        "zero3_persist_numel", "zero3_list_gather")},
-}
-
-
-def fitted_to_lines() -> list[str]:
-    """What `fivefold plan validate` prints about the choices made by reading rows."""
-    by_rows: dict[str, list[str]] = {}
-    for (owner, name), rows in FITTED_TO.items():
-        by_rows.setdefault(rows, []).append(f"{owner}.{name}")
-    lines = [f"chosen by reading published rows (fitted_to, fivefold.planner.stack."
-             f"FITTED_TO): {len(FITTED_TO)} switches, placements and profile constants, "
-             "outside the fitted constants and unseen by cross-validation:"]
-    for rows, names in by_rows.items():
-        lines.append(f"  {rows}: {', '.join(names)}")
-    return lines

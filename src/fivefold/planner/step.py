@@ -17,7 +17,9 @@ The step is assembled from the parts below it:
 
 Memory per rank: model states per fivefold.planner.memory, saved activations per
 fivefold.planner.activations at the replay's peak in-flight micro-batches, and `other`
-(reserved memory, ZeRO-3's gathered blocks, the loss's logits). FLOPs follow docs/planner.md:
+(reserved memory, ZeRO-3's gathered blocks, the loss's logits); the blocks' linear weights,
+and ZeRO-3's gathered copies of them, at the bytes the stack keeps them in (`linear_bytes`:
+fp8 where it gathers fp8 parameters, fivefold.planner.stack). FLOPs follow docs/planner.md:
 model FLOPs are three times the forward matmul FLOPs, attention over the full s x s square;
 hardware FLOPs add what recomputation repeats.
 """
@@ -34,17 +36,28 @@ from fivefold.planner.block_ops import beside_seconds
 from fivefold.planner.compute import Shard, block_times, head_times
 from fivefold.planner.estimate import Estimate
 from fivefold.planner.memory import model_state_bytes, stage_units
-from fivefold.planner.params import block_params, root_params
+from fivefold.planner.params import block_linear_params, block_params, root_params
 from fivefold.planner.rank_cost import RankCosts
 
 
 class LayoutStep(RankCosts):
     """A layout's whole step: `estimate()` (module docstring)."""
 
+    @functools.cached_property
+    def linear_bytes(self) -> int | None:
+        """Bytes per element of the blocks' linear weights where the stack keeps them as fp8
+        (fivefold.planner.stack Stack.fp8_weight_bytes); None: the compute dtype's."""
+        return self.stack.fp8_weight_bytes(self.lay.precision, self.prof.architecture)
+
+    def fp8_weight_saving(self, linear: float) -> float:
+        """Bytes that `linear` elements of linear weights take less than at the compute
+        dtype's width, where the stack keeps them as fp8."""
+        return 0 if self.linear_bytes is None else linear * (self.a - self.linear_bytes)
+
     def block_state_bytes(self, i: int) -> float:
         """Parameters, gradients and optimizer states of block i on its rank."""
         units = stage_units(self.model, self.lay, [i], False, False, etp=self.etp)
-        return model_state_bytes(units, self.lay)["total"]
+        return model_state_bytes(units, self.lay, self.linear_bytes)["total"]
 
     def rank_fixed_bytes(self, rank: int, inflight: float) -> float:
         """What pipeline rank `rank` holds besides its blocks: root parameters and their
@@ -52,7 +65,7 @@ class LayoutStep(RankCosts):
         lay = self.lay
         first, last = rank == 0, rank == lay.pp - 1
         units = stage_units(self.model, lay, [], first, last)
-        states = model_state_bytes(units, lay)["total"] if units else 0
+        states = model_state_bytes(units, lay, self.linear_bytes)["total"] if units else 0
         root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last,
                                   self.stack, sp=lay.sequence_parallel)
         return states + root * inflight + self.other_bytes(rank)
@@ -66,12 +79,16 @@ class LayoutStep(RankCosts):
                              for i in self.rank_layers(rank))
                          + root_params(m, lay.tp, rank == 0, rank == lay.pp - 1))
             other += unsharded * (self.a + PRECISION_BYTES[lay.reduce_dtype])
+            other -= self.fp8_weight_saving(sum(sum(block_linear_params(
+                m, i, lay.tp, lay.ep, self.etp)) for i in self.rank_layers(rank)))
         elif lay.zero_stage == 3:  # the gathered unit being computed and the prefetched one
             dense, expert = block_params(m, m.layers - 1, lay.tp, lay.ep, self.etp)
             live = 2 * (dense + expert)
+            linear = 2 * sum(block_linear_params(m, m.layers - 1, lay.tp, lay.ep, self.etp))
             if self.stack.zero3_live_params:
-                live = min(live, self.stack.zero3_live_params)
-            other += live * self.a
+                live, linear = (min(live, self.stack.zero3_live_params),
+                                linear * min(1.0, self.stack.zero3_live_params / live))
+            other += live * self.a - self.fp8_weight_saving(linear)
             other += root_params(m, lay.tp, rank == 0, rank == lay.pp - 1) * self.a
         if rank == lay.pp - 1:  # logits, their fp32 copy and gradient around the loss
             other += self.shard.tokens * m.vocab / lay.tp * self.stack.logit_bytes(self.a)
@@ -79,7 +96,7 @@ class LayoutStep(RankCosts):
 
     def memory(self, rank: int, peak_act: float) -> dict[str, int]:
         lay, m = self.lay, self.model
-        states = model_state_bytes(self.rank_units(rank), lay)
+        states = model_state_bytes(self.rank_units(rank), lay, self.linear_bytes)
         if lay.recompute != "none":  # one block rematerialised during its backward
             peak_act += (A.full_block_bytes(m, self.shard.tokens, self.a, lay.tp,
                                             lay.sequence_parallel)

@@ -7,7 +7,7 @@ publication and the absolute percentage error, and the mean (MAPE) overall and p
 profile. Nothing here is tuned per run, and the only constants fitted by a program are the
 few of fivefold.planner.fitted, shared by every GPU profile and stack; but the stacks'
 switches and release boundaries were chosen while reading these rows, and both reports list
-them (fivefold.planner.stack.FITTED_TO) next to the figures.
+them (fivefold.planner.fitted_to.FITTED_TO) next to the figures.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fivefold.planner import bands
 from fivefold.planner.fitted import BOUNDS, Fitted
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
-from fivefold.planner.stack import fitted_to_lines
+from fivefold.planner.fitted_to import fitted_to_lines
 
 DEFAULT_RUNS = Path(__file__).with_name("calibration_runs.json")
 
