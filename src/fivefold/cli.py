@@ -7,6 +7,7 @@
     fivefold eval RUN_DIR [--data PATH] [--json]    (loss and perplexity of a checkpoint)
     fivefold generate SRC --prompt TEXT             (greedy or sampled text from a model)
     fivefold simulate SPEC [--json] [--trace FILE]  (predicted memory and step time)
+                      [--op-trace FILE]            (and the op trace scheduled, beside it)
     fivefold plan SPEC [--top K] [--json]           (search layouts; `plan validate`)
     fivefold calibrate [--out FILE]                 (measure this machine: a profile)
     fivefold report RUN_DIR [--out FILE]            (an HTML page about a run)

@@ -1,6 +1,6 @@
 """The planner's subcommands of `fivefold`: simulate, plan, plan validate, calibrate.
 
-    fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE]
+    fivefold simulate SPEC [--set k=v]... [--json] [--trace FILE] [--op-trace FILE]
     fivefold plan SPEC [--set k=v]... [--top K] [--objective time|cost|goodput] [--json]
     fivefold plan SPEC --train [--nproc N] [--steps N] [--run-dir DIR]   (plan, then train)
     fivefold plan validate [RUNS.json] [--json] [--cross]   (also: fivefold validate-plan)
@@ -36,6 +36,10 @@ def add_parsers(sub) -> None:
     _common(sim)
     sim.add_argument("--trace", metavar="FILE",
                      help="write a Chrome/Perfetto trace of one simulated step")
+    sim.add_argument("--op-trace", metavar="FILE",
+                     help="schedule the op trace (each op the fivefold runtime runs, priced), "
+                          "write it as a Chrome/Perfetto trace and print its step time beside "
+                          "the block model's (fivefold.planner.trace_step)")
     plan = sub.add_parser("plan", help="search the parallel layouts for the fastest that fits "
                                        "(`plan validate` checks the simulator against "
                                        "published runs)")
@@ -118,6 +122,12 @@ def cmd_simulate(cfg, prof, args) -> int:
     from fivefold.planner.simulate import simulate
     from fivefold.planner.trace import write_trace
 
+    op_level = None
+    if args.op_trace:  # refused before any output where the op trace does not reach
+        from fivefold.planner.trace import write_op_trace
+        from fivefold.planner.trace_step import op_step
+        op_level = op_step(cfg, prof)
+        write_op_trace(op_level, args.op_trace)
     est = simulate(cfg, prof, keep_events=bool(args.trace))
     if args.trace:
         write_trace(est, args.trace)
@@ -127,6 +137,11 @@ def cmd_simulate(cfg, prof, args) -> int:
                           **band_fields(cfg, est.step_time_s)}, indent=1))
     else:
         print(estimate_text(est, prof, cfg))
+    if op_level is not None:  # beside --json's object, on stderr
+        print(f"op trace: step {op_level.step_time_s:.4f} s scheduled op by op, block model "
+              f"{est.step_time_s:.4f} s (ratio {op_level.step_time_s / est.step_time_s:.3f}); "
+              f"{len(op_level.ops)} ops written to {args.op_trace}",
+              file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -198,8 +213,9 @@ def cmd_simulate_groups(cfg, args) -> int:
     from fivefold.planner.objective_report import objective_text
     from fivefold.validate import validate_cluster, validate_model, validate_train
 
-    if args.trace:
-        raise ConfigError("--trace", "a trace is written for one group's layout; drop --trace")
+    if args.trace or args.op_trace:
+        flag = "--trace" if args.trace else "--op-trace"
+        raise ConfigError(flag, f"a trace is written for one group's layout; drop {flag}")
     for check in (validate_cluster, validate_model, validate_train):
         check(cfg)
     groups = cluster_groups(cfg)

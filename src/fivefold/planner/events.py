@@ -17,6 +17,11 @@ max(W, C) + (1 - overlap_eff) min(W, C): a hidden collective still slows the com
 (1 - overlap_eff) of its time, and a longer one shows its excess (`exposed` is that closed
 form, for the search's fast pass). With every collective hidden, the slowdowns add:
 (1 - overlap_eff) times the sum of their seconds.
+
+Several devices: an op may name the `device` it runs on (the pipeline ranks of one joint
+schedule, fivefold.planner.trace_step); streams are then per device, and contention counts
+each device's own compute and collectives. Ops that name none all share one device, so a
+one-rank list schedules as it always did.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Op:
     seconds: float
     after: tuple[int, ...] = ()
     not_before: float = 0.0
+    device: str = ""  # whose SMs and HBM its stream shares (module docstring)
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,12 @@ def schedule(ops: list[Op], overlap_eff: float) -> Timeline:
             if d >= k or d < 0:
                 raise ValueError(f"op {k} ({op.name}) waits for an op not listed before it")
             waiters[d].append(k)
-    queues: dict[str, list[int]] = {}
+    queues: dict[tuple[str, str], list[int]] = {}
     for k, op in enumerate(ops):
-        queues.setdefault(op.stream, []).append(k)
-    streams = [(s, q, s == COMPUTE, s != COMPUTE and s not in UNCONTENDED)
-               for s, q in queues.items()]
+        queues.setdefault((op.device, op.stream), []).append(k)
+    devices = {d: i for i, d in enumerate(dict.fromkeys(d for d, _ in queues))}
+    streams = [(devices[d], q, s == COMPUTE, s != COMPUTE and s not in UNCONTENDED)
+               for (d, s), q in queues.items()]
     heads = [0] * len(streams)
     ready = [op.not_before for op in ops]  # the latest of not_before and the waits' ends
     start, end = [0.0] * n, [0.0] * n
@@ -107,35 +114,36 @@ def schedule(ops: list[Op], overlap_eff: float) -> Timeline:
                     started = True
         if finished == n:
             break
-        computing = comms = 0
+        computing, comms = [0] * len(devices), [0] * len(devices)
         step = math.inf
-        for j, (_, queue, is_compute, contends) in enumerate(streams):
+        for j, (device, queue, is_compute, contends) in enumerate(streams):
             k = running[j]
             if k >= 0:
-                computing += is_compute
-                comms += contends
+                computing[device] += is_compute
+                comms[device] += contends
             elif heads[j] < len(queue):
                 k = queue[heads[j]]
                 if not unmet[k] and ready[k] > clock:
                     step = min(step, ready[k] - clock)  # a not_before still ahead
-        shared = 1.0 / (1.0 + comms * contend) if computing and comms else 1.0
+        shared = [1.0 / (1.0 + c * contend) if busy and c else 1.0
+                  for busy, c in zip(computing, comms)]
         any_running = False
-        for j, (_, _, is_compute, contends) in enumerate(streams):
+        for j, (device, _, is_compute, contends) in enumerate(streams):
             k = running[j]
             if k >= 0:
                 any_running = True
-                rate = shared if (is_compute or contends) else 1.0
+                rate = shared[device] if (is_compute or contends) else 1.0
                 step = min(step, left[k] / rate)
         if step == math.inf:
             raise ValueError("the ops deadlock: a stream's order contradicts the waits")
         clock += step
         if not any_running:
             continue
-        for j, (_, _, is_compute, contends) in enumerate(streams):
+        for j, (device, _, is_compute, contends) in enumerate(streams):
             k = running[j]
             if k < 0:
                 continue
-            left[k] -= step * (shared if (is_compute or contends) else 1.0)
+            left[k] -= step * (shared[device] if (is_compute or contends) else 1.0)
             if left[k] <= _EPS * 1e3 * max(1.0, ops[k].seconds):
                 end[k] = clock
                 finished += 1
