@@ -84,23 +84,6 @@ def assert_params_close(params: dict[str, torch.Tensor], ref_params: dict[str, t
         torch.testing.assert_close(params[name], ref, rtol=rtol, atol=atol, msg=f"{label} {name}")
 
 
-def _amd_cpu() -> bool:
-    try:
-        return "AuthenticAMD" in open("/proc/cpuinfo").read(4096)
-    except OSError:
-        return False
-
-
-# Two checks were found failing on AMD EPYC development machines on the untouched
-# 2026-12-02 code (and passing on the Intel machines CI ran on): a tp 2 + sequence-parallel
-# recompute layout off by more than the data-parallel tolerance in one weight gradient, and a
-# one-rank CPU-offload run not bit-equal to the in-memory run. Not investigated yet (see the
-# README's known issues); marked so that the rest of the suite still gates a change there.
-AMD_KNOWN_DIFFERENCE = pytest.mark.xfail(
-    _amd_cpu(), reason="known numerical difference on AMD EPYC CPUs, not investigated yet",
-    strict=False)
-
-
 def assert_state_equal(got: tuple, want: tuple, label: str) -> None:
     """The same weights and optimizer states (read_training_state), bit for bit."""
     (weights, states), (want_weights, want_states) = got, want

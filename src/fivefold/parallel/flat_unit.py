@@ -52,6 +52,15 @@ class FlatUnit:
         return [flat[off:off + n].view(shape)
                 for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
 
+    def shard_parts(self, shard: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its elements in `shard`, a view) for each parameter with elements in
+        this rank's shard (`shard`: a tensor laid out like the shard), in unit order; the
+        padding left out. At stage 0, and on one rank, each part is a whole parameter."""
+        lo, hi = self.shard_slice.start, self.shard_slice.stop
+        return [(p, shard[max(off, lo) - lo:min(off + n, hi) - lo])
+                for p, off, n in zip(self.params, self.offsets, self.numels)
+                if off < hi and off + n > lo]
+
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Make each parameter a view of its slice of `flat` (same storage)."""
         for p, view in zip(self.params, self.views(flat)):

@@ -9,7 +9,9 @@ fp32 all-reduce, which the ledger model predicts), and every gradient is scaled 
 torch.nn.utils.clip_grad_norm_'s coefficient, min(1, max_norm / (norm + 1e-6)). The local
 norm is torch's, a norm of per-tensor norms, so on one rank with no axes this is exactly
 torch's clipping (LOMO's fused clipping, fivefold.memory.lomo, matches it bit for bit) for
-every finite norm; a non-finite norm scales nothing.
+every finite norm; the data-parallel engine hands it per-parameter parts of its flat
+gradients, in model order, so that on one rank its norm is the plain run's too (its updater,
+fivefold.train.updaters.engine). A non-finite norm scales nothing.
 """
 
 from __future__ import annotations
