@@ -82,6 +82,7 @@ class ParallelPlan:
     offload_fraction: float
     offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
     dp_batch_shares: tuple[int, ...] | None = None  # None: the batch splits evenly over dp
+    offload_activations: int = 0  # blocks per stage whose saved tensors live on the host
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -371,7 +372,8 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
         offload_path=p.offload_path, offload_fraction=p.offload_fraction,
         offload_kernel=p.offload_kernel,
-        dp_batch_shares=tuple(p.dp_batch_shares) if p.dp_batch_shares else None)
+        dp_batch_shares=tuple(p.dp_batch_shares) if p.dp_batch_shares else None,
+        offload_activations=p.offload_activations)
 
 
 def fp8_base(default_precision: str) -> str:
