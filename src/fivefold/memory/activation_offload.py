@@ -32,7 +32,9 @@ originals until it returns, so the allocator cannot hand a freed address to a ne
 meanwhile; across calls the table starts empty. The device copy made in backward is shared
 by the views of one storage and freed with the graph's last reference to them. On CUDA the
 host buffers are pinned and both copies are issued on the current stream (non-blocking:
-stream order makes them safe), so compute and copies interleave as the stream runs them.
+stream order makes them safe, the allocator reusing a freed block only behind the copy), so
+they queue with compute rather than run beside it on a side stream as Megatron-Core's do,
+and each copy back is issued when backward unpacks it, with no prefetch.
 Like recomputation (fivefold.memory.recompute) it wraps each block's forward from outside:
 the model stays free of it.
 """

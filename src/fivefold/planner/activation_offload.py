@@ -21,7 +21,9 @@ the stage's backward of that micro-batch starts, the last offloaded block's firs
 after another, and a block's backward waits for its own activations: what it waits is added
 to the stage's backward time (`backward_wait_s`), which the pipeline replay then carries.
 Not modelled: the link shared with optimizer offload's copies, and a forward that outruns
-its copies (the device would hold those bytes until they land).
+its copies (the device would hold those bytes until they land). This is Megatron-Core's
+behaviour (copies on a side stream, the return prefetched); fivefold's runtime issues its
+copies on the current stream and each return when backward unpacks it (docs/memory.md).
 """
 
 from __future__ import annotations
