@@ -105,10 +105,12 @@ ACTIVATION_OFFLOAD_SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules it wa
 
 def validate_activation_offload_runtime(cfg: Config) -> None:
     """What `parallel.offload_activations` (fivefold.memory.activation_offload) trains with
-    today: dense blocks, ZeRO 0-2, no context parallelism, no fp8, no torch.compile, AdamW,
-    SGD or Muon, and with pp > 1 the GPipe and 1F1B schedules. The others are untested with
-    it (split backwards, compiled or gathered blocks, expert dispatch), so they are refused
-    rather than run unchecked; the planner predicts every layout."""
+    today, as tests/test_activation_offload.py runs it: dense blocks, ZeRO 0-2 without
+    ZeRO++, tp (with or without sequence parallelism), fp32 or bf16, AdamW, SGD or Muon,
+    optimizer offload to the CPU (not nvme), and with pp > 1 the GPipe and 1F1B schedules.
+    The others are untested with it (split backwards, compiled or gathered blocks, expert
+    dispatch, context exchanges, loss scaling), so they are refused rather than run
+    unchecked; the planner predicts every layout."""
     p, n = cfg.parallel, cfg.parallel.offload_activations
     if not n:
         return
@@ -116,7 +118,9 @@ def validate_activation_offload_runtime(cfg: Config) -> None:
         (cfg.model.moe is not None, "model.moe (expert layers)"),
         (p.zero_stage == 3, "parallel.zero_stage = 3"),
         (p.cp > 1, "parallel.cp > 1"),
-        (p.precision == "fp8", 'parallel.precision = "fp8"'),
+        (p.precision in ("fp8", "fp16"), f"parallel.precision = {p.precision!r}"),
+        (p.qwz or p.hpz or p.qgz, "ZeRO++ (parallel.qwz, hpz, qgz)"),
+        (p.offload == "nvme", 'parallel.offload = "nvme"'),
         (cfg.train.compile, "train.compile"),
         (cfg.train.optimizer not in ("adamw", "sgd", "muon"),
          f"train.optimizer = {cfg.train.optimizer!r}"),
