@@ -41,6 +41,7 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _choice("parallel.recompute", p.recompute, RECOMPUTE)
     validate_offload(cfg)
+    validate_activation_offload(cfg)
     if p.precision is not None:
         _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("parallel.fp8_recipe", p.fp8_recipe, FP8_RECIPES)
@@ -98,6 +99,27 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                           f"ranks (a V: down the ranks and back); set parallel.pp >= 2 and "
                           f"parallel.vpp = 2 (got pp = {p.pp}, vpp = {p.vpp})")
     validate_pipeline(cfg, dp)
+
+
+def validate_activation_offload(cfg: Config) -> None:
+    """`parallel.offload_activations` (fivefold.memory.activation_offload): a count of blocks
+    from 0 to model.layers (a stage with fewer blocks offloads all of them); not with
+    recomputation, whose checkpoint keeps only each block's input (Megatron-Core refuses the
+    pair too: TransformerConfig, "CPU offloading does not work when activation
+    recomputation is enabled"); not with virtual stages, whose model chunks each have their
+    own first blocks (not implemented)."""
+    p, n = cfg.parallel, cfg.parallel.offload_activations
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.model.layers:
+        raise ConfigError("parallel.offload_activations", f"{n!r} is not a block count: use an "
+                          f"integer from 0 (off) to model.layers = {cfg.model.layers}")
+    if n and p.recompute != "none":
+        raise ConfigError("parallel.offload_activations", f"not with parallel.recompute = "
+                          f"{p.recompute!r}: recomputation already keeps only each block's "
+                          "input; set recompute = \"none\" or offload_activations = 0")
+    if n and p.vpp > 1:
+        raise ConfigError("parallel.offload_activations", f"not with parallel.vpp = {p.vpp} "
+                          "(each model chunk's first blocks: not implemented); use vpp = 1 "
+                          "or offload_activations = 0")
 
 
 def validate_offload(cfg: Config) -> None:

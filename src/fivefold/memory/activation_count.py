@@ -9,11 +9,16 @@ shares its storage). Each storage is charged to the module named by `label_modul
 running when it was first saved; anything saved outside them (embedding, final norm, output
 head, loss) is charged to "root". Under selective recomputation the tensors torch's
 checkpoint cache keeps are counted too, as the policy keeps them
-(fivefold.memory.recompute.observe_selective_saves).
+(fivefold.memory.recompute.observe_selective_saves). Under activation offload
+(fivefold.memory.activation_offload) an offloaded block's saved tensors go to host memory
+through its own hooks, which replace this counter's while the block runs; the offload tells
+the counter of each storage it copies, and those bytes count in `host_bytes_by_label`, not in
+`bytes_by_label` (the device's) nor in `resident_bytes`.
 
     with SavedActivations(model, {f"layers.{i}": b for i, b in enumerate(model.layers)}) as acts:
         loss = compute_loss(model, batch)
     acts.bytes_by_label   # {"layers.0": ..., "layers.1": ..., "root": ...}
+    acts.host_bytes_by_label  # the offloaded blocks' share, in host memory
 
 The counter keeps only weak references to the saved tensors, so counting does not change
 what the step holds. `bytes_by_label` counts each storage as it was when first saved;
@@ -32,6 +37,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from fivefold.memory.activation_offload import observe_offloaded_saves, state_pointers
 from fivefold.memory.recompute import observe_selective_saves
 
 
@@ -40,18 +46,28 @@ class SavedActivations:
         self.model = model
         self.label_modules = label_modules or {}
         self.bytes_by_label: dict[str, int] = defaultdict(int)
+        self.host_bytes_by_label: dict[str, int] = defaultdict(int)
         self._seen: set[int] = set()
         self._saved: list[weakref.ref] = []  # every saved tensor, for `resident_bytes`
         self.resident_bytes = 0  # at exit: what the saved storages still hold (docstring)
-        self._state = _state_pointers(model)
+        self._state = state_pointers(model)
         self._label = ["root"]
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._selective = observe_selective_saves(self._pack)
+        self._offloaded = observe_offloaded_saves(self._pack_host)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_by_label.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_bytes_by_label.values())
+
+    def _pack_host(self, t: torch.Tensor) -> None:
+        """A storage the offload copied to the host (once each, and never model state)."""
+        self.host_bytes_by_label[self._label[0]] += t.untyped_storage().nbytes()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -72,12 +88,14 @@ class SavedActivations:
                 lambda m, args, out: self._label.__setitem__(0, "root")))
         self._hooks.__enter__()
         self._selective.__enter__()
+        self._offloaded.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._offloaded.__exit__(*exc)
         self._selective.__exit__(*exc)
         self._hooks.__exit__(*exc)
-        state = _state_pointers(self.model)  # ZeRO-3's gathered storages are new ones
+        state = state_pointers(self.model)  # ZeRO-3's gathered storages are new ones
         resident = {}
         for t in (ref() for ref in self._saved):
             if t is not None and t.untyped_storage().data_ptr() not in state:
@@ -89,7 +107,3 @@ class SavedActivations:
             h.remove()
         self._handles.clear()
 
-
-def _state_pointers(model: nn.Module) -> set[int]:
-    """Storage addresses of the model's parameters and buffers as they are now."""
-    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}

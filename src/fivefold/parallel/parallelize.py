@@ -24,7 +24,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      layers' experts and shared experts in fp8 too, their routers not, with amaxes agreed
      over the ranks that split a micro-batch's tokens (fp8.experts),
   6. activation recomputation (`plan.recompute = "full"` or `"selective"`,
-     fivefold.memory.recompute),
+     fivefold.memory.recompute), or activation offload of the first
+     `plan.offload_activations` blocks of this stage (fivefold.memory.activation_offload),
   7. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
@@ -39,6 +40,7 @@ import functools
 import torch
 from torch import nn
 
+from fivefold.memory.activation_offload import apply_activation_offload
 from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.parallel.context.attention import context_attention
 from fivefold.parallel.context.layout import context_positions
@@ -102,6 +104,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
         apply_full_recompute(model.layers)
     elif plan.recompute == "selective":
         apply_selective_recompute(model.layers)
+    if plan.offload_activations:  # validation refuses it with recompute
+        apply_activation_offload(model, list(model.layers)[:plan.offload_activations])
     if compile_blocks:
         for block in model.layers:
             block.compile()

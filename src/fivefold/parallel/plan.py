@@ -82,6 +82,7 @@ class ParallelPlan:
     offload_fraction: float
     offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
     dp_batch_shares: tuple[int, ...] | None = None  # None: the batch splits evenly over dp
+    offload_activations: int = 0  # blocks per stage whose saved tensors live on the host
 
     # ------------------------------------------------------------ ranks and batches
 
@@ -364,13 +365,12 @@ def plan_from_config(cfg: Config, world_size: int, default_precision: str = "bf1
         global_batch=p.global_batch,
         recompute=p.recompute, sequence_parallel=p.sequence_parallel, precision=precision,
         fp8_emulate=p.fp8_emulate, fp8_recipe=p.fp8_recipe, fp8_tensors=tuple(p.fp8_tensors),
-        cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses,
+        cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses, qwz=p.qwz, hpz=p.hpz, qgz=p.qgz,
         reduce_dtype=p.reduce_dtype or (fp8_base(default_precision) if precision == "fp8"
                                         else precision),
-        qwz=p.qwz, hpz=p.hpz, qgz=p.qgz, optimizer=cfg.train.optimizer,
-        gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
+        optimizer=cfg.train.optimizer, gpus_per_node=cfg.cluster.gpus_per_node, offload=p.offload,
         offload_path=p.offload_path, offload_fraction=p.offload_fraction,
-        offload_kernel=p.offload_kernel,
+        offload_kernel=p.offload_kernel, offload_activations=p.offload_activations,
         dp_batch_shares=tuple(p.dp_batch_shares) if p.dp_batch_shares else None)
 
 

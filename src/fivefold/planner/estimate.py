@@ -31,6 +31,7 @@ class Estimate:
     dp_tail_s: list[float] = field(default_factory=list, repr=False)
     step_model: object | None = field(default=None, repr=False)  # planner.step.LayoutStep
     offload: dict | None = None  # fivefold.planner.offload.offload_summary
+    activation_offload: dict | None = None  # planner.activation_offload's summary
 
     def to_json(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -39,4 +40,6 @@ class Estimate:
                 "mfu": self.mfu, "hfu": self.hfu,
                 "memory_per_gpu_bytes": dict(self.memory_per_gpu_bytes), "fits": self.fits,
                 "breakdown_s": dict(self.breakdown_s), "parallel": dict(self.parallel),
-                **({"offload": dict(self.offload)} if self.offload else {})}
+                **({"offload": dict(self.offload)} if self.offload else {}),
+                **({"activation_offload": dict(self.activation_offload)}
+                   if self.activation_offload else {})}

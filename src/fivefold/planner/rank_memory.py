@@ -9,7 +9,9 @@ device and two rows more, "optimizer states, host" and "optimizer states, disk",
 offloaded units' master, moments and fp32 gradient (fivefold.planner.memory's table).
 Activations are one micro-batch's saved bytes on this rank (this stage's blocks and its
 share of the root, fivefold.planner.activations), which the trainer measures with
-saved-tensor hooks on its first micro-batch; a pipeline stage holds up to its schedule's
+saved-tensor hooks on its first micro-batch; under activation offload the stage's first
+`offload_activations` blocks' bytes are the "activations_host" row instead
+(fivefold.planner.activation_offload); a pipeline stage holds up to its schedule's
 in-flight micro-batches of them, which the report states but does not measure. Under
 `parallel.dp_batch_shares` a rank's micro-batches are its replica's (batch_shares.replica_plan).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from fivefold.batch_shares import dp_rank_of, replica_plan
 from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan
+from fivefold.planner.activation_offload import offloaded_layers
 from fivefold.planner.activations import block_saved_bytes, ring_kv_heads, root_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import stage_layers_of_rank
@@ -28,7 +31,8 @@ from fivefold.planner.schedules import peak_in_flight
 
 def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[str, float]:
     """{params, grads, optimizer (master copies and states on the device), host, disk
-    (offload's tiers), activations_per_micro_batch, micro_batches_in_flight}
+    (offload's tiers), activations_per_micro_batch (on the device), activations_host,
+    micro_batches_in_flight}
     of global rank `rank` under `plan`, in bytes."""
     m = cfg.model
     plan = replica_plan(plan, dp_rank_of(plan, rank))  # dp_batch_shares: its micro-batches
@@ -41,13 +45,16 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
         states = model_state_bytes(units, fp32)
     tokens = plan.micro_batch * m.seq_len // plan.cp
     a = plan.act_bytes
-    acts = sum(block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel, plan.recompute,
-                                 i, fp8=plan.precision == "fp8",
-                                 kv_heads=ring_kv_heads(m, plan)) for i in layers)
+    blocks = {i: block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel,
+                                   plan.recompute, i, fp8=plan.precision == "fp8",
+                                   kv_heads=ring_kv_heads(m, plan)) for i in layers}
+    host = sum(blocks.pop(i) for i in offloaded_layers(plan, layers))
+    acts = sum(blocks.values())
     acts += root_saved_bytes(m, tokens, a, plan.tp, first, last, sp=plan.sequence_parallel)
     inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],
             "optimizer": states["master"] + states["optimizer"],
             "host": states["host"], "disk": states["disk"],
-            "activations_per_micro_batch": acts, "micro_batches_in_flight": inflight}
+            "activations_per_micro_batch": acts, "activations_host": host,
+            "micro_batches_in_flight": inflight}

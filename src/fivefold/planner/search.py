@@ -10,7 +10,10 @@ recomputation (none, selective, full); sequence parallelism with tp; and optimiz
 offload, then "nvme", each at offload_fraction 0.5 then 1, and kept at the first that fits
 (device and host memory), so `plan` reports which tier it needed. Offload is tried only where
 it composes (AdamW, not PipeDream-2BW: fivefold.compositions' refusals) and when the spec
-leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout.
+leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout. A
+spec's parallel.offload_activations is held too, without recomputation or virtual stages
+(which it refuses); the fast pass counts every block's activations on the device (an upper
+bound), the exact simulation the offloaded ones on the host.
 Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
@@ -90,6 +93,8 @@ def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
                 for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
                     for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
                                                            (False, True) if tp > 1 else (False,)):
+                        if base.offload_activations and (rec != "none" or vpp > 1):
+                            continue  # refused with activation offload (validate_parallel)
                         out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
                                                 zero_group=dp, micro_batch=mb, schedule=sched,
                                                 vpp=vpp, zero_stage=zero, recompute=rec,

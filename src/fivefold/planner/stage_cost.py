@@ -11,7 +11,9 @@ with point-to-point transfers on their own stream (only the receiver waits). Wit
 embeddings the first rank lends the matrix to the last stage at the start of the step
 (hidden behind the pipeline's fill) and receives its head gradient back after the last
 stage's final backward, before its own final backward: that return can be exposed
-(fivefold.planner.step).
+(fivefold.planner.step). Under activation offload a stage's first blocks keep their saved
+bytes on the host, and its backward waits for their return (fivefold.planner.
+activation_offload).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
+from fivefold.planner.activation_offload import backward_wait_s, offloaded_layers
 from fivefold.planner.block_cost import BlockCosts
 from fivefold.planner.block_ops import beside_seconds
 from fivefold.planner.comm import Group
@@ -72,6 +75,7 @@ class StageCosts(BlockCosts):
         fc = sum(c.f_comm for c in costs)
         bc = sum(c.b_comm for c in costs)
         w = sum(c.wgrad for c in costs)
+        b += self.offload_wait_s(g)
         stages = len(self.stage_layers)
         tp_f, tp_b = self.root_tp_comm(g == 0, g == stages - 1)
         f, b, fc, bc = f + tp_f, b + tp_b, fc + tp_f, bc + tp_b
@@ -82,6 +86,18 @@ class StageCosts(BlockCosts):
             f, b = f + self.head.fwd, b + self.head.bwd
             w += self.head.wgrad
         return f, b, w, fc, bc
+
+    def offload_wait_s(self, g: int) -> float:
+        """Seconds stage g's backward of one micro-batch waits for its offloaded blocks'
+        activations to come back (fivefold.planner.activation_offload); 0 without."""
+        off = offloaded_layers(self.lay, self.stage_ranges[g])
+        if not off:
+            return 0.0
+        before = sum(self.layer_cost(i).b for i in self.stage_ranges[g] if i not in off)
+        if g == len(self.stage_layers) - 1:
+            before += self.head.bwd
+        return backward_wait_s([(self.block_saved_bytes(i), self.layer_cost(i).b) for i in off],
+                               before, self.prof.host.link_Bps)
 
     @functools.cached_property
     def stages_once(self) -> list[tuple[float, float]]:
@@ -126,10 +142,12 @@ class StageCosts(BlockCosts):
         return self._coll("send", rows * m.hidden * self.a, first_last)
 
     def stage_activation_bytes(self, g: int) -> float:
-        """Bytes virtual stage g keeps per in-flight micro-batch."""
+        """Bytes virtual stage g keeps on the device per in-flight micro-batch (not its
+        offloaded blocks')."""
         lay = self.lay
         n = self.shard.tokens
-        total = sum(self.block_saved_bytes(i) for i in self.stage_ranges[g])
+        off = offloaded_layers(lay, self.stage_ranges[g])
+        total = sum(self.block_saved_bytes(i) for i in self.stage_ranges[g] if i not in off)
         first, last = g == 0, g == len(self.stage_layers) - 1
         return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last,
                                           self.stack, sp=lay.sequence_parallel)

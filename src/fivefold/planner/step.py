@@ -14,6 +14,8 @@ The step is assembled from the parts below it:
    next step's first forward under a stack with `dp_overlap`). Under offload the offloaded
    units step on the CPU (fivefold.planner.offload) and what the next forward waits for
    them counts as optimizer time; the host must hold the offloaded state of its ranks.
+   Under activation offload the host must also hold the offloaded blocks' activations, and
+   each stage's backward includes its wait for them (fivefold.planner.activation_offload).
 
 Memory per rank: model states per fivefold.planner.memory, saved activations per
 fivefold.planner.activations at the replay's peak in-flight micro-batches, and `other`
@@ -32,12 +34,14 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES
 from fivefold.planner import activations as A
 from fivefold.planner import offload
+from fivefold.planner.activation_offload import activation_offload_summary
 from fivefold.planner.block_ops import beside_seconds
 from fivefold.planner.compute import Shard, block_times, head_times
 from fivefold.planner.estimate import Estimate
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.params import block_linear_params, block_params, root_params
 from fivefold.planner.rank_cost import RankCosts
+from fivefold.planner.schedules import peak_in_flight
 
 
 class LayoutStep(RankCosts):
@@ -159,8 +163,14 @@ class LayoutStep(RankCosts):
         peak = prof.peak_flops("bf16" if lay.precision == "fp8" else lay.precision)
         tokens = lay.global_batch * self.model.seq_len
         host = offload.offload_summary(self, offloaded)
-        fits = mem["total"] <= prof.memory_bytes and (host is None or host["host_fits"])
+        acts_host = activation_offload_summary(self, [
+            peak_in_flight(lay.schedule, lay.pp, m, k, lay.vpp) if lay.pp > 1 else 1
+            for k in range(lay.pp)])
+        host_use = ((host["host_bytes_per_host"] if host else 0)
+                    + (acts_host["host_bytes_per_host"] if acts_host else 0))
+        fits = mem["total"] <= prof.memory_bytes and host_use <= prof.host.memory_bytes
         return Estimate(step, tokens / step, model_fl * per_gpu / 1e12, hw_fl * per_gpu / 1e12,
                         model_fl * per_gpu / peak, hw_fl * per_gpu / peak, mem,
                         fits, breakdown, lay.parallel_table(), lay,
-                        list(self.stage_layers), rp if keep_events else None, tails, self, host)
+                        list(self.stage_layers), rp if keep_events else None, tails, self, host,
+                        acts_host)

@@ -34,7 +34,8 @@ MiB = 2 ** 20
 MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"),
                ("optimizer", "optimizer states + master copies"),
                ("host", "optimizer states, host"), ("disk", "optimizer states, disk"),
-               ("activations_per_micro_batch", "activations, one micro-batch"))
+               ("activations_per_micro_batch", "activations, one micro-batch"),
+               ("activations_host", "activations, host, one micro-batch"))
 
 
 def render(run: RunData, profile: str | None = None) -> str:

@@ -15,7 +15,9 @@ Measured, on this rank:
 * activations: the bytes autograd saved for backward during the run's first micro-batch and
   still holds at the end of its forward, counted by saved-tensor hooks
   (fivefold.memory.activation_count's `resident_bytes`: ZeRO-3's released weight buffers
-  are not activations; not with pp > 1, whose forwards run inside the schedule);
+  are not activations; not with pp > 1, whose forwards run inside the schedule); under
+  activation offload (fivefold.memory.activation_offload) the offloaded blocks' share is
+  the host's row, "activations, host", apart from the device's;
 * the process peak: the allocator's peak on a GPU, the resident set size on the CPU (which
   also holds the Python runtime, the data and torch's workspaces, so it is a bound, not a
   sum of the rows above).
@@ -39,7 +41,8 @@ from fivefold.train.metrics import peak_memory_bytes
 ROWS = (("params", "parameters"), ("grads", "gradients"),
         ("optimizer", "optimizer states + master copies"),
         ("host", "optimizer states, host"), ("disk", "optimizer states, disk"),
-        ("activations_per_micro_batch", "activations, one micro-batch"))
+        ("activations_per_micro_batch", "activations, one micro-batch"),
+        ("activations_host", "activations, host, one micro-batch"))
 
 
 class MemoryProbe:
@@ -47,6 +50,7 @@ class MemoryProbe:
 
     def __init__(self):
         self.activations: int | None = None
+        self.activations_host: int | None = None
         self.grads: int | None = None
 
     @contextlib.contextmanager
@@ -59,6 +63,7 @@ class MemoryProbe:
         with SavedActivations(model) as counter:
             yield
         self.activations = counter.resident_bytes
+        self.activations_host = counter.host_bytes
 
     def note_grads(self, grads: Iterable[torch.Tensor]) -> None:
         """The plain path's gradients, at the first update (before they are freed)."""
@@ -79,6 +84,7 @@ class MemoryProbe:
             states = {"params": _unique_bytes(model.parameters()), "grads": self.grads or 0,
                       "optimizer": optimizer_state_bytes(optimizers), "host": 0, "disk": 0}
         measured = {**states, "activations_per_micro_batch": self.activations,
+                    "activations_host": self.activations_host,
                     "process_peak": peak_memory_bytes(device)}
         lines = [f"memory on rank {rank} (MiB, measured / planner):"]
         for key, label in ROWS:
