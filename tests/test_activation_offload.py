@@ -22,11 +22,14 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
-from fivefold.parallel.plan import training_plan
+from fivefold.parallel.plan import plan_from_config, training_plan
+from fivefold.hardware import PROFILES
 from fivefold.planner.activations import block_saved_bytes
 from fivefold.planner.rank_memory import predicted_rank_memory
+from fivefold.planner.search import FastScorer, exact_estimate
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import prepare
+from fivefold.planner.step import LayoutStep
 from fivefold.testing import run_on_ranks
 from fivefold.train.trainer import Trainer
 from fivefold.validate import validate_for_training
@@ -153,6 +156,26 @@ def test_simulate_moves_activations_to_the_host_and_adds_no_negative_time():
     assert a["copy_s_each_way_per_micro_batch"] == pytest.approx(
         a["bytes_each_way_per_micro_batch"] / sm.prof.host.link_Bps)
     assert "activation_offload" in off.to_json()
+
+
+def test_plan_scores_the_offloaded_layout_by_its_device_bytes():
+    """The search's fast pass keeps the offloaded blocks' saved bytes off the device as the
+    exact simulation does: offloading 8 of 32 blocks lowers its peak by exactly their bytes
+    (float rounding: 1 byte); and the stage partition counts each stage's first blocks off
+    the device: at 32k tokens on tp 4 x pp 2 no split fits without offload, one does with 12
+    blocks of each stage offloaded."""
+    h100 = PROFILES["H100-SXM"]
+    plain_cfg, off_cfg = _spec(), _spec("parallel.offload_activations=8")
+    plain_lay, off_lay = plan_from_config(plain_cfg, 8), plan_from_config(off_cfg, 8)
+    sm = LayoutStep(off_cfg, h100, off_lay)
+    drop = sum(sm.block_saved_bytes(i) for i in range(8))
+    assert (FastScorer(plain_cfg, h100).score(plain_lay)[1]
+            - FastScorer(off_cfg, h100).score(off_lay)[1]) == pytest.approx(drop, abs=1)
+    long = ("parallel.tp=4", "parallel.pp=2", "model.seq_len=32768")
+    piped = [_spec(*long, f"parallel.offload_activations={k}") for k in (0, 12)]
+    on_device, hosted = (exact_estimate(c, h100, plan_from_config(c, 8), {}) for c in piped)
+    assert on_device is None  # no split of 32 blocks fits 80 GB with every block's activations
+    assert hosted.fits and hosted.activation_offload["blocks_per_stage"] == 12
 
 
 @pytest.mark.parametrize("sets, message", [

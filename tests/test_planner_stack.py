@@ -15,7 +15,9 @@ from fivefold.config import ConfigError, load_config
 from fivefold.hardware import PROFILES
 from fivefold.kernel_tables import FLASH2_RATE_H100, attention_rate
 from fivefold.planner import activations as A
+from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.fitted import BOUNDS, FITTED, Fitted, in_training
+from fivefold.planner.search import FastScorer
 from fivefold.planner.simulate import simulate
 from fivefold.planner.spec import spec_config
 from fivefold.planner.stack import FIVEFOLD, STACKS, stack_of
@@ -276,3 +278,18 @@ def test_fp8_weights_are_counted_at_the_bytes_the_stack_keeps_them_in():
                                                                  hopper[1]["other"])] * 2
         ours = mem("B200", zero, "fivefold")
         assert ours["params"] == old["params"]
+
+
+def test_the_search_fast_pass_counts_fp8_weights_as_the_simulation_does():
+    """`plan`'s fast pass (planner.search.FastScorer) holds the same one-byte fp8 weights on
+    Blackwell: its peak drops by one byte per linear weight element the rank holds (ZeRO-1,
+    all 32 blocks of the 8B model on one pipeline rank; float rounding: 1 byte)."""
+    linear = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336  # one 8B block's linears
+    peaks = []
+    for release in ("2025-11", "2024-03"):
+        cfg = spec_config({"model": {"preset": "8B"}, "cluster": {"gpu": "B200", "gpus": 8},
+                           "parallel": {"global_batch": 8, "micro_batch": 1,
+                                        "precision": "fp8", "zero_stage": 1},
+                           "train": {"stack": "megatron", "stack_release": release}})
+        peaks.append(FastScorer(cfg, PROFILES["B200"]).score(plan_from_config(cfg, 8))[1])
+    assert peaks[1] - peaks[0] == pytest.approx(32 * linear, abs=1)

@@ -12,8 +12,8 @@ offload, then "nvme", each at offload_fraction 0.5 then 1, and kept at the first
 it composes (AdamW, not PipeDream-2BW: fivefold.compositions' refusals) and when the spec
 leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout. A
 spec's parallel.offload_activations is held too, without recomputation or virtual stages
-(which it refuses); the fast pass counts every block's activations on the device (an upper
-bound), the exact simulation the offloaded ones on the host.
+(which it refuses); the fast pass, the stage partition and the exact simulation all keep the
+offloaded blocks' saved tensors off the device (the exact simulation alone checks the host).
 Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
@@ -38,12 +38,13 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
+from fivefold.planner.activation_offload import offloaded_layers
 from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
                                      offload_bytes)
 from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
-from fivefold.planner.params import block_vector_params, root_params
+from fivefold.planner.params import block_linear_params, block_vector_params, root_params
 from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.events import exposed
 from fivefold.planner.simulate import Estimate, default_precision
@@ -212,21 +213,35 @@ class FastScorer:
         tail = exposed(sm._data_coll(op, *grad_bytes), window, self.prof.eff.overlap_eff)
         return tail, regather
 
+    def _linear_numel(self, sm: LayoutStep, lay: ParallelPlan) -> float:
+        """A pipeline rank's average elements of the blocks' linear weights."""
+        m = self.cfg.model
+        kinds = ((m.layers - self.moe_layers, sm.first_layer(False)),
+                 (self.moe_layers, sm.first_layer(True)))
+        return sum(n * sum(block_linear_params(m, i, lay.tp, lay.ep, sm.etp))
+                   for n, i in kinds if n) / lay.pp
+
     def _memory(self, sm: LayoutStep, lay: ParallelPlan, numel: float, shard: int,
                 rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:
         """Peak device bytes; `kept`: the share of master and optimizer state that offload
-        leaves on the device."""
+        leaves on the device. Fp8 weights count at the stack's bytes (LayoutStep.linear_bytes)
+        and a stage's first offload_activations blocks keep their saved tensors on the host
+        (fivefold.planner.activation_offload)."""
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
         stage = lay.zero_stage
-        params = numel * p / (shard if stage == 3 else 1)
+        params = numel * p
+        if sm.linear_bytes is not None:  # the stack keeps fp8 weights
+            params -= sm.fp8_weight_saving(self._linear_numel(sm, lay))
+        params /= shard if stage == 3 else 1
         grads = numel * (g / shard if stage >= 2 else p)
         state = state_bytes + (0 if p == 4 else 4)
         optimizer = numel * state / (shard if stage >= 1 else 1) * kept
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
-        acts = per_block * rank_layers / lay.vpp * inflight + A.root_saved_bytes(
+        on_device = rank_layers / lay.vpp - min(lay.offload_activations, rank_layers)
+        acts = per_block * on_device * inflight + A.root_saved_bytes(
             m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
         if lay.recompute != "none":
             acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
@@ -287,7 +302,9 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
 
         def fits(stage: int, first: int, end: int) -> bool:
             r = rank_of_stage(stage, lay.pp, lay.v_shape)
-            return fixed[r] + sum(per_block[r][first:end]) <= budget
+            hosted = sum(sm.block_saved_bytes(i) * inflight[r]  # activation offload's blocks
+                         for i in offloaded_layers(lay, range(first, end)))
+            return fixed[r] + sum(per_block[r][first:end]) - hosted <= budget
 
         try:
             counts = sm.balanced_stage_layers(fits)
