@@ -353,11 +353,9 @@ def test_validate_against_published_runs():
     assert len(checks) == 140
     assert mape(checks) == pytest.approx(sum(abs(c.predicted_s / c.published_s - 1)
                                              for c in checks) / 140)
-    # in-sample, with the constants `plan validate --cross` fitted to the 140 rows: 11.2%
-    # on 2026-12-03 (docs/planner.md lists the per-source and per-family errors and the
-    # leave-one-source-out figure); the bound leaves 0.8 points for later model changes
-    assert mape(checks) < 0.12
-    assert {c.id for c in checks if not c.fits} <= {  # 138 of 140 fit (docs/planner.md)
-        "nemo2507_DGX-GB200_LLAMA3_70B_64gpu_FP8", "bridge2511_DGX-GB200_LLAMA3_70B_64gpu_FP8-CS",
-        "bridge2511_DGX-GB200_LLAMA3.1_405B_256gpu_FP8-CS", "llama3_405B_8192gpu_cp1",
-        "llama3_405B_16384gpu_cp1", "llama3_405B_16384gpu_cp16"}
+    # in-sample, with the constants `plan validate --cross` fitted to the 140 rows: 9.9% on
+    # 2026-12-07 (docs/planner.md lists the per-source and per-family errors and the
+    # leave-one-source-out figure); the bound leaves 1.1 points for later model changes
+    assert mape(checks) < 0.11
+    # 139 of 140 fit; the one that does not, and why the spec cannot state it: docs/planner.md
+    assert {c.id for c in checks if not c.fits} == {"llama3_405B_8192gpu_cp1"}
