@@ -36,9 +36,9 @@ trace's element-wise bytes (an estimate without the attention output's 2 q bytes
 that compute.block_eltwise_bytes counts: 0.5-1.5%), the backward GEMMs at their own
 transposed shapes on the GEMM surface (the block model prices all three at the forward's:
 under 1%), the embedding's gradient (the trace's op carries the lookup's bytes, not the
-table's: 0.3%), pipeline sends contending with compute (under 0.1%), and the block model's
-full recomputation of each dense block's w2, which the runtime's checkpoint stops before
-(op_compute.early_stop; 2.7% of the full-recompute step).
+table's: 0.3%) and pipeline sends contending with compute (under 0.1%). (The block model's
+full recomputation stops before each dense block's w2 as the runtime's checkpoint does:
+Stack.recompute_early_stop, op_compute.early_stop.)
 
 Excluded, with the block model the side that is wrong: ZB-H1 with tied embeddings
 (`test_block_model_charges_zero_bubble_a_tied_head_gradient_it_does_not_wait_for`).

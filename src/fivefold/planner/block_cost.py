@@ -85,7 +85,7 @@ class BlockCosts:
         self.shard = Shard(lay.micro_batch, self.model.seq_len, lay.tp, lay.cp,
                            lay.sequence_parallel, lay.ep, lay.precision, lay.recompute, lay.cp_mode, cfg.train.compile,
                            self.stack, lay.fp8_recipe, lay.fp8_tensors,
-                           expert_load(self.model, lay.ep), lay.etp)
+                           expert_load(self.model, lay.ep), lay.etp, lay.split_backward)
         self.a = PRECISION_BYTES[lay.precision]
 
     def _groups(self, gpn: int) -> tuple:
@@ -128,7 +128,8 @@ class BlockCosts:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel, lay.micro_batch,
                 lay.recompute, lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
-                self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load)
+                self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load,
+                lay.recompute == "full" and lay.split_backward)  # it reruns whole blocks
 
     def _coll(self, op: str, nbytes: float, group: Group) -> float:
         return collective_time(op, nbytes, group, self.links)
@@ -170,7 +171,10 @@ class BlockCosts:
             tp_one = self._coll("all_reduce", act, self.tp_group)
         tp_mlp, ep, ep_counts = moe_comm_s(self, act) if moe else (tp_one, 0.0, 0.0)
         tp = tp_one + (tp_one if tp_mlp is None else tp_mlp)
-        comm = BlockComm(tp_f=tp, tp_b=tp, sp_regather=regather,
+        # recomputation that stops before w2 leaves the MLP region's close out as well
+        close = self._coll("reduce_scatter", act, self.tp_group) if lay.sequence_parallel else tp_one
+        rerun = tp - close if sh.recompute_stops_early(moe) and lay.tp > 1 else tp
+        comm = BlockComm(tp_f=tp, tp_b=tp, tp_recompute_f=rerun, sp_regather=regather,
                          tp_overlapped=self.stack.overlaps_tp_collectives(lay.tp, lay.sequence_parallel),
                          tp_async_grads=self.stack.async_tp_grads,
                          ep_f=ep + ep_counts, ep_b=ep, **self._cp_comm())

@@ -28,7 +28,9 @@ of its time:
   (DeepSpeed's early ZeRO-3) gathers tensor by tensor synchronously (the compute waits) and
   reduce-scatters beside the block's own backward only. ZeRO-2 reduce-scatters beside the
   block's backward.
-- full recomputation runs the forward's ops again (without its gathers) before the backward.
+- full recomputation runs the forward's ops again (without its gathers) before the backward,
+  up to the block's last GEMM and its region's close where the stack stops early
+  (`Stack.recompute_early_stop`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class BlockComm:
     """Seconds of one block's collectives for one micro-batch on one rank."""
 
     tp_f: float = 0.0  # tensor-parallel collectives per direction (MoE: the MLP side's too)
+    tp_recompute_f: float | None = None  # those a full recomputation reruns (None: tp_f)
     tp_b: float = 0.0
     sp_regather: float = 0.0  # sequence parallelism's backward re-gathers
     tp_overlapped: bool = False  # beside the GEMMs (Stack.overlaps_tp)
@@ -123,14 +126,14 @@ def _attention(o: _Ops, c: BlockComm, attn: float, backward: bool):
         o.then("attention", COMPUTE, attn)
 
 
-def _forward_body(o: _Ops, c: BlockComm, t: Compute, fwd: float):
+def _forward_body(o: _Ops, c: BlockComm, t: Compute, fwd: float, tp_f: float):
     _attention(o, c, t.attn_f, backward=False)
     rest = max(0.0, fwd - t.attn_f)
     if c.tp_overlapped:
-        o.beside("tp collectives", "tp", c.tp_f, ("gemms", rest))
+        o.beside("tp collectives", "tp", tp_f, ("gemms", rest))
     else:
         o.then("gemms", COMPUTE, rest)
-        o.then("tp collectives", "tp", c.tp_f)
+        o.then("tp collectives", "tp", tp_f)
     o.then("dispatch/combine", "ep", c.ep_f)
 
 
@@ -138,7 +141,7 @@ def forward_ops(c: BlockComm, t: Compute) -> list[Op]:
     o = _Ops()
     prefetch = o.add("prefetch gather", "dp", c.dp_prefetch_f, ())
     o.then("gathers", "dp", c.dp_sync_f)
-    _forward_body(o, c, t, t.fwd)
+    _forward_body(o, c, t, t.fwd, c.tp_f)
     o.tail += prefetch
     return o.ops
 
@@ -150,7 +153,8 @@ def backward_ops(c: BlockComm, t: Compute) -> list[Op]:
         "reduce-scatter", "dp", c.dp_reduce, gather)
     o.then("gathers", "dp", c.dp_sync_b)
     if t.full_recompute:
-        _forward_body(o, c, t, t.recompute)
+        _forward_body(o, c, t, t.recompute,
+                      c.tp_f if c.tp_recompute_f is None else c.tp_recompute_f)
     else:
         o.then("recompute", COMPUTE, t.recompute)
     if reduce_ is None:

@@ -142,6 +142,13 @@ class Shard:
     fp8_tensors: tuple[str, ...] = FP8_TENSORS  # precision fp8: the classes in fp8
     expert_load: float = 1.0  # ep > 1: the busiest rank's routed rows over the mean
     etp: int = 1  # expert tensor parallelism (fivefold.expert_grid)
+    split_backward: bool = False  # a zero-bubble schedule: recomputation reruns whole blocks
+
+    def recompute_stops_early(self, moe: bool) -> bool:
+        """Full recomputation of a dense block stops before its last GEMM under this stack
+        (Stack.recompute_early_stop) unless a split backward recomputes whole blocks."""
+        return (self.recompute == "full" and self.stack.recompute_early_stop and not moe
+                and not self.split_backward)
 
     def passes(self, prof: HardwareProfile) -> float:
         return 1.0 if self.compiled or self.stack.fused_eltwise else prof.eff.eltwise_passes
@@ -269,11 +276,12 @@ def block_times(model: ModelConfig, sh: Shard, prof: HardwareProfile, moe: bool)
     b = bwd_gemm_s + at_b + ew_b + cast_tb
     if sh.stack.selective_modules:  # norms and activations only, no GEMM
         selective_s, selected = 0.0, ()
-    rec = {"full": f, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
+    last = t_fwd if sh.recompute_stops_early(moe) else 0.0  # the block's last GEMM, w2
+    rec = {"full": f - last, "selective": selective_s + ew_f + cast_tf * selective_s / gemm_s,
            "none": 0.0}[sh.recompute]
     model_fl = 3 * (sum(g.flops for g in gemms) + 4 * sh.micro_batch * heads * model.d_head
                     * sh.seq_len * sh.seq_len / sh.cp)
-    rec_fl = {"full": model_fl / 3, "none": 0.0,
+    rec_fl = {"full": model_fl / 3 - (gemms[-1].flops if last else 0.0), "none": 0.0,
               "selective": sum(g.flops for g in gemms if g.name in selected)}
     return OpTimes(f, b, wgrad_s, rec, model_fl, model_fl + rec_fl[sh.recompute])
 

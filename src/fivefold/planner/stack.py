@@ -137,6 +137,12 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   (Transformer Engine saves the fp8 copy it already made); activations accounted by
   Transformer Engine's modules (fivefold.planner.activations.te_block_saved_bytes: norms save
   their input and rsigma, attention saves q, k, v without repeating GQA heads).
+- recompute_early_stop: full recomputation stops once backward has every tensor it saved
+  (torch.utils.checkpoint without reentrancy, which fivefold.memory.recompute runs, stops
+  there by default), so a dense block's last GEMM (w2) and the MLP region's closing
+  collective are not run again, unless a split backward recomputes whole blocks
+  (fivefold.planner.op_compute.early_stop; the ledger counts the same: ledger_model). The
+  runtime's op trace shows it (tests/test_op_trace.py); other stacks rerun the whole forward.
 - zero3_recompute_gathers: all-gathers of a ZeRO-3 block per step under full recomputation:
   DeepSpeed's ZeRO-3 runs its pre-forward hook again for the recomputed forward (3);
   FSDP2, Megatron-FSDP and fivefold gather once for backward and recompute inside it (2).
@@ -241,6 +247,7 @@ class Stack:
     fp8_fused_casts: bool = False
     fp8_saved_inputs: bool = False
     zero3_recompute_gathers: int = 2
+    recompute_early_stop: bool = False
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     eager_adamw: bool = False
@@ -335,6 +342,7 @@ class Stack:
 
 
 FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, experts_follow_tp=False,
+                 recompute_early_stop=True,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
                         "collectives, torch's unfused AdamW, MoE layers on the experts' own "
