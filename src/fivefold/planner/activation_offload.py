@@ -33,8 +33,10 @@ from fivefold.planner.offload import ranks_on_host
 
 
 def offloaded_layers(lay: ParallelPlan, layers) -> list[int]:
-    """The blocks of one stage (its `layers`, in order) whose saved tensors go to the host."""
-    return list(layers)[:lay.offload_activations]
+    """The blocks of one stage (its `layers`, in order) whose saved tensors go to the host
+    (none without activation offload, at no cost: the planner asks for every stage it
+    prices)."""
+    return list(layers)[:lay.offload_activations] if lay.offload_activations else []
 
 
 def backward_wait_s(blocks: list[tuple[float, float]], before_s: float,

@@ -165,14 +165,14 @@ class BlockCosts:
         if lay.sequence_parallel:  # fp8: the stack may gather the fp8 copy (Stack docs)
             fp8_copy = self.stack.fp8_sp_gather and A.fp8_input_copy(lay)
             ag = self._coll("all_gather", act / self.a if fp8_copy else act, self.tp_group)
-            tp_one = ag + self._coll("reduce_scatter", act, self.tp_group)
+            close = self._coll("reduce_scatter", act, self.tp_group)  # a region's close
+            tp_one = ag + close
             regather = 2 * ag  # each region's input again for its weight gradients
         else:
-            tp_one = self._coll("all_reduce", act, self.tp_group)
+            tp_one = close = self._coll("all_reduce", act, self.tp_group)
         tp_mlp, ep, ep_counts = moe_comm_s(self, act) if moe else (tp_one, 0.0, 0.0)
         tp = tp_one + (tp_one if tp_mlp is None else tp_mlp)
         # recomputation that stops before w2 leaves the MLP region's close out as well
-        close = self._coll("reduce_scatter", act, self.tp_group) if lay.sequence_parallel else tp_one
         rerun = tp - close if sh.recompute_stops_early(moe) and lay.tp > 1 else tp
         comm = BlockComm(tp_f=tp, tp_b=tp, tp_recompute_f=rerun, sp_regather=regather,
                          tp_overlapped=self.stack.overlaps_tp_collectives(lay.tp, lay.sequence_parallel),

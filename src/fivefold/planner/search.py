@@ -302,11 +302,9 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
 
         def fits(stage: int, first: int, end: int) -> bool:
             r = rank_of_stage(stage, lay.pp, lay.v_shape)
-            held = fixed[r] + sum(per_block[r][first:end])
-            if lay.offload_activations:  # a stage's first blocks keep theirs on the host
-                held -= sum(sm.block_saved_bytes(i) * inflight[r]
-                            for i in offloaded_layers(lay, range(first, end)))
-            return held <= budget
+            hosted = sum(sm.block_saved_bytes(i) * inflight[r]  # activation offload's blocks
+                         for i in offloaded_layers(lay, range(first, end)))
+            return fixed[r] + sum(per_block[r][first:end]) - hosted <= budget
 
         try:
             counts = sm.balanced_stage_layers(fits)
