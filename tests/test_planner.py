@@ -18,6 +18,7 @@ from fivefold.config import load_config
 from fivefold.hardware import PROFILES
 from fivefold.models.flops import flops_per_token, param_count
 from fivefold.parallel.pipeline.partition import balanced_counts
+from fivefold.parallel.pipeline.schedules import B
 from fivefold.parallel.plan import PRECISION_BYTES, plan_from_config
 from fivefold.planner import calibrate as cal
 from fivefold.planner.comm import Group, Links, collective_time
@@ -285,23 +286,33 @@ def test_simulate_fields_and_their_arithmetic():
     assert out["fits"] == (mem["total"] <= H100.memory_bytes)
 
 
-def test_tied_head_gradient_return_is_timed():
-    """With tied embeddings and pipelining, the last stage returns the head's gradient
-    (ceil(V/t) x D values in the compute dtype) to the first rank, whose final backward reads
-    it: the step holds that transfer after the last stage's end. The first and last stage of
-    pp 2 x tp 2 x dp 16 sit on different nodes, so it crosses the network."""
+def test_tied_head_exchange_is_replayed_and_the_borrowed_head_is_a_buffer():
+    """With tied embeddings and pipelining the first rank lends the table to the last stage
+    and the last stage returns the head's gradient (ceil(V/t) x D values in the compute
+    dtype each), as the runtime's lists do (schedules.runtime_schedule with `tied`): the
+    first rank's last backward starts no earlier than the last stage's last backward's end
+    plus that transfer. The first and last stage of pp 2 x tp 2 x dp 16 sit on different
+    nodes, so it crosses the network. The last stage's copy is a buffer (with its gradient
+    in 'other'), not model state: no optimizer state, no data-parallel sync."""
     par = {"tp": 2, "pp": 2, "micro_batch": 1, "zero_stage": 1}
-    tied = simulate(spec_config(spec(model={"tied_embeddings": True}, parallel=par)))
+    tied = simulate(spec_config(spec(model={"tied_embeddings": True}, parallel=par)),
+                    keep_events=True)
     untied = simulate(spec_config(spec(model={"tied_embeddings": False}, parallel=par)))
     sim, model = tied.step_model, tied.step_model.model
-    nbytes = -(-model.vocab // 2) * model.hidden * 2  # bf16
-    assert sim.tied_grad_s == pytest.approx(
-        sim._coll("send", nbytes, Group.strided(2, 2 * 16, 8)), rel=1e-9)
-    assert sim.tied_grad_s > 0 and untied.step_model.tied_grad_s == 0.0
-    finish = tied.replay.finish_s if tied.replay else sim.run_pipeline(False).finish_s
-    b0 = sim.stage_times(0)[1]
-    assert tied.step_time_s >= finish[-1] + sim.tied_grad_s + b0
+    table = -(-model.vocab // 2) * model.hidden
+    assert sim.tied_exchange_s == pytest.approx(
+        sim._coll("send", table * 2, Group.strided(2, 2 * 16, 8)), rel=1e-9)  # bf16
+    assert sim.tied_exchange_s > 0 and untied.step_model.tied_exchange_s == 0.0
+    last_b = {r: max(e.end for e in tied.replay.events if e.rank == r and e.action.kind == B)
+              for r in (0, 1)}
+    first_last_b = max((e for e in tied.replay.events if e.rank == 0 and e.action.kind == B),
+                       key=lambda e: e.end)
+    assert first_last_b.start >= last_b[1] + sim.tied_exchange_s - 1e-12
     assert sum(tied.breakdown_s.values()) == pytest.approx(tied.step_time_s, rel=1e-9)
+    mem_tied, mem_untied = sim.memory(1, 0.0), untied.step_model.memory(1, 0.0)
+    assert mem_tied["params"] == mem_untied["params"] - table * 2  # the head is not a unit
+    assert mem_tied["optimizer"] < mem_untied["optimizer"]
+    assert mem_tied["other"] == mem_untied["other"] + 2 * table * 2  # buffer and gradient
 
 
 def test_recompute_trades_memory_for_time():

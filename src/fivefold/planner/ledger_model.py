@@ -61,7 +61,6 @@ step is its replica's (batch_shares.replica_plan). Sizes are computed, not read 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from fivefold.batch_shares import dp_rank_of, replica_plan
@@ -72,8 +71,7 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.fp8_ledger import fp8_amax_records
-from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages,
-                                               stage_layers_of_rank, zero3_block_gathers)
+from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages, stage_layers_of_rank, zero3_block_gathers)
 from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
@@ -95,8 +93,6 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
     layers, first, last = stage_layers_of_rank(cfg, lay, pp_rank)
     units = stage_units(cfg.model, lay, layers, first, last,
                         QUANT_BLOCK if lay.qwz or lay.qgz else 1, etp=lay.etp)
-    if last and not first and cfg.model.tied_embeddings:  # the borrowed head is a buffer
-        units[0] = dataclasses.replace(units[0], numel=units[0].numel - _table(cfg, lay))
     moe_layers = sum(is_moe_layer(cfg.model, i) for i in layers)
     if lay.update in ("galore-dp", "lomo"):  # outside the engine (their own module)
         ledger = update_path_ledger(cfg, lay)
@@ -118,10 +114,6 @@ def predict_ledger(cfg: Config, lay: ParallelPlan, rank: int = 0,
         ledger.record("all_reduce", "+".join(lay.routing_axes), routing, "float64",
                       moe_layers * (cfg.model.moe.experts + 2) * 8, "moe_load")
     return ledger
-
-
-def _table(cfg: Config, lay: ParallelPlan) -> int:
-    return -(-cfg.model.vocab // lay.tp) * cfg.model.hidden
 
 
 class _Step:

@@ -121,14 +121,24 @@ def _dense_expert(model: ModelConfig, layer: int, tp: int, ep: int, etp: int | N
 
 @per_model
 def root_params(model: ModelConfig, tp: int = 1, first: bool = True, last: bool = True) -> int:
-    """Embeddings (first pipeline stage), final norm and untied head (last stage); with tied
-    embeddings a last stage that is not also the first keeps its own copy of the table."""
-    n = 0
-    for p in root_parameters(model):
-        held = (first or last and model.tied_embeddings) if p.part == "embedding" else last
-        if held:
-            n += local_numel(model, p, tp)
-    return n
+    """Embeddings (first pipeline stage), final norm and untied head (last stage). With tied
+    embeddings the first stage owns the table; a last stage that is not also the first
+    computes the head with a borrowed copy, a buffer (`borrowed_head_params`), which no
+    optimizer steps and no data-parallel collective syncs."""
+    return sum(local_numel(model, p, tp) for p in root_parameters(model)
+               if (first if p.part == "embedding" else last))
+
+
+@per_model
+def borrowed_head_params(model: ModelConfig, tp: int = 1, first: bool = True,
+                         last: bool = True) -> int:
+    """Elements of the tied table a last pipeline stage that is not also the first holds as
+    its head (fivefold.parallel.pipeline.stage's `tied_head_weight`, this tp rank's rows):
+    lent by the first stage at the step's start, its gradient returned; 0 otherwise."""
+    if not (model.tied_embeddings and last and not first):
+        return 0
+    return sum(local_numel(model, p, tp) for p in root_parameters(model)
+               if p.part == "embedding")
 
 
 def total_params(model: ModelConfig) -> int:

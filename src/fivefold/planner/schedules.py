@@ -27,15 +27,18 @@ from fivefold.parallel.pipeline.schedules import (B, COMPUTE, F, GRADIENT_KINDS,
 
 @functools.lru_cache(maxsize=256)
 def runtime_schedule(schedule: str, pp: int, vpp: int, m: int, slices: int = 1,
-                     steps: int = 1) -> Schedule:
+                     steps: int = 1, tied: bool = False) -> Schedule:
     """The runtime's action lists for a layout's `schedule` (vpp > 1 is interleaved 1F1B;
-    `slices` counts only for TeraPipe, `steps` only for PipeDream-2BW). They carry no
-    tied-embedding exchange: the simulator times the head gradient's return itself, after
-    the replay (LayoutStep.estimate)."""
+    `slices` counts only for TeraPipe, `steps` only for PipeDream-2BW). With `tied`
+    (tied embeddings) they carry the runtime's tied-embedding exchange: the head's matrix
+    lent to the last stage before its first action there, and the head gradient returned
+    before the first rank's last gradient action of stage 0 (a B, or under zero-bubble a
+    W), so the replay waits where the executor does."""
     if schedule == "pipedream-2bw":
-        return runtime.pipedream_2bw_schedule(pp, m, steps)
+        return runtime.pipedream_2bw_schedule(pp, m, steps, tied)
     name = "interleaved" if vpp > 1 and schedule not in runtime.V_SCHEDULES else schedule
-    return runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1)
+    return runtime.build_schedule(name, pp, m, vpp, slices if name == "terapipe" else 1,
+                                  tied_embeddings=tied)
 
 
 def overlapped_pairs(schedule: str, pp: int, vpp: int, m: int) -> dict[Action, Action]:
@@ -108,12 +111,15 @@ class Replay:
 
 def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: float,
                 weight: Callable[[int], float] = lambda stage: 1,
-                keep_events: bool = False) -> Replay:
+                keep_events: bool = False, message_s: dict[str, float] | None = None
+                ) -> Replay:
     """Replay `schedule` with `duration` per action and `p2p_s` per point-to-point message
-    (activations forward, gradients backward; only the receiver waits). Busy time is the sum
-    of the rank's durations, in list order, not the replay's end - start differences, so it
-    carries no rounding of the clock."""
+    (activations forward, gradients backward; only the receiver waits), or `message_s[kind]`
+    for the kinds it names (the tied embedding's "tied_weight" and "tied_grad"). Busy time is
+    the sum of the rank's durations, in list order, not the replay's end - start
+    differences, so it carries no rounding of the clock."""
     order = replay_order(schedule)
+    cost = message_s or {}
     n = schedule.pp
     clock, busy = [0.0] * n, [0.0] * n
     at = [0.0] * len(order)  # each send's time, by its place in the order
@@ -124,8 +130,9 @@ def replay_step(schedule: Schedule, duration: Callable[[Action], float], p2p_s: 
         if wait == _SEND:
             at[k] = start
         elif wait is not None:  # a receive: (the send's place, crosses ranks)
-            sent, cross = wait
-            clock[r] = start = max(start, at[sent] + p2p_s if cross else at[sent])
+            sent, cross, kind = wait
+            clock[r] = start = max(start, at[sent] + cost.get(kind, p2p_s) if cross
+                                   else at[sent])
         else:
             d = duration(a)
             clock[r] += d
@@ -146,7 +153,7 @@ _ORDERS: dict[int, tuple[Schedule, tuple]] = {}
 def replay_order(schedule: Schedule) -> tuple:
     """The order in which fivefold.parallel.pipeline.replay.replay runs the schedule's
     actions, as (rank, action, wait): wait is "send", (the send's place in the order, whether
-    it crosses ranks) for a receive, None for the rest. The loop's order depends on the lists
+    it crosses ranks, the message's kind) for a receive, None for the rest. The loop's order depends on the lists
     only, never on the costs, so it is found once per schedule (replayed at unit cost, which
     also checks the lists) and `replay_step` walks it with each layout's durations: the same
     arithmetic as the loop, without its message bookkeeping."""
@@ -163,7 +170,8 @@ def replay_order(schedule: Schedule) -> tuple:
             order.append((e.rank, a, _SEND))
         elif a.kind in RECVS:
             cross = schedule.rank_of(peer_stage(a, stages)) != e.rank
-            order.append((e.rank, a, (sent[message(a, stages)], cross)))
+            key = message(a, stages)
+            order.append((e.rank, a, (sent[key], cross, key[0])))
         else:
             order.append((e.rank, a, None))
     if len(_ORDERS) >= 256:

@@ -130,9 +130,12 @@ class StageCosts(BlockCosts):
         return self._coll("send", act, self.pp_pair)
 
     @functools.cached_property
-    def tied_grad_s(self) -> float:
-        """Seconds to return the tied head's gradient (this tp rank's ceil(V/t) rows) from
-        the last pipeline stage to the first; 0 without pipelining or tied embeddings."""
+    def tied_exchange_s(self) -> float:
+        """Seconds of one tied-embedding message between the first pipeline rank and the
+        last stage's (this tp rank's ceil(V/t) rows of the matrix, lent at the step's start,
+        or of the head's gradient, returned), in the compute dtype as the executor sends
+        them; 0 without pipelining or tied embeddings, and in a V, where both stages are on
+        the first rank."""
         lay, m = self.lay, self.model
         if lay.pp == 1 or not m.tied_embeddings or lay.v_shape:  # V: through the mailbox
             return 0.0
@@ -174,12 +177,17 @@ class StageCosts(BlockCosts):
                                     overlapped_pairs(lay.schedule, lay.pp, lay.vpp, m),
                                     self.prof.eff.overlap_eff)
         weights = [self.stage_activation_bytes(g) / n for g in range(stages)]
+        tied = self.tied_exchange_s > 0
+        tied_s = {"tied_weight": self.tied_exchange_s, "tied_grad": self.tied_exchange_s}
         if lay.schedule == "pipedream-2bw":
-            two, three = (replay_step(runtime_schedule(lay.schedule, lay.pp, 1, m, steps=k),
-                                      duration, self.p2p_s, lambda g: weights[g], keep_events)
+            two, three = (replay_step(runtime_schedule(lay.schedule, lay.pp, 1, m, steps=k,
+                                                       tied=tied),
+                                      duration, self.p2p_s, lambda g: weights[g], keep_events,
+                                      tied_s)
                           for k in (2, 3))
             return Replay([c - b for b, c in zip(two.finish_s, three.finish_s)],
                           [c - b for b, c in zip(two.busy_s, three.busy_s)],
                           three.peak_weight, three.events, three.last_grads)
-        sched = runtime_schedule(lay.schedule, lay.pp, lay.vpp, m, n)
-        return replay_step(sched, duration, self.p2p_s, lambda g: weights[g], keep_events)
+        sched = runtime_schedule(lay.schedule, lay.pp, lay.vpp, m, n, tied=tied)
+        return replay_step(sched, duration, self.p2p_s, lambda g: weights[g], keep_events,
+                           tied_s)

@@ -38,8 +38,9 @@ from fivefold.planner.activation_offload import activation_offload_summary
 from fivefold.planner.block_ops import beside_seconds
 from fivefold.planner.compute import Shard, block_times, head_times
 from fivefold.planner.estimate import Estimate
-from fivefold.planner.memory import model_state_bytes, stage_units
-from fivefold.planner.params import block_linear_params, block_params, root_params
+from fivefold.planner.memory import model_state_bytes, stage_units, weight_copies
+from fivefold.planner.params import (block_linear_params, block_params, borrowed_head_params,
+                                     root_params)
 from fivefold.planner.rank_cost import RankCosts
 from fivefold.planner.schedules import peak_in_flight
 
@@ -75,9 +76,13 @@ class LayoutStep(RankCosts):
         return states + root * inflight + self.other_bytes(rank)
 
     def other_bytes(self, rank: int) -> float:
-        """Reserved memory, ZeRO-3's gathered buffers and the loss's logits on `rank`."""
+        """Reserved memory, ZeRO-3's gathered buffers, the tied head a last stage borrows
+        (the buffer and its gradient, at the parameters' bytes) and the loss's logits on
+        `rank`."""
         lay, m = self.lay, self.model
         other = self.prof.eff.reserved_bytes
+        borrowed = borrowed_head_params(m, lay.tp, rank == 0, rank == lay.pp - 1)
+        other += borrowed * PRECISION_BYTES[lay.precision] * (weight_copies(lay) + 1)
         if lay.zero_stage == 3 and self.pp_unsharded:  # every block of the rank, all step
             unsharded = (sum(sum(block_params(m, i, lay.tp, lay.ep, self.etp))
                              for i in self.rank_layers(rank))
@@ -132,9 +137,6 @@ class LayoutStep(RankCosts):
         ends, stages = [], len(self.stage_layers)
         times = [self.stage_times(g) for g in range(stages)]
         tails = []
-        finish = list(rp.finish_s)
-        if self.tied_grad_s:  # rank 0's final backward waits for the returned head gradient
-            finish[0] = max(finish[0], finish[-1] + self.tied_grad_s + times[0][1])
         for r in range(lay.pp):
             tail, regather = self.dp_sync(r, rp.last_grads[r])
             if self.stack.dp_overlap and regather:  # beside the next step's first forward
@@ -144,7 +146,7 @@ class LayoutStep(RankCosts):
             offloaded = offload.rank_offload(self, r, opt + regather)
             opt += offloaded.exposed_s  # downloads, host clipping, the forward's waits
             tails.append(tail)
-            ends.append((finish[r] + tail + opt + regather, r, tail, opt, regather, offloaded))
+            ends.append((rp.finish_s[r] + tail + opt + regather, r, tail, opt, regather, offloaded))
         step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
@@ -152,8 +154,8 @@ class LayoutStep(RankCosts):
                       for g in rank_stages)
         busy = rp.busy_s[r]
         compute = busy - comm_in
-        bubble = max(0.0, rp.finish_s[r] - busy)
-        exposed_s = comm_in + tail + regather + (finish[r] - rp.finish_s[r])
+        bubble = max(0.0, rp.finish_s[r] - busy)  # with the waits on every p2p message
+        exposed_s = comm_in + tail + regather
         breakdown = {"compute": compute, "exposed_comm": exposed_s, "bubble": bubble,
                      "optimizer": opt}
         mems = [self.memory(k, rp.peak_weight[k]) for k in range(lay.pp)]

@@ -206,9 +206,8 @@ class OpPrices:
     def device_update_s(self, op: Op, pp_rank: int) -> float:
         """The device's AdamW step over the op's elements at the stack's update traffic per
         element (fivefold's unfused torch AdamW: update_bytes.eager_adamw_traffic over the
-        rank's device units) and its passes. The units are the block model's; where they
-        hold more elements than the op (its last pipeline rank counts the borrowed tied
-        head, which the runtime keeps as a buffer and does not step), the op's count."""
+        rank's device units) and its passes: the block model's traffic for the rank's
+        units, scaled to the op's element count."""
         lay = self.lay
         units = offload.device_units(self.sm.rank_units(pp_rank), lay)
         local = sum(u.shard_numel if lay.zero_stage >= 1 else u.padded for u in units)
