@@ -293,3 +293,23 @@ def test_the_search_fast_pass_counts_fp8_weights_as_the_simulation_does():
                            "train": {"stack": "megatron", "stack_release": release}})
         peaks.append(FastScorer(cfg, PROFILES["B200"]).score(plan_from_config(cfg, 8))[1])
     assert peaks[1] - peaks[0] == pytest.approx(32 * linear, abs=1)
+
+
+def test_activation_offload_copies_queue_with_compute_under_the_fivefold_stack():
+    """fivefold's runtime issues activation offload's copies on the compute stream and each
+    return when backward unpacks it (Stack.offload_copies_inline): each pass of a micro-batch
+    pays one direction of the copies in full. Megatron-Core's side-stream copies cost the
+    forward nothing, and its backward waits only for what its compute has not covered."""
+    def run(stack: str):
+        return simulate(spec_config(_spec(stack, offload_activations=8)))
+
+    ours, megatron = run("fivefold"), run("megatron")
+    a, m = ours.activation_offload, megatron.activation_offload
+    assert a["forward_copy_s_per_micro_batch"] == pytest.approx(
+        a["copy_s_each_way_per_micro_batch"], rel=1e-12)
+    assert a["backward_wait_s_per_micro_batch"] == a["forward_copy_s_per_micro_batch"]
+    assert m["forward_copy_s_per_micro_batch"] == 0.0
+    assert m["backward_wait_s_per_micro_batch"] < m["copy_s_each_way_per_micro_batch"]
+    plain = simulate(spec_config(_spec("fivefold")))
+    passes = 2 * a["copy_s_each_way_per_micro_batch"] * ours.layout.micro_batches
+    assert ours.step_time_s == pytest.approx(plain.step_time_s + passes, rel=0.02)

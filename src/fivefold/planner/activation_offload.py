@@ -22,8 +22,10 @@ after another, and a block's backward waits for its own activations: what it wai
 to the stage's backward time (`backward_wait_s`), which the pipeline replay then carries.
 Not modelled: the link shared with optimizer offload's copies, and a forward that outruns
 its copies (the device would hold those bytes until they land). This is Megatron-Core's
-behaviour (copies on a side stream, the return prefetched); fivefold's runtime issues its
-copies on the current stream and each return when backward unpacks it (docs/memory.md).
+behaviour (copies on a side stream, the return prefetched). fivefold's runtime issues its
+copies on the current stream and each return when backward unpacks it (docs/memory.md), so
+under the fivefold stack (Stack.offload_copies_inline) every copy adds to its pass:
+`inline_copy_s` to the forward and to the backward of each micro-batch.
 """
 
 from __future__ import annotations
@@ -54,12 +56,19 @@ def backward_wait_s(blocks: list[tuple[float, float]], before_s: float,
     return waited
 
 
+def inline_copy_s(block_bytes: list[float], link_Bps: float) -> float:
+    """Seconds the copies of one micro-batch's offloaded blocks (`block_bytes`, saved bytes
+    each) add to one pass when they queue with compute: one direction of the host link."""
+    return sum(block_bytes) / link_Bps
+
+
 def activation_offload_summary(sm, inflight: list[int]) -> dict | None:
     """The `activation_offload` table of simulate's output (None without it), for
     LayoutStep `sm` whose pipeline ranks hold up to `inflight[r]` micro-batches: blocks
     offloaded per stage, the largest host bytes of one rank, per host against the host's
-    memory, and per micro-batch the bytes each way, the copy seconds each way and the
-    backward's wait, on the rank where they are largest."""
+    memory, and per micro-batch the bytes each way, the copy seconds each way, what the
+    copies add to the forward (inline copies only) and the backward's wait, on the rank where
+    they are largest."""
     lay = sm.lay
     if not lay.offload_activations:
         return None
@@ -74,5 +83,7 @@ def activation_offload_summary(sm, inflight: list[int]) -> dict | None:
             "host_fits": host * sharing <= sm.prof.host.memory_bytes,
             "bytes_each_way_per_micro_batch": moved,
             "copy_s_each_way_per_micro_batch": moved / sm.prof.host.link_Bps,
-            "backward_wait_s_per_micro_batch": max(sm.offload_wait_s(r)
+            "forward_copy_s_per_micro_batch": max(sm.offload_copy_s(r)[0]
+                                                  for r in range(lay.pp)),
+            "backward_wait_s_per_micro_batch": max(sm.offload_copy_s(r)[1]
                                                    for r in range(lay.pp))}

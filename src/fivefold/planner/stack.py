@@ -143,6 +143,10 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   collective are not run again, unless a split backward recomputes whole blocks
   (fivefold.planner.op_compute.early_stop; the ledger counts the same: ledger_model). The
   runtime's op trace shows it (tests/test_op_trace.py); other stacks rerun the whole forward.
+- offload_copies_inline: activation offload's copies queue on the compute stream, each
+  return issued when backward unpacks it (fivefold.memory.activation_offload), so every
+  copy adds to its pass (fivefold.planner.activation_offload.inline_copy_s); else they run
+  on a side stream with the returns prefetched, as Megatron-Core's cpu_offloading does.
 - zero3_recompute_gathers: all-gathers of a ZeRO-3 block per step under full recomputation:
   DeepSpeed's ZeRO-3 runs its pre-forward hook again for the recomputed forward (3);
   FSDP2, Megatron-FSDP and fivefold gather once for backward and recompute inside it (2).
@@ -248,6 +252,7 @@ class Stack:
     fp8_saved_inputs: bool = False
     zero3_recompute_gathers: int = 2
     recompute_early_stop: bool = False
+    offload_copies_inline: bool = False
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     eager_adamw: bool = False
@@ -342,7 +347,7 @@ class Stack:
 
 
 FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, experts_follow_tp=False,
-                 recompute_early_stop=True,
+                 recompute_early_stop=True, offload_copies_inline=True,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
                         "collectives, torch's unfused AdamW, MoE layers on the experts' own "

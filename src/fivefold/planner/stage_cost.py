@@ -24,7 +24,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.plan import PRECISION_BYTES
 from fivefold.parallel.pipeline.partition import balanced_counts, stage_layer_ranges
 from fivefold.planner import activations as A
-from fivefold.planner.activation_offload import backward_wait_s, offloaded_layers
+from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s,
+                                                 offloaded_layers)
 from fivefold.planner.block_cost import BlockCosts
 from fivefold.planner.block_ops import beside_seconds
 from fivefold.planner.comm import Group
@@ -75,7 +76,8 @@ class StageCosts(BlockCosts):
         fc = sum(c.f_comm for c in costs)
         bc = sum(c.b_comm for c in costs)
         w = sum(c.wgrad for c in costs)
-        b += self.offload_wait_s(g)
+        copies_f, wait_b = self.offload_copy_s(g)
+        f, b = f + copies_f, b + wait_b
         stages = len(self.stage_layers)
         tp_f, tp_b = self.root_tp_comm(g == 0, g == stages - 1)
         f, b, fc, bc = f + tp_f, b + tp_b, fc + tp_f, bc + tp_b
@@ -87,17 +89,23 @@ class StageCosts(BlockCosts):
             w += self.head.wgrad
         return f, b, w, fc, bc
 
-    def offload_wait_s(self, g: int) -> float:
-        """Seconds stage g's backward of one micro-batch waits for its offloaded blocks'
-        activations to come back (fivefold.planner.activation_offload); 0 without."""
+    def offload_copy_s(self, g: int) -> tuple[float, float]:
+        """(forward, backward) seconds stage g's pass of one micro-batch spends on its
+        offloaded blocks' copies (fivefold.planner.activation_offload): queued with compute
+        under a stack with offload_copies_inline, else none in forward and in backward the
+        wait for the activations to come back; (0, 0) without activation offload."""
         off = offloaded_layers(self.lay, self.stage_ranges[g])
         if not off:
-            return 0.0
+            return 0.0, 0.0
+        link = self.prof.host.link_Bps
+        if self.stack.offload_copies_inline:
+            copies = inline_copy_s([self.block_saved_bytes(i) for i in off], link)
+            return copies, copies
         before = sum(self.layer_cost(i).b for i in self.stage_ranges[g] if i not in off)
         if g == len(self.stage_layers) - 1:
             before += self.head.bwd
-        return backward_wait_s([(self.block_saved_bytes(i), self.layer_cost(i).b) for i in off],
-                               before, self.prof.host.link_Bps)
+        return 0.0, backward_wait_s([(self.block_saved_bytes(i), self.layer_cost(i).b)
+                                     for i in off], before, link)
 
     @functools.cached_property
     def stages_once(self) -> list[tuple[float, float]]:
