@@ -269,3 +269,26 @@ TESTED: dict[str, list[tuple[int, list[str]]]] = {
     "tests/test_offload_sgd.py::test_sgd_offload_on_2_ranks_zero1_matches_in_memory_and_one_process": [
         (2, [SGD, z(1), CPU_OFFLOAD]), (2, [SGD, z(1), *NVME_OFFLOAD])],
 }
+
+ACTS = "parallel.offload_activations=1"
+TESTED.update({
+    "tests/test_activation_offload.py::test_one_process_is_bit_identical_and_moves_block_0_to_host":
+        [(1, [ACTS, *s]) for s in ([], [micro(2), SGD], [MUON], [CPU_OFFLOAD],
+                                   ["parallel.precision=bf16"])],
+    "tests/test_activation_offload.py::"
+    "test_two_ranks_are_bit_identical_and_each_rank_moves_its_share":
+        [(2, [ACTS, TP2, SP]), (2, [ACTS, z(2), micro(2)])],
+    "tests/test_activation_offload.py::test_pp2_is_bit_identical":
+        [(2, [ACTS, PP2, sched(s), micro(2)]) for s in ("1f1b", "gpipe")],
+    "tests/test_activation_offload_layouts.py::test_one_process_layouts_are_bit_identical":
+        [(1, [ACTS, *s]) for s in ([*MOE, micro(2)], [FP16], [FP8], [LOMO], [GALORE, micro(2)],
+                                   [z(1), *NVME_OFFLOAD])],
+    "tests/test_activation_offload_layouts.py::test_two_rank_layouts_are_bit_identical":
+        [(2, [ACTS, *s]) for s in ([*MOE, EP(2), micro(2)], [z(3), micro(2)],
+                                   [z(3), *ZPP, "cluster.gpus_per_node=1"],
+                                   ["parallel.cp=2", "parallel.cp_mode=ring"],
+                                   ["parallel.cp=2", "parallel.cp_mode=ulysses"],
+                                   [PP2, sched("zb"), micro(2)])],
+    "tests/test_activation_offload_layouts.py::test_pipedream_2bw_and_compile_are_bit_identical":
+        [(2, [ACTS, PP2, sched("pipedream-2bw"), micro(2)])],
+})
