@@ -6,10 +6,10 @@
 Every pair of features (fivefold.compositions.FEATURES) is refused (a row of ANY_USE or
 REFUSALS, with its message), supported and tested (a configuration of `TESTED` that has
 both trains in the named test), or accepted by validation but trained by no test listed
-here. `TESTED` (scripts/composition_tested.py) names, for each test, the configurations it trains (world size and the
-`--set` overrides on top of the tiny test model); tests/test_compositions.py checks that
-each one is accepted by validate_for_training, that each named test exists, and that the
-doc equals this script's output.
+here. `TESTED` (scripts/composition_tested.py) names, for each test, the configurations it
+trains (world size and the `--set` overrides on top of the tiny test model);
+tests/test_compositions.py checks that each one is accepted by validate_for_training, that
+each named test exists, and that the doc equals this script's output.
 """
 
 from __future__ import annotations
