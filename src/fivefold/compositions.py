@@ -10,7 +10,7 @@ a config matches, after the checks of single values and of divisibility, which s
 (and `validate`, for every command, for the first row of `ANY_USE`);
 docs/reliability.md's composition matrix is generated from the same two tables
 (scripts/composition_docs.py), each pair marked refused (with its message) or supported
-(with the test that trains it, scripts/composition_docs.py's `TESTED`).
+(with the test that trains it, scripts/composition_tested.py's `TESTED`).
 
 To refuse a new pair, add a row to `REFUSALS`; to name a new feature, add it to `FEATURES`;
 then rerun `scripts/composition_docs.py --write`. Nothing here touches torch (the planner
@@ -51,6 +51,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     Feature("tp>1", "dimension", lambda c, dp: c.parallel.tp > 1),
     Feature("sequence_parallel", "dimension", lambda c, dp: c.parallel.sequence_parallel),
     Feature("pp>1", "dimension", lambda c, dp: c.parallel.pp > 1),
+    Feature("vpp>1", "dimension", lambda c, dp: c.parallel.vpp > 1),
     Feature("cp>1", "dimension", lambda c, dp: c.parallel.cp > 1),
     Feature("accumulation", "dimension", _accumulates),
     Feature("dp_batch_shares", "dimension", lambda c, dp: c.parallel.dp_batch_shares is not None),
@@ -83,6 +84,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in [
     *(Feature(f"offload={o}", "memory",
               (lambda o: lambda c, dp: c.parallel.offload == o)(o), "parallel.offload")
       for o in ("cpu", "nvme")),
+    Feature("offload_activations", "memory", lambda c, dp: c.parallel.offload_activations > 0),
     Feature("on_nonfinite=skip", "guard", lambda c, dp: c.train.on_nonfinite == "skip"),
     Feature("grad_clip=0", "guard", lambda c, dp: not c.train.grad_clip),
     Feature("moe", "model", lambda c, dp: c.model.moe is not None),
@@ -117,6 +119,15 @@ ANY_USE: list[Refusal] = [
     Refusal("hpz", ("zero=0", "zero=1", "zero=2"), "parallel.hpz",
             "ZeRO++ weight communication applies to sharded parameters; set "
             "parallel.zero_stage = 3"),
+    Refusal("offload_activations", ("recompute=full", "recompute=selective"),
+            "parallel.offload_activations",
+            "not with parallel.recompute = '{parallel.recompute}': recomputation already keeps "
+            "only each block's input (Megatron-Core refuses the pair too); set recompute = "
+            "'none' or offload_activations = 0"),
+    Refusal("offload_activations", ("vpp>1",), "parallel.offload_activations",
+            "not with parallel.vpp = {parallel.vpp}: each model chunk of a rank has its own "
+            "first blocks, which the offload does not pick (not implemented); use vpp = 1 or "
+            "offload_activations = 0"),
     Refusal("qgz", ("zero=0",), "parallel.qgz",
             "quantized gradient reduce-scatter needs sharded gradients; set "
             "parallel.zero_stage to 1, 2 or 3"),
@@ -158,6 +169,11 @@ REFUSALS: list[Refusal] = [
             "{parallel.schedule} with context parallelism is not built (TeraPipe's token "
             "slices are not combined with cp's token shards; 2BW's own update is not tested "
             "with cp); use 1f1b, gpipe, interleaved or zb with parallel.cp > 1"),
+    Refusal("offload_activations", ("schedule=terapipe",), "parallel.offload_activations",
+            "TeraPipe runs each token slice through a block's attention and MLP directly "
+            "(fivefold.parallel.pipeline.terapipe), not through the block's forward that the "
+            "offload wraps, so nothing would leave the device; use 'gpipe', '1f1b', 'zb' or "
+            "'pipedream-2bw', or offload_activations = 0"),
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),

@@ -21,8 +21,7 @@ from fivefold.models.validate_model import FFN_TYPES  # noqa: F401 (the config f
 from fivefold.models.validate_model import check_model, choice as _choice, positive as _positive
 from fivefold.validate_parallel import FP8_TENSORS  # noqa: F401 (planner.compute reads it here)
 from fivefold.validate_parallel import validate_parallel
-from fivefold.validate_runtime import (validate_activation_offload_runtime,
-                                       validate_context_parallel, validate_fp8_runtime,
+from fivefold.validate_runtime import (validate_context_parallel, validate_fp8_runtime,
                                        validate_tensor_parallel)
 
 OPTIMIZERS = ("adamw", "muon", "sgd", "lomo", "galore")
@@ -159,7 +158,6 @@ def validate_for_training(cfg: Config, world_size: int, fp8_units: bool = False)
                                          " run; set train.stack = \"fivefold\" to train")
     validate_tensor_parallel(cfg)
     validate_context_parallel(cfg)
-    validate_activation_offload_runtime(cfg)
     if p.ep > 1 and cfg.model.moe is None:
         raise ConfigError("parallel.ep", "expert parallelism needs model.moe (a dense model "
                                          "has no experts to place); set it to 1")

@@ -103,23 +103,12 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
 
 def validate_activation_offload(cfg: Config) -> None:
     """`parallel.offload_activations` (fivefold.memory.activation_offload): a count of blocks
-    from 0 to model.layers (a stage with fewer blocks offloads all of them); not with
-    recomputation, whose checkpoint keeps only each block's input (Megatron-Core refuses the
-    pair too: TransformerConfig, "CPU offloading does not work when activation
-    recomputation is enabled"); not with virtual stages, whose model chunks each have their
-    own first blocks (not implemented)."""
-    p, n = cfg.parallel, cfg.parallel.offload_activations
+    from 0 to model.layers (a stage with fewer blocks offloads all of them). What it does not
+    compose with (recomputation, virtual stages, TeraPipe) is in fivefold.compositions."""
+    n = cfg.parallel.offload_activations
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.model.layers:
         raise ConfigError("parallel.offload_activations", f"{n!r} is not a block count: use an "
                           f"integer from 0 (off) to model.layers = {cfg.model.layers}")
-    if n and p.recompute != "none":
-        raise ConfigError("parallel.offload_activations", f"not with parallel.recompute = "
-                          f"{p.recompute!r}: recomputation already keeps only each block's "
-                          "input; set recompute = \"none\" or offload_activations = 0")
-    if n and p.vpp > 1:
-        raise ConfigError("parallel.offload_activations", f"not with parallel.vpp = {p.vpp} "
-                          "(each model chunk's first blocks: not implemented); use vpp = 1 "
-                          "or offload_activations = 0")
 
 
 def validate_offload(cfg: Config) -> None:

@@ -1,8 +1,7 @@
 """What the runtime of today needs of a config beyond `validate`, feature by feature: the
 tensor-parallel split of heads and MLP columns, the context-parallel split of sequences and
-heads (ring, Ulysses, hybrid), fp8 GEMM units, and what activation offload trains with.
-fivefold.validate.validate_for_training runs them; each failure raises `ConfigError` naming
-the key and the fix. Torch-free.
+heads (ring, Ulysses, hybrid) and fp8 GEMM units. fivefold.validate.validate_for_training
+runs them; each failure raises `ConfigError` naming the key and the fix. Torch-free.
 """
 
 from __future__ import annotations
@@ -98,35 +97,3 @@ def validate_fp8_runtime(cfg: Config, fp8_units: bool) -> None:
                                                   "later: Ada, Hopper, Blackwell); set "
                                                   "parallel.fp8_emulate = true (or leave it "
                                                   "unset) to emulate fp8 in fp32")
-
-
-ACTIVATION_OFFLOAD_SCHEDULES = ("gpipe", "1f1b")  # the pipeline schedules it was tested with
-
-
-def validate_activation_offload_runtime(cfg: Config) -> None:
-    """What `parallel.offload_activations` (fivefold.memory.activation_offload) trains with
-    today, as tests/test_activation_offload.py runs it: dense blocks, ZeRO 0-2 without
-    ZeRO++, tp (with or without sequence parallelism), fp32 or bf16, AdamW, SGD or Muon,
-    optimizer offload to the CPU (not nvme), and with pp > 1 the GPipe and 1F1B schedules.
-    The others are untested with it (split backwards, compiled or gathered blocks, expert
-    dispatch, context exchanges, loss scaling), so they are refused rather than run
-    unchecked; the planner predicts every layout."""
-    p, n = cfg.parallel, cfg.parallel.offload_activations
-    if not n:
-        return
-    refused = [
-        (cfg.model.moe is not None, "model.moe (expert layers)"),
-        (p.zero_stage == 3, "parallel.zero_stage = 3"),
-        (p.cp > 1, "parallel.cp > 1"),
-        (p.precision in ("fp8", "fp16"), f"parallel.precision = {p.precision!r}"),
-        (p.qwz or p.hpz or p.qgz, "ZeRO++ (parallel.qwz, hpz, qgz)"),
-        (p.offload == "nvme", 'parallel.offload = "nvme"'),
-        (cfg.train.compile, "train.compile"),
-        (cfg.train.optimizer not in ("adamw", "sgd", "muon"),
-         f"train.optimizer = {cfg.train.optimizer!r}"),
-        (p.pp > 1 and p.schedule not in ACTIVATION_OFFLOAD_SCHEDULES,
-         f"parallel.schedule = {p.schedule!r}")]
-    for bad, what in refused:
-        if bad:
-            raise ConfigError("parallel.offload_activations", f"not trained with {what} yet "
-                              "(untested); set offload_activations = 0 or drop " + what)

@@ -21,11 +21,18 @@ Why not `save_on_cpu` itself:
 * it copies one storage once per saving op (a block's normalised input is saved by wq, wk
   and wv): here each storage is copied once per block call and every saved view of it is
   rebuilt from that copy (same dtype, sizes, strides and offset), so backward reads the
-  same bytes and the run is bit for bit the one without offload (tests/test_activation_
-  offload.py);
+  same bytes and the run is bit for bit the one without offload, whatever the layout does
+  between forward and backward (ZeRO-3's gathers, expert dispatch, context exchanges, loss
+  scaling, split or sliced pipeline backwards, compiled blocks: tests/test_activation_
+  offload.py and tests/test_activation_offload_layouts.py);
 * saved-tensor hooks do not nest (only the innermost pair runs), so the activation counter
   would stop seeing an offloaded block's tensors: `observe_offloaded_saves` lets it count
   each storage copied to the host, once, as it is copied.
+
+What stays a copy that frees nothing: a tensor made outside the block that every block
+saves, as context parallelism's rotary rows of the rank's tokens (gathered per micro-batch,
+not a buffer), is copied with the block's own saves while the device keeps it for the
+others (its bytes are small: positions x d_head, no batch or width).
 
 Within one block call a device storage's address identifies it: the call keeps the
 originals until it returns, so the allocator cannot hand a freed address to a new tensor
