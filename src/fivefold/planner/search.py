@@ -297,7 +297,8 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
         inflight = [peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, r, v) / v
                     for r in range(lay.pp)]
         fixed = [sm.rank_fixed_bytes(r, inflight[r] * v) / v for r in range(lay.pp)]
-        per_block = [[sm.block_state_bytes(i) + sm.block_saved_bytes(i) * inflight[r]
+        states = [sm.block_state_bytes(i) for i in range(m.layers)]  # the same on every rank
+        per_block = [[states[i] + sm.block_saved_bytes(i) * inflight[r]
                       for i in range(m.layers)] for r in range(lay.pp)]
 
         def fits(stage: int, first: int, end: int) -> bool:
