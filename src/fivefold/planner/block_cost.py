@@ -124,6 +124,16 @@ class BlockCosts:
             self.cache[key] = self._layer_cost(moe)
         return self.cache[key]
 
+    def compute_only_cost(self, moe: bool) -> LayerCost:
+        """`layer_cost` with the block's communication left out: a floor under it (the
+        scheduler only ever adds to the compute), shared by the layouts of one shard
+        shape. The search skips timing a layout whose floor already loses."""
+        key = ("compute only", moe) + self._shape_key()
+        if key not in self.cache:
+            t = self.core(moe)[0]
+            self.cache[key] = LayerCost(t.fwd, 0.0, t.bwd + t.recompute, 0.0, t.wgrad, 0.0)
+        return self.cache[key]
+
     def _shape_key(self) -> tuple:
         lay = self.lay
         return (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel, lay.micro_batch,
