@@ -163,11 +163,9 @@ class FastScorer:
         kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
         state = Unit(round(numel), 1, matrices=round(matrices),
                      low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
-        peak = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
+        peak, unloaded = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
         if peak > self.prof.memory_bytes:  # does not fit: its time is never read
-            floor = (self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, 0.0)
-                     if lay.offload == "none" else peak)
-            return math.inf, peak, floor
+            return math.inf, peak, unloaded if lay.offload == "none" else peak
         if lay.offload != "none" and not self._host_fits(sm, lay, numel / shard):
             return math.inf, math.inf, math.inf
         floors = [(n, sm.compute_only_cost(moe)) for n, moe in kinds]
@@ -244,10 +242,12 @@ class FastScorer:
                    for n, i in kinds if n) / lay.pp
 
     def _memory(self, sm: LayoutStep, lay: ParallelPlan, numel: float, shard: int,
-                rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:
-        """Peak device bytes; `kept`: the share of master and optimizer state that offload
-        leaves on the device. Fp8 weights count at the stack's bytes (LayoutStep.linear_bytes)
-        and a stage's first offload_activations blocks keep their saved tensors on the host
+                rank_layers: int, state_bytes: float, kept: float = 1.0
+                ) -> tuple[float, float]:
+        """(peak device bytes, the peak with all of the master and optimizer state
+        offloaded); `kept`: the share of that state that offload leaves on the device. Fp8
+        weights count at the stack's bytes (LayoutStep.linear_bytes) and a stage's first
+        offload_activations blocks keep their saved tensors on the host
         (fivefold.planner.activation_offload)."""
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
@@ -258,7 +258,7 @@ class FastScorer:
         params /= shard if stage == 3 else 1
         grads = numel * (g / shard if stage >= 2 else p)
         state = state_bytes + (0 if p == 4 else 4)
-        optimizer = numel * state / (shard if stage >= 1 else 1) * kept
+        optimizer = numel * state / (shard if stage >= 1 else 1)
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
@@ -266,11 +266,12 @@ class FastScorer:
         acts = per_block * on_device * inflight + A.root_saved_bytes(
             m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
         if lay.recompute != "none":
-            acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
+            acts += sm.full_block_bytes()
         other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * sm.stack.logit_bytes(p)
         if stage == 3:
             other += 2 * sm.block_numel(m.moe is not None) * p
-        return params + grads + optimizer + acts + other
+        return (params + grads + optimizer * kept + acts + other,
+                params + grads + acts + other)
 
 
 def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
