@@ -168,8 +168,7 @@ class FastScorer:
             return math.inf, peak, unloaded if lay.offload == "none" else peak
         if lay.offload != "none" and not self._host_fits(sm, lay, numel / shard):
             return math.inf, math.inf, math.inf
-        floors = [(n, sm.compute_only_cost(moe)) for n, moe in kinds]
-        if self._pipeline(sm, lay, floors)[0] > beat * (1 + BEAT_SLACK):
+        if beat < math.inf and self._compute_floor(sm, lay, kinds) > beat * (1 + BEAT_SLACK):
             return math.inf, peak, peak
         costs = [(n, sm.moe_cost if moe else sm.dense_cost) for n, moe in kinds]
         pipe, per_rank = self._pipeline(sm, lay, costs)
@@ -200,6 +199,18 @@ class FastScorer:
         bubble = bubble_fraction(lay.schedule, lay.pp, micro, lay.vpp)
         pipe = micro * per_rank / (1 - bubble) + 2 * (lay.pp - 1) * lay.vpp * sm.p2p_s
         return pipe, per_rank
+
+    def _compute_floor(self, sm: LayoutStep, lay: ParallelPlan, kinds: list) -> float:
+        """`_pipeline` seconds of the blocks' compute alone (BlockCosts.compute_only_cost),
+        shared through `cache` by the layouts that differ in what it does not read (ZeRO
+        stage, offload): the shard shape, the pipeline's degree, schedule and micro-batches,
+        and dp (the stride of its sends' group)."""
+        key = ("compute floor", lay.pp, lay.vpp, lay.schedule, lay.micro_batches,
+               lay.dp) + sm.shape_key
+        if key not in self.cache:
+            floors = [(n, sm.compute_only_cost(moe)) for n, moe in kinds]
+            self.cache[key] = self._pipeline(sm, lay, floors)[0]
+        return self.cache[key]
 
     def _offload_exposed(self, sm: LayoutStep, lay: ParallelPlan, costs: list,
                          local: float, device_s: float) -> float:
