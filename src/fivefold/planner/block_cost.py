@@ -87,6 +87,13 @@ class BlockCosts:
                            self.stack, lay.fp8_recipe, lay.fp8_tensors,
                            expert_load(self.model, lay.ep), lay.etp, lay.split_backward)
         self.a = PRECISION_BYTES[lay.precision]
+        # what a block's compute and its tp, cp and ep collectives read of the layout: the
+        # key of what `cache` shares between layouts, built once (every lookup asks for it)
+        self.shape_key = (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel,
+                          lay.micro_batch, lay.recompute, lay.precision, lay.fp8_recipe,
+                          lay.fp8_tensors, lay.cp_mode, gpn, self.stack.name,
+                          self.shard.expert_load,
+                          lay.recompute == "full" and lay.split_backward)  # reruns whole blocks
 
     def _groups(self, gpn: int) -> tuple:
         """The layout's groups placed on the mesh (tp innermost, then cp, dp, pp): tp, cp,
@@ -116,20 +123,23 @@ class BlockCosts:
 
     def _shared_layer_cost(self, moe: bool) -> LayerCost:
         """`_layer_cost`, shared through `cache` by the layouts with the same shard shape and
-        data-parallel grouping (what it reads beyond `_shape_key`)."""
+        data-parallel grouping (what it reads beyond `shape_key`)."""
         lay = self.lay
         key = ("layer", moe, lay.zero_stage, lay.zero_group, lay.dp, self.pp_unsharded,
-               lay.reduce_dtype) + self._shape_key()
+               lay.reduce_dtype) + self.shape_key
         if key not in self.cache:
             self.cache[key] = self._layer_cost(moe)
         return self.cache[key]
 
-    def _shape_key(self) -> tuple:
-        lay = self.lay
-        return (lay.tp, lay.cp, lay.ep, lay.etp, lay.sequence_parallel, lay.micro_batch,
-                lay.recompute, lay.precision, lay.fp8_recipe, lay.fp8_tensors, lay.cp_mode,
-                self.cfg.cluster.gpus_per_node, self.stack.name, self.shard.expert_load,
-                lay.recompute == "full" and lay.split_backward)  # it reruns whole blocks
+    def compute_only_cost(self, moe: bool) -> LayerCost:
+        """`layer_cost` with the block's communication left out: a floor under it (the
+        scheduler only ever adds to the compute), shared by the layouts of one shard
+        shape. The search skips timing a layout whose floor already loses."""
+        key = ("compute only", moe) + self.shape_key
+        if key not in self.cache:
+            t = self.core(moe)[0]
+            self.cache[key] = LayerCost(t.fwd, 0.0, t.bwd + t.recompute, 0.0, t.wgrad, 0.0)
+        return self.cache[key]
 
     def _coll(self, op: str, nbytes: float, group: Group) -> float:
         return collective_time(op, nbytes, group, self.links)
@@ -151,7 +161,7 @@ class BlockCosts:
     def core(self, moe: bool) -> tuple[OpTimes, Compute, BlockComm]:
         """A block's compute and its tensor-, context- and expert-parallel collectives, before
         data parallelism; shared through `cache` by every layout of the same shard shape."""
-        key = ("core", moe) + self._shape_key()
+        key = ("core", moe) + self.shape_key
         if key not in self.cache:
             self.cache[key] = self._core(moe)
         return self.cache[key]
@@ -206,7 +216,7 @@ class BlockCosts:
     def core_cost(self, moe: bool) -> tuple[OpTimes, float, float]:
         """(compute times, forward exposed comm, backward exposed comm) of one block before
         data parallelism, scheduled once per shard shape (`cache`)."""
-        key = ("core cost", moe) + self._shape_key()
+        key = ("core cost", moe) + self.shape_key
         if key not in self.cache:
             t, compute, comm = self.core(moe)
             f, b = block_seconds(comm, compute, self.prof.eff.overlap_eff)
@@ -275,9 +285,12 @@ class BlockCosts:
 
     def block_numel(self, moe: bool, dense_only: bool = False) -> int:
         """Parameters of one block of the kind on one rank (`dense_only`: without the
-        routed experts)."""
-        dense, expert = block_params(self.model, self.first_layer(moe), self.lay.tp,
-                                     self.lay.ep, self.etp)
+        routed experts), shared through `cache` (the search asks for them 100,000 times)."""
+        key = ("block params", moe, self.lay.tp, self.lay.ep, self.etp)
+        if key not in self.cache:
+            self.cache[key] = block_params(self.model, self.first_layer(moe), self.lay.tp,
+                                           self.lay.ep, self.etp)
+        dense, expert = self.cache[key]
         return dense if dense_only else dense + expert
 
     def block_numels(self, moe: bool) -> tuple[int, int]:
@@ -329,7 +342,7 @@ class BlockCosts:
 
     def _root_op(self, times) -> OpTimes:
         """`times(model, shard, profile)`, shared through `cache` by equal shard shapes."""
-        key = (times.__name__,) + self._shape_key()
+        key = (times.__name__,) + self.shape_key
         if key not in self.cache:
             self.cache[key] = times(self.model, self.shard, self.prof)
         return self.cache[key]

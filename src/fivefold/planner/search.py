@@ -21,11 +21,14 @@ closed form built from the same per-block costs the simulator uses (the pipeline
 from the schedule's theory, memory from the schedule's peak in-flight activations); layouts
 that do not fit are dropped; the best few are then simulated exactly (event replay of the
 schedule, blocks cut into stages by dynamic programming within each stage's memory) and
-ranked by that step time.
+ranked by that step time. A fitting layout whose pipelined compute alone (no communication,
+no optimizer) is already slower than the best few found so far is counted but not timed:
+it could not be among them (in the 70B plan on 1024 H100, 30,288 of the 30,816 that fit).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -54,6 +57,10 @@ from fivefold.planner.spec import cluster_gpus
 RECOMPUTE = ("none", "selective", "full")
 VIRTUAL_STAGES = (2, 4)
 OFFLOAD_TRIES = (("cpu", 0.5), ("cpu", 1.0), ("nvme", 0.5), ("nvme", 1.0))
+# how far above the step to beat a layout's compute-only floor must be for it to go untimed:
+# the scheduler ends an op within 1e-12 s of its seconds, so a block's communication can
+# read a rounding error below zero, far under this
+BEAT_SLACK = 1e-3
 
 
 @dataclass
@@ -132,13 +139,15 @@ class FastScorer:
         m = cfg.model
         self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
 
-    def score(self, lay: ParallelPlan) -> tuple[float, float]:
+    def score(self, lay: ParallelPlan, beat: float = math.inf) -> tuple[float, float, float]:
         """(step seconds, peak bytes per device (infinite when offload's host tier cannot
         hold the offloaded state), the least peak any offloaded variant of it can reach). A
-        layout over the device's memory is not timed: its step reads infinite."""
+        layout over the device's memory is not timed: its step reads infinite; so does one
+        whose pipeline alone, its blocks' communication left out, takes longer than `beat`
+        (the search's step to beat: `search`)."""
         sm = LayoutStep(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
-        L, pp, v = m.layers, lay.pp, lay.vpp
+        L, pp = m.layers, lay.pp
         dense_layers = L - self.moe_layers
         kinds = [(n, moe) for n, moe in ((dense_layers, False), (self.moe_layers, True)) if n]
         numel = sum(n * sm.block_numel(moe) for n, moe in kinds) / pp + \
@@ -154,20 +163,15 @@ class FastScorer:
         kept = 1.0 if lay.offload == "none" else 1.0 - lay.offload_fraction
         state = Unit(round(numel), 1, matrices=round(matrices),
                      low_rank_bytes=round(low_rank)).state_bytes(lay.optimizer)
-        peak = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
+        peak, unloaded = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
         if peak > self.prof.memory_bytes:  # does not fit: its time is never read
-            floor = (self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, 0.0)
-                     if lay.offload == "none" else peak)
-            return math.inf, peak, floor
+            return math.inf, peak, unloaded if lay.offload == "none" else peak
+        if lay.offload != "none" and not self._host_fits(sm, lay, numel / shard):
+            return math.inf, math.inf, math.inf
+        if beat < math.inf and self._compute_floor(sm, lay, kinds) > beat * (1 + BEAT_SLACK):
+            return math.inf, peak, peak
         costs = [(n, sm.moe_cost if moe else sm.dense_cost) for n, moe in kinds]
-        total = sum(n * (c.f + c.b) for n, c in costs)
-        biggest = max(c.f + c.b for _, c in costs)
-        emb, head = sm.embedding, sm.head
-        extra = emb.fwd + emb.bwd + head.fwd + head.bwd
-        per_rank = max((total + extra) / pp, biggest + head.fwd + head.bwd)
-        micro = lay.micro_batches
-        bubble = bubble_fraction(lay.schedule, pp, micro, v)
-        pipe = micro * per_rank / (1 - bubble) + 2 * (pp - 1) * v * sm.p2p_s
+        pipe, per_rank = self._pipeline(sm, lay, costs)
         grad_bytes = (sum(n * c.grad_sync_bytes for n, c in costs) / pp,
                       sum(n * c.expert_sync_bytes for n, c in costs) / pp)
         tail, regather = self._dp(sm, lay, grad_bytes, per_rank)
@@ -179,27 +183,54 @@ class FastScorer:
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
         if lay.offload != "none":
-            exposed, host_fits = self._offload(sm, lay, costs, numel / shard,
-                                               regather + opt_s)
-            step += exposed
-            peak = peak if host_fits else math.inf
+            step += self._offload_exposed(sm, lay, costs, numel / shard, regather + opt_s)
         return step, peak, peak
 
-    def _offload(self, sm: LayoutStep, lay: ParallelPlan, costs: list, local: float,
-                 device_s: float) -> tuple[float, bool]:
-        """(exposed seconds, whether the host holds it) of offloading `offload_fraction`
-        of the rank's `local` elements: fivefold.planner.offload on the rank's blocks, each
-        one unit of the average block's share, in forward order."""
+    def _pipeline(self, sm: LayoutStep, lay: ParallelPlan, costs: list) -> tuple[float, float]:
+        """(seconds of the pipelined forwards and backwards, a rank's share of one
+        micro-batch) of the blocks' `costs`: (count, LayerCost) per kind of block. Each
+        term grows with the blocks' seconds, so floors under them give a floor under it."""
+        total = sum(n * (c.f + c.b) for n, c in costs)
+        biggest = max(c.f + c.b for _, c in costs)
+        emb, head = sm.embedding, sm.head
+        extra = emb.fwd + emb.bwd + head.fwd + head.bwd
+        per_rank = max((total + extra) / lay.pp, biggest + head.fwd + head.bwd)
+        micro = lay.micro_batches
+        bubble = bubble_fraction(lay.schedule, lay.pp, micro, lay.vpp)
+        pipe = micro * per_rank / (1 - bubble) + 2 * (lay.pp - 1) * lay.vpp * sm.p2p_s
+        return pipe, per_rank
+
+    def _compute_floor(self, sm: LayoutStep, lay: ParallelPlan, kinds: list) -> float:
+        """`_pipeline` seconds of the blocks' compute alone (BlockCosts.compute_only_cost),
+        shared through `cache` by the layouts that differ in what it does not read (ZeRO
+        stage, offload): the shard shape, the pipeline's degree, schedule and micro-batches,
+        and dp (the stride of its sends' group)."""
+        key = ("compute floor", lay.pp, lay.vpp, lay.schedule, lay.micro_batches,
+               lay.dp) + sm.shape_key
+        if key not in self.cache:
+            floors = [(n, sm.compute_only_cost(moe)) for n, moe in kinds]
+            self.cache[key] = self._pipeline(sm, lay, floors)[0]
+        return self.cache[key]
+
+    def _offload_exposed(self, sm: LayoutStep, lay: ParallelPlan, costs: list,
+                         local: float, device_s: float) -> float:
+        """Exposed seconds of offloading `offload_fraction` of the rank's `local` elements:
+        fivefold.planner.offload on the rank's blocks, each one unit of the average block's
+        share, in forward order."""
         blocks = math.ceil(self.cfg.model.layers / lay.pp)
         cost = max((c for _, c in costs), key=lambda c: c.f + c.b)
         per_block = local / blocks
         count = max(1, math.ceil(lay.offload_fraction * blocks))
         work = [UnitWork(round(per_block), cost.f)] * count
-        times = offload.work_offload(sm, work, device_s)
+        return offload.work_offload(sm, work, device_s).exposed_s
+
+    def _host_fits(self, sm: LayoutStep, lay: ParallelPlan, local: float) -> bool:
+        """Whether the host holds the offloaded state of its ranks, each offloading
+        `offload_fraction` of its `local` elements."""
         host = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
         host_bytes = (host * lay.offload_fraction * local
                       * offload.sharing(sm))
-        return times.exposed_s, host_bytes <= sm.prof.host.memory_bytes
+        return host_bytes <= sm.prof.host.memory_bytes
 
     def _dp(self, sm: LayoutStep, lay: ParallelPlan, grad_bytes: tuple[float, float],
             window: float):
@@ -222,10 +253,12 @@ class FastScorer:
                    for n, i in kinds if n) / lay.pp
 
     def _memory(self, sm: LayoutStep, lay: ParallelPlan, numel: float, shard: int,
-                rank_layers: int, state_bytes: float, kept: float = 1.0) -> float:
-        """Peak device bytes; `kept`: the share of master and optimizer state that offload
-        leaves on the device. Fp8 weights count at the stack's bytes (LayoutStep.linear_bytes)
-        and a stage's first offload_activations blocks keep their saved tensors on the host
+                rank_layers: int, state_bytes: float, kept: float = 1.0
+                ) -> tuple[float, float]:
+        """(peak device bytes, the peak with all of the master and optimizer state
+        offloaded); `kept`: the share of that state that offload leaves on the device. Fp8
+        weights count at the stack's bytes (LayoutStep.linear_bytes) and a stage's first
+        offload_activations blocks keep their saved tensors on the host
         (fivefold.planner.activation_offload)."""
         m, p = self.cfg.model, PRECISION_BYTES[lay.precision]
         g = PRECISION_BYTES[lay.reduce_dtype]
@@ -236,7 +269,7 @@ class FastScorer:
         params /= shard if stage == 3 else 1
         grads = numel * (g / shard if stage >= 2 else p)
         state = state_bytes + (0 if p == 4 else 4)
-        optimizer = numel * state / (shard if stage >= 1 else 1) * kept
+        optimizer = numel * state / (shard if stage >= 1 else 1)
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
@@ -244,11 +277,12 @@ class FastScorer:
         acts = per_block * on_device * inflight + A.root_saved_bytes(
             m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
         if lay.recompute != "none":
-            acts += A.full_block_bytes(m, n, p, lay.tp, lay.sequence_parallel)
+            acts += sm.full_block_bytes()
         other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * sm.stack.logit_bytes(p)
         if stage == 3:
             other += 2 * sm.block_numel(m.moe is not None) * p
-        return params + grads + optimizer + acts + other
+        return (params + grads + optimizer * kept + acts + other,
+                params + grads + acts + other)
 
 
 def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
@@ -262,15 +296,22 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
     scorer = FastScorer(cfg, prof)
     usable = prof.memory_bytes
     scored, ranked = 0, []
+    leaders: list[float] = []  # the `exact` least steps so far, negated: a heap
     for candidate in candidates(cfg, base):
         tried = False  # a layout counts once, however many offload variants it needed
         for lay in offload_tries(candidate):  # the first variant that fits, if any
             if accept is not None and not accept(lay):
                 continue
             tried = True
-            step, peak, floor = scorer.score(lay)
+            # a layout slower than `exact` others already found is never simulated: the
+            # scorer need not time one whose compute alone is slower than the last of them
+            beat = -leaders[0] if exact and len(leaders) == exact else math.inf
+            step, peak, floor = scorer.score(lay, beat)
             if peak <= usable:
                 ranked.append((step, lay))
+                if exact and step < beat:
+                    (heapq.heappush if len(leaders) < exact else heapq.heapreplace)(
+                        leaders, -step)
                 break
             if lay.offload == "none" and floor > usable:  # nor with all of its state offloaded
                 break
@@ -297,7 +338,8 @@ def exact_estimate(cfg: Config, prof: HardwareProfile, lay: ParallelPlan,
         inflight = [peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, r, v) / v
                     for r in range(lay.pp)]
         fixed = [sm.rank_fixed_bytes(r, inflight[r] * v) / v for r in range(lay.pp)]
-        per_block = [[sm.block_state_bytes(i) + sm.block_saved_bytes(i) * inflight[r]
+        states = [sm.block_state_bytes(i) for i in range(m.layers)]  # the same on every rank
+        per_block = [[states[i] + sm.block_saved_bytes(i) * inflight[r]
                       for i in range(m.layers)] for r in range(lay.pp)]
 
         def fits(stage: int, first: int, end: int) -> bool:

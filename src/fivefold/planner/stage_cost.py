@@ -167,12 +167,23 @@ class StageCosts(BlockCosts):
         """Bytes block i keeps for backward per micro-batch (fivefold.planner.activations),
         shared through `cache` by the layouts of the same shard shape."""
         lay = self.lay
-        key = ("saved", i, lay.cp_ulysses) + self._shape_key()
+        key = ("saved", i, lay.cp_ulysses) + self.shape_key
         if key not in self.cache:
             self.cache[key] = A.block_saved_bytes(
                 self.model, self.shard.tokens, self.a, lay.tp, lay.sequence_parallel,
                 lay.recompute, i, self.stack, A.fp8_input_copy(lay),
                 A.ring_kv_heads(self.model, lay))
+        return self.cache[key]
+
+    def full_block_bytes(self) -> float:
+        """Bytes one block holds while it is recomputed and differentiated
+        (fivefold.planner.activations.full_block_bytes), shared through `cache` by the
+        layouts of the same shard shape."""
+        key = ("full block",) + self.shape_key
+        if key not in self.cache:
+            lay = self.lay
+            self.cache[key] = A.full_block_bytes(self.model, self.shard.tokens, self.a, lay.tp,
+                                                 lay.sequence_parallel)
         return self.cache[key]
 
     def run_pipeline(self, keep_events: bool) -> Replay:
