@@ -6,8 +6,9 @@ explained with how to plan for another) and name the hardware profile with where
 from (built-in or a calibrated file); simulate's peak is the one of the run's precision.
 
 `plan_text` ends with the `fivefold train` command that runs the winning layout: every
-searched field as a `--set`, including the planner's block split (`parallel.stage_layers`)
-and the offload tier the layout needed (nvme also needs a directory: `offload_path`),
+searched field as a `--set`, including the planner's block split (`parallel.stage_layers`),
+the blocks whose activations it offloads and the offload tier the layout needed (nvme also
+needs a directory: `offload_path`),
 launched with torchrun across nodes when the layout needs more than one. Under offload both
 texts add a line: the host bytes per host against its memory, the disk bytes per device and
 the CPU step (fivefold.planner.offload).
@@ -35,6 +36,8 @@ def layout_line(p: dict) -> str:
     if p.get("offload", "none") != "none":
         fraction = p["offload_fraction"]
         offload = f" offload={p['offload']}" + (f"x{fraction:g}" if fraction < 1 else "")
+    if p.get("offload_activations"):
+        offload += f" offload_activations={p['offload_activations']}"
     return (f"tp={p['tp']}{sp} pp={p['pp']}{sched} cp={p['cp']} dp={p['dp']}{ep} "
             f"zero={p['zero_stage']} mb={p['micro_batch']} recompute={p['recompute']} "
             f"{p['precision']}{offload}")
@@ -53,6 +56,20 @@ def offload_line(est: Estimate) -> str | None:
             f"{o['download_s']:.3g} s, clipping {o['clip_s']:.3g} s, CPU step "
             f"{o['cpu_step_s']:.3g} s, disk {o['disk_s']:.3g} s, parameters up "
             f"{o['upload_s']:.3g} s: {o['exposed_s']:.3g} s exposed")
+
+
+def activation_offload_line(est: Estimate) -> str | None:
+    """Where the offloaded activations live and what their copies cost (the rank where they
+    are largest); None without activation offload."""
+    a = est.activation_offload
+    if a is None:
+        return None
+    return (f"activations offloaded: the first {a['blocks_per_stage']} blocks of each stage, "
+            f"host {a['host_bytes_per_host'] / GiB:.2f} of {a['host_memory_bytes'] / GiB:.0f} "
+            f"GiB per host ({'fits' if a['host_fits'] else 'does NOT fit'}); "
+            f"{a['bytes_each_way_per_micro_batch'] / GiB:.2f} GiB each way per micro-batch: "
+            f"forward +{a['forward_copy_s_per_micro_batch']:.3g} s, backward waits "
+            f"{a['backward_wait_s_per_micro_batch']:.3g} s")
 
 
 def stack_line(cfg: Config) -> str:
@@ -106,8 +123,9 @@ def estimate_text(est: Estimate, prof: HardwareProfile, cfg: Config) -> str:
                f"{prof.memory_bytes / GiB:.0f} GiB)"]
     if len(est.stage_layers) > 1:
         lines.append(f"stages     blocks per virtual stage {est.stage_layers}")
-    if offload_line(est):
-        lines.append(offload_line(est))
+    for extra in (offload_line(est), activation_offload_line(est)):
+        if extra:
+            lines.append(extra)
     return "\n".join(lines)
 
 
@@ -141,6 +159,8 @@ def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str
     if offload_line(best):
         lines.append(f"it fits with {best.offload['tier']} offload; " + offload_line(best)
                      .removeprefix("offload    "))
+    if activation_offload_line(best):
+        lines.append("it fits with its " + activation_offload_line(best))
     lines.append("\nrun it:\n  " + train_command(best, cfg, spec_path))
     return "\n".join(lines)
 
@@ -155,6 +175,8 @@ def train_command(est: Estimate, cfg: Config, spec_path: str) -> str:
         text = str(value).lower() if isinstance(value, bool) else (
             value if isinstance(value, str) else str(value).replace(" ", ""))
         sets.append(f"--set parallel.{key}={text}")
+    if p.get("offload_activations"):
+        sets.append(f"--set parallel.offload_activations={p['offload_activations']}")
     if p.get("offload", "none") != "none":
         sets += [f"--set parallel.offload={p['offload']}",
                  f"--set parallel.offload_fraction={p['offload_fraction']:g}"]

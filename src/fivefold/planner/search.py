@@ -10,10 +10,14 @@ recomputation (none, selective, full); sequence parallelism with tp; and optimiz
 offload, then "nvme", each at offload_fraction 0.5 then 1, and kept at the first that fits
 (device and host memory), so `plan` reports which tier it needed. Offload is tried only where
 it composes (AdamW, not PipeDream-2BW: fivefold.compositions' refusals) and when the spec
-leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout. A
-spec's parallel.offload_activations is held too, without recomputation or virtual stages
-(which it refuses); the fast pass, the stage partition and the exact simulation all keep the
-offloaded blocks' saved tensors off the device (the exact simulation alone checks the host).
+leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout.
+Activation offload (fivefold.planner.activation_offload) is tried the same way, first: a
+layout without recomputation that does not fit is tried with the fewest blocks per stage
+whose saved tensors, moved to the host, make it fit (`hosted_activations`; recomputation is
+the search's other answer, its own candidates). A spec's parallel.offload_activations is held
+instead, without recomputation or virtual stages (which it refuses); the fast pass, the stage
+partition and the exact simulation all keep the offloaded blocks' saved tensors off the
+device (the exact simulation alone checks the host).
 Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
@@ -41,7 +45,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.activation_offload import offloaded_layers
+from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s,
+                                                 offloaded_layers)
 from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
                                      offload_bytes)
 from fivefold.planner.muon_cost import muon_axis, sharded_muon
@@ -101,8 +106,9 @@ def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
                 for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
                     for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
                                                            (False, True) if tp > 1 else (False,)):
-                        if base.offload_activations and (rec != "none" or vpp > 1):
-                            continue  # refused with activation offload (validate_parallel)
+                        if base.offload_activations and not hosts_activations(
+                                rec, vpp, sched):
+                            continue
                         out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
                                                 zero_group=dp, micro_batch=mb, schedule=sched,
                                                 vpp=vpp, zero_stage=zero, recompute=rec,
@@ -118,6 +124,14 @@ def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
         if pp * v <= layers and (micro <= pp or micro % pp == 0):
             out.append(("interleaved", v))
     return out
+
+
+def hosts_activations(recompute: str, vpp: int, schedule: str) -> bool:
+    """Whether activation offload composes with a layout's recomputation, virtual stages and
+    schedule: fivefold.compositions refuses it with recomputation, vpp > 1 and TeraPipe (a
+    cheap filter on the search's hot path; tests/test_activation_offload.py holds it to the
+    composition table)."""
+    return recompute == "none" and vpp == 1 and schedule != "terapipe"
 
 
 def offload_tries(lay: ParallelPlan) -> Iterator[ParallelPlan]:
@@ -182,9 +196,41 @@ class FastScorer:
                 / owners
         opt_s *= kept  # the offloaded share steps on the CPU
         step = pipe + tail + regather + opt_s
+        if lay.offload_activations:
+            step += self._activation_copies_s(sm, lay, costs)
         if lay.offload != "none":
             step += self._offload_exposed(sm, lay, costs, numel / shard, regather + opt_s)
         return step, peak, peak
+
+    def _activation_copies_s(self, sm: LayoutStep, lay: ParallelPlan, costs: list) -> float:
+        """Seconds activation offload's copies add to the step: per micro-batch a stage's
+        offloaded blocks, each the average block's saved bytes and backward, through
+        fivefold.planner.activation_offload's model (StageCosts.offload_copy_s): both passes
+        pay the copies where the stack queues them with compute, else the backward waits."""
+        blocks = math.ceil(self.cfg.model.layers / lay.pp)
+        k = min(lay.offload_activations, blocks)
+        nbytes, link = sm.block_saved_bytes(self.cfg.model.layers - 1), self.prof.host.link_Bps
+        if sm.stack.offload_copies_inline:
+            return lay.micro_batches * 2 * inline_copy_s([nbytes] * k, link)
+        b = max(c.b for _, c in costs)
+        return lay.micro_batches * backward_wait_s([(nbytes, b)] * k, (blocks - k) * b, link)
+
+    def hosted_activations(self, lay: ParallelPlan, peak: float) -> ParallelPlan | None:
+        """`lay`, whose fast-pass peak is `peak` bytes, with the fewest blocks per stage
+        offloaded (parallel.offload_activations) that bring it within the device's memory by
+        the fast pass's own count (`_memory`: each offloaded block takes its saved bytes off
+        every micro-batch in flight); None where it does not compose (`hosts_activations`,
+        optimizer offload, a spec's own count) or even every block of a stage would not do."""
+        if (lay.offload_activations or lay.offload != "none"
+                or not hosts_activations(lay.recompute, lay.vpp, lay.schedule)):
+            return None
+        sm = LayoutStep(self.cfg, self.prof, lay, self.cache)
+        inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
+        per_block = sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
+        blocks = math.ceil((peak - self.prof.memory_bytes) / per_block)
+        if blocks > math.ceil(self.cfg.model.layers / lay.pp):
+            return None
+        return lay.replace(offload_activations=blocks)
 
     def _pipeline(self, sm: LayoutStep, lay: ParallelPlan, costs: list) -> tuple[float, float]:
         """(seconds of the pipelined forwards and backwards, a rank's share of one
@@ -307,6 +353,11 @@ def search(cfg: Config, prof: HardwareProfile, top_k: int = 5, exact: int = 24,
             # scorer need not time one whose compute alone is slower than the last of them
             beat = -leaders[0] if exact and len(leaders) == exact else math.inf
             step, peak, floor = scorer.score(lay, beat)
+            hosted = scorer.hosted_activations(lay, peak) if peak > usable else None
+            if hosted is not None and (accept is None or accept(hosted)):
+                hosted_step, hosted_peak, _ = scorer.score(hosted, beat)
+                if hosted_peak <= usable:
+                    lay, step, peak = hosted, hosted_step, hosted_peak
             if peak <= usable:
                 ranked.append((step, lay))
                 if exact and step < beat:

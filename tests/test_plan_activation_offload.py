@@ -1,0 +1,78 @@
+"""`fivefold plan` tries activation offload (fivefold.planner.search): a layout without
+recomputation that does not fit is tried with the fewest blocks per stage whose saved
+tensors, on the host, make it fit by the fast pass's count; the search's cheap filter of
+where activation offload composes is the composition table's (fivefold.compositions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fivefold.compositions import ANY_USE, REFUSALS, features_of
+from fivefold.config import load_config
+from fivefold.hardware import PROFILES
+from fivefold.parallel.plan import plan_from_config
+from fivefold.planner.report import plan_text, train_command
+from fivefold.planner.search import FastScorer, hosts_activations, search
+from fivefold.planner.spec import prepare
+
+H100 = PROFILES["H100-SXM"]
+LONG = ["model.preset='8B'", "cluster.gpus=8", "cluster.gpu='H100-SXM'",
+        "parallel.global_batch=8", "model.seq_len=32768"]
+
+
+def _refused(cfg) -> bool:
+    """Whether a row of the composition tables refuses cfg's activation offload."""
+    have = features_of(cfg, 1)
+    name = "offload_activations"
+    return any((r.a == name and have & set(r.b) or name in r.b and r.a in have)
+               and set(r.when) <= have for r in ANY_USE + REFUSALS)
+
+
+@pytest.mark.parametrize("schedule, vpp", [
+    ("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2), ("terapipe", 1),
+    ("pipedream-2bw", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_the_search_filter_is_the_composition_tables(schedule, vpp):
+    for recompute in ("none", "selective", "full"):
+        cfg = load_config(None, ["model.layers=8", "parallel.pp=2", "parallel.micro_batch=1",
+                                 f"parallel.schedule='{schedule}'", f"parallel.vpp={vpp}",
+                                 f"parallel.recompute='{recompute}'",
+                                 "parallel.offload_activations=1"])
+        assert hosts_activations(recompute, vpp, schedule) == (not _refused(cfg)), recompute
+
+
+def test_hosted_variant_is_the_fewest_blocks_that_fit():
+    """8B at 32k tokens on tp 4 x pp 2: without recomputation no layout of it fits an H100;
+    the variant takes the fewest blocks per stage off the device that make the fast pass's
+    peak fit, and one block fewer does not."""
+    cfg = prepare(load_config(None, LONG + ["parallel.tp=4", "parallel.pp=2",
+                                            "parallel.micro_batch=1"]))
+    lay = plan_from_config(cfg, 8)
+    scorer = FastScorer(cfg, H100)
+    _, peak, _ = scorer.score(lay)
+    assert peak > H100.memory_bytes
+    hosted = scorer.hosted_activations(lay, peak)
+    k = hosted.offload_activations
+    assert 1 <= k <= math.ceil(cfg.model.layers / lay.pp)
+    assert scorer.score(hosted)[1] <= H100.memory_bytes
+    assert scorer.score(hosted.replace(offload_activations=k - 1))[1] > H100.memory_bytes
+    assert scorer.hosted_activations(lay.replace(recompute="selective"), peak) is None
+    assert scorer.hosted_activations(lay.replace(offload="cpu"), peak) is None
+
+
+def test_plan_reports_and_runs_a_layout_that_offloads_activations():
+    """With recomputation held off (the search's other answer to activations that do not
+    fit), the 8B at 32k tokens fits 8 H100s only by offloading activations: `plan` finds
+    such layouts, its exact simulation agrees they fit, and the text and the train command
+    say how many blocks each stage offloads."""
+    cfg = prepare(load_config(None, LONG))
+    result = search(cfg, H100, top_k=3, exact=6, accept=lambda lay: lay.recompute == "none")
+    assert result.best
+    best = result.best[0]
+    assert best.fits and best.layout.offload_activations >= 1
+    assert best.activation_offload["host_fits"]
+    text = plan_text(result, cfg, H100, "spec.toml")
+    assert "it fits with its activations offloaded" in text
+    assert (f"--set parallel.offload_activations={best.layout.offload_activations}"
+            in train_command(best, cfg, "spec.toml"))
