@@ -14,7 +14,8 @@ from fivefold.config import load_config
 from fivefold.hardware import PROFILES
 from fivefold.parallel.plan import plan_from_config
 from fivefold.planner.report import plan_text, train_command
-from fivefold.planner.search import FastScorer, hosts_activations, search
+from fivefold.planner.search import FastScorer, search
+from fivefold.planner.search_space import hosts_activations
 from fivefold.planner.spec import prepare
 
 H100 = PROFILES["H100-SXM"]

@@ -26,7 +26,8 @@ from fivefold.planner.compute import Gemm, attention_time, gemm_time
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units
 from fivefold.planner.params import total_params
 from fivefold.planner.schedules import bubble_fraction, replay_step, runtime_schedule
-from fivefold.planner.search import candidates, search
+from fivefold.planner.search import search
+from fivefold.planner.search_space import candidates
 from fivefold.planner.simulate import model_flops_per_token, simulate
 from fivefold.planner.spec import spec_config
 from fivefold.planner.validation import mape, read_runs, validate_runs

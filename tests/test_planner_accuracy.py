@@ -23,7 +23,8 @@ from fivefold.planner.comm import Group, Links
 from fivefold.planner.compute import attention_time, torch_cp_merge_bytes
 from fivefold.planner.fitted import FITTED, Fitted, in_training
 from fivefold.planner.params import block_params, local_numel
-from fivefold.planner.search import candidates, exact_estimate
+from fivefold.planner.search import exact_estimate
+from fivefold.planner.search_space import candidates
 from fivefold.planner.simulate import simulate
 from fivefold.planner.step import LayoutStep
 from fivefold.planner.spec import spec_config

@@ -38,7 +38,8 @@ from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan, plan_from_config
 from fivefold.planner.cluster import DeviceGroup, group_config, slowest_inter_GBps
 from fivefold.planner.hetero_pipeline import StageScorer, stage_layouts
-from fivefold.planner.search import RECOMPUTE, FastScorer, exact_estimate, powers_of_two
+from fivefold.planner.search import FastScorer, exact_estimate
+from fivefold.planner.search_space import RECOMPUTE, powers_of_two
 from fivefold.planner.simulate import Estimate, default_precision, shared_machine
 from fivefold.planner.spec import check_model_fits_layout
 

@@ -20,7 +20,7 @@ from fivefold.config import Config
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.cluster import DeviceGroup, group_config
 from fivefold.planner.mixed_step import MixedLayoutStep, closed_form_step, split_layers
-from fivefold.planner.search import RECOMPUTE, powers_of_two
+from fivefold.planner.search_space import RECOMPUTE, powers_of_two
 from fivefold.planner.simulate import shared_machine
 from fivefold.planner.step import LayoutStep
 

@@ -1,4 +1,5 @@
-"""`fivefold plan`: search the parallel layouts of a model on a cluster for the fastest one.
+"""`fivefold plan`: search the parallel layouts of a model on a cluster for the fastest one
+(the space and its offload variants: fivefold.planner.search_space).
 
 The space: tensor (powers of two within a node, dividing the heads), context (powers of two
 dividing the sequence), pipeline (any degree up to the layers, blocks cut unevenly by
@@ -33,10 +34,9 @@ it could not be among them (in the 70B plan on 1024 H100, 30,288 of the 30,816 t
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config import Config
@@ -45,10 +45,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s,
-                                                 offloaded_layers)
-from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
-                                     offload_bytes)
+from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s, offloaded_layers)
+from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes, offload_bytes)
 from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
@@ -57,11 +55,9 @@ from fivefold.planner.schedules import bubble_fraction, peak_in_flight
 from fivefold.planner.events import exposed
 from fivefold.planner.simulate import Estimate, default_precision
 from fivefold.planner.step import LayoutStep
+from fivefold.planner.search_space import candidates, hosts_activations, offload_tries
 from fivefold.planner.spec import cluster_gpus
 
-RECOMPUTE = ("none", "selective", "full")
-VIRTUAL_STAGES = (2, 4)
-OFFLOAD_TRIES = (("cpu", 0.5), ("cpu", 1.0), ("nvme", 0.5), ("nvme", 1.0))
 # how far above the step to beat a layout's compute-only floor must be for it to go untimed:
 # the scheduler ends an op within 1e-12 s of its seconds, so a block's communication can
 # read a rounding error below zero, far under this
@@ -74,75 +70,6 @@ class SearchResult:
     scored: int  # layouts scored by the fast pass
     fitting: int  # of those, the ones that fit in memory
     seconds: float
-
-
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
-
-
-def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
-    """Every layout of the search space that the model and batch can take."""
-    m, gpus = cfg.model, base.gpus
-    gpn = cfg.cluster.gpus_per_node
-    out = []
-    tps = [t for t in powers_of_two(min(gpn, m.heads)) if m.heads % t == 0
-           and (m.n_kv_heads % t == 0 or t % m.n_kv_heads == 0) and m.ffn_hidden % t == 0]
-    cps = [c for c in powers_of_two(16) if m.seq_len % (c * 2) == 0 or c == 1]
-    for tp, cp in itertools.product(tps, cps):
-        if gpus % (tp * cp):
-            continue
-        rest = gpus // (tp * cp)
-        for pp in (d for d in range(1, min(rest, m.layers) + 1) if rest % d == 0):
-            dp = rest // pp
-            if base.global_batch % dp:
-                continue
-            per_rank = base.global_batch // dp
-            eps = [1]
-            if m.moe is not None:
-                eps = [e for e in range(1, dp * cp + 1)
-                       if (dp * cp) % e == 0 and m.moe.experts % e == 0]
-            micro = [b for b in range(1, per_rank + 1) if per_rank % b == 0][:8]
-            for ep, mb in itertools.product(eps, micro):
-                for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
-                    for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
-                                                           (False, True) if tp > 1 else (False,)):
-                        if base.offload_activations and not hosts_activations(
-                                rec, vpp, sched):
-                            continue
-                        out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
-                                                zero_group=dp, micro_batch=mb, schedule=sched,
-                                                vpp=vpp, zero_stage=zero, recompute=rec,
-                                                sequence_parallel=sp))
-    return out
-
-
-def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1), ("zb", 1)]
-    for v in VIRTUAL_STAGES:
-        if pp * v <= layers and (micro <= pp or micro % pp == 0):
-            out.append(("interleaved", v))
-    return out
-
-
-def hosts_activations(recompute: str, vpp: int, schedule: str) -> bool:
-    """Whether activation offload composes with a layout's recomputation, virtual stages and
-    schedule: fivefold.compositions refuses it with recomputation, vpp > 1 and TeraPipe (a
-    cheap filter on the search's hot path; tests/test_activation_offload.py holds it to the
-    composition table)."""
-    return recompute == "none" and vpp == 1 and schedule != "terapipe"
-
-
-def offload_tries(lay: ParallelPlan) -> Iterator[ParallelPlan]:
-    """`lay`, then its offloaded variants in the order the search tries them (module
-    docstring); only `lay` when it offloads already or offload does not compose with it.
-    Lazy: most layouts fit as they are, and building a variant is a dataclass copy."""
-    yield lay
-    if lay.offload != "none" or lay.optimizer != "adamw" or lay.schedule == "pipedream-2bw":
-        return
-    for tier, f in OFFLOAD_TRIES:
-        yield lay.replace(offload=tier, offload_fraction=f)
 
 
 class FastScorer:
