@@ -159,8 +159,9 @@ def plan_text(result, cfg: Config, prof: HardwareProfile, spec_path: str) -> str
     if offload_line(best):
         lines.append(f"it fits with {best.offload['tier']} offload; " + offload_line(best)
                      .removeprefix("offload    "))
-    if activation_offload_line(best):
-        lines.append("it fits with its " + activation_offload_line(best))
+    hosted = activation_offload_line(best)
+    if hosted:
+        lines.append("it fits with its " + hosted)
     lines.append("\nrun it:\n  " + train_command(best, cfg, spec_path))
     return "\n".join(lines)
 

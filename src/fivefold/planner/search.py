@@ -45,8 +45,10 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline.schedules import rank_of_stage
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, plan_from_config
 from fivefold.planner import activations as A
-from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s, offloaded_layers)
-from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes, offload_bytes)
+from fivefold.planner.activation_offload import (backward_wait_s, inline_copy_s,
+                                                 offloaded_layers)
+from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, Unit, galore_state_bytes,
+                                     offload_bytes)
 from fivefold.planner.muon_cost import muon_axis, sharded_muon
 from fivefold.planner import offload
 from fivefold.planner.offload import UnitWork
@@ -77,6 +79,7 @@ class FastScorer:
 
     def __init__(self, cfg: Config, prof: HardwareProfile):
         self.cfg, self.prof, self.cache = cfg, prof, {}
+        self.last: LayoutStep | None = None  # the layout `score` priced last, for hosting
         m = cfg.model
         self.moe_layers = sum(is_moe_layer(m, i) for i in range(m.layers))
 
@@ -86,7 +89,7 @@ class FastScorer:
         layout over the device's memory is not timed: its step reads infinite; so does one
         whose pipeline alone, its blocks' communication left out, takes longer than `beat`
         (the search's step to beat: `search`)."""
-        sm = LayoutStep(self.cfg, self.prof, lay, self.cache)
+        sm = self.last = LayoutStep(self.cfg, self.prof, lay, self.cache)
         m = self.cfg.model
         L, pp = m.layers, lay.pp
         dense_layers = L - self.moe_layers
@@ -151,7 +154,8 @@ class FastScorer:
         if (lay.offload_activations or lay.offload != "none"
                 or not hosts_activations(lay.recompute, lay.vpp, lay.schedule)):
             return None
-        sm = LayoutStep(self.cfg, self.prof, lay, self.cache)
+        sm = (self.last if self.last is not None and self.last.lay is lay  # as search asks
+              else LayoutStep(self.cfg, self.prof, lay, self.cache))
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         per_block = sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
         blocks = math.ceil((peak - self.prof.memory_bytes) / per_block)
