@@ -13,8 +13,9 @@ by exactly the bytes its host row records, those are the offloaded block's own s
 (fivefold.planner.rank_memory) to the byte (the existing activation tests' bound is 5%;
 these agree exactly). The simulator on an H100 predicts less device activation memory, a
 host row and no shorter step. Bad values and the refused combinations (recomputation,
-virtual stages, TeraPipe: fivefold.compositions) raise one ConfigError naming the key before any rank starts; the other
-features train with it in tests/test_activation_offload_layouts.py.
+virtual stages, TeraPipe: fivefold.compositions) raise one ConfigError naming the key
+before any rank starts; the other features train with it in
+tests/test_activation_offload_layouts.py.
 """
 
 from __future__ import annotations

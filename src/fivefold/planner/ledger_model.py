@@ -71,7 +71,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
 from fivefold.parallel.plan import ParallelPlan
 from fivefold.planner.fp8_ledger import fp8_amax_records
-from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages, stage_layers_of_rank, zero3_block_gathers)
+from fivefold.planner.ledger_pipeline import (gradient_passes, pipeline_messages,
+                                               stage_layers_of_rank, zero3_block_gathers)
 from fivefold.planner.ledger_galore import galore_engine_ledger
 from fivefold.planner.ledger_update import update_path_ledger
 from fivefold.planner.memory import Unit, model_state_bytes, stage_units

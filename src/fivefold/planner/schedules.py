@@ -153,10 +153,11 @@ _ORDERS: dict[int, tuple[Schedule, tuple]] = {}
 def replay_order(schedule: Schedule) -> tuple:
     """The order in which fivefold.parallel.pipeline.replay.replay runs the schedule's
     actions, as (rank, action, wait): wait is "send", (the send's place in the order, whether
-    it crosses ranks, the message's kind) for a receive, None for the rest. The loop's order depends on the lists
-    only, never on the costs, so it is found once per schedule (replayed at unit cost, which
-    also checks the lists) and `replay_step` walks it with each layout's durations: the same
-    arithmetic as the loop, without its message bookkeeping."""
+    it crosses ranks, the message's kind) for a receive, None for the rest. The loop's order
+    depends on the lists only, never on the costs, so it is found once per schedule
+    (replayed at unit cost, which also checks the lists) and `replay_step` walks it with
+    each layout's durations: the same arithmetic as the loop, without its message
+    bookkeeping."""
     hit = _ORDERS.get(id(schedule))
     if hit is not None and hit[0] is schedule:
         return hit[1]

@@ -146,7 +146,8 @@ class LayoutStep(RankCosts):
             offloaded = offload.rank_offload(self, r, opt + regather)
             opt += offloaded.exposed_s  # downloads, host clipping, the forward's waits
             tails.append(tail)
-            ends.append((rp.finish_s[r] + tail + opt + regather, r, tail, opt, regather, offloaded))
+            ends.append((rp.finish_s[r] + tail + opt + regather, r, tail, opt, regather,
+                         offloaded))
         step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
         rank_stages = range(r, stages, lay.pp)
