@@ -5,6 +5,7 @@ where activation offload composes is the composition table's (fivefold.compositi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from fivefold.planner.report import plan_text, train_command
 from fivefold.planner.search import FastScorer, search
 from fivefold.planner.search_space import hosts_activations
 from fivefold.planner.spec import prepare
+from fivefold.planner.step import LayoutStep
 
 H100 = PROFILES["H100-SXM"]
 LONG = ["model.preset='8B'", "cluster.gpus=8", "cluster.gpu='H100-SXM'",
@@ -77,3 +79,24 @@ def test_plan_reports_and_runs_a_layout_that_offloads_activations():
     assert "it fits with its activations offloaded" in text
     assert (f"--set parallel.offload_activations={best.layout.offload_activations}"
             in train_command(best, cfg, "spec.toml"))
+
+
+def test_fast_pass_refuses_a_variant_whose_host_cannot_hold_the_blocks():
+    """The fast pass checks the host as the exact pass does: the hosted variant fits a host
+    with room for its ranks' offloaded blocks, of every micro-batch in flight, and reads
+    infinite on a host a byte short of them, where the exact simulation says it does not
+    fit either."""
+    cfg = prepare(load_config(None, LONG + ["parallel.tp=4", "parallel.pp=2",
+                                            "parallel.micro_batch=1"]))
+    lay = plan_from_config(cfg, 8)
+    scorer = FastScorer(cfg, H100)
+    hosted = scorer.hosted_activations(lay, scorer.score(lay)[1])
+    step, peak, _ = scorer.score(hosted)
+    assert step < math.inf and peak <= H100.memory_bytes
+    exact = LayoutStep(cfg, H100, hosted, {}).estimate()  # the exact pass's host bytes
+    need = exact.activation_offload["host_bytes_per_host"]
+    for room, fits in ((need, True), (need - 1, False)):
+        host = dataclasses.replace(H100.host, memory_bytes=room)
+        small = dataclasses.replace(H100, host=host)
+        assert (FastScorer(cfg, small).score(hosted)[0] < math.inf) is fits, room
+        assert LayoutStep(cfg, small, hosted, {}).estimate().fits is fits, room

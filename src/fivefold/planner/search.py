@@ -18,7 +18,8 @@ whose saved tensors, moved to the host, make it fit (`hosted_activations`; recom
 the search's other answer, its own candidates). A spec's parallel.offload_activations is held
 instead, without recomputation or virtual stages (which it refuses); the fast pass, the stage
 partition and the exact simulation all keep the offloaded blocks' saved tensors off the
-device (the exact simulation alone checks the host).
+device, and the fast pass and the exact one both check that the host holds them beside any
+offloaded optimizer state.
 Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
@@ -110,7 +111,8 @@ class FastScorer:
         peak, unloaded = self._memory(sm, lay, numel, shard, math.ceil(L / pp), state, kept)
         if peak > self.prof.memory_bytes:  # does not fit: its time is never read
             return math.inf, peak, unloaded if lay.offload == "none" else peak
-        if lay.offload != "none" and not self._host_fits(sm, lay, numel / shard):
+        if ((lay.offload != "none" or lay.offload_activations)
+                and not self._host_fits(sm, lay, numel / shard)):
             return math.inf, math.inf, math.inf
         if beat < math.inf and self._compute_floor(sm, lay, kinds) > beat * (1 + BEAT_SLACK):
             return math.inf, peak, peak
@@ -202,12 +204,18 @@ class FastScorer:
         return offload.work_offload(sm, work, device_s).exposed_s
 
     def _host_fits(self, sm: LayoutStep, lay: ParallelPlan, local: float) -> bool:
-        """Whether the host holds the offloaded state of its ranks, each offloading
-        `offload_fraction` of its `local` elements."""
-        host = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
-        host_bytes = (host * lay.offload_fraction * local
-                      * offload.sharing(sm))
-        return host_bytes <= sm.prof.host.memory_bytes
+        """Whether the host holds what its ranks offload: each rank's `offload_fraction` of
+        its `local` elements' state and its offloaded blocks' saved tensors, of every
+        micro-batch in flight (as `_memory` takes them off the device; the exact pass checks
+        both in LayoutStep.estimate)."""
+        state = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
+        per_rank = state * lay.offload_fraction * local if lay.offload != "none" else 0.0
+        if lay.offload_activations:
+            blocks = math.ceil(self.cfg.model.layers / lay.pp)
+            inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
+            per_rank += (sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
+                         * min(lay.offload_activations, blocks))
+        return per_rank * offload.sharing(sm) <= sm.prof.host.memory_bytes
 
     def _dp(self, sm: LayoutStep, lay: ParallelPlan, grad_bytes: tuple[float, float],
             window: float):
