@@ -17,20 +17,23 @@ mesh axis, purpose) on every rank (routed expert exchanges summed over the ranks
 
 The optimizer's work (AdamW's elements on the device and, under offload, on the host) must
 equal the runtime's: its optimizer-state bytes over AdamW's 8 per element, its host bytes
-over offload's per element.
+over offload's per element. Activation offload's copies (the trace's "host_copy" per
+offloaded block and micro-batch, each way) must carry, each way, exactly the bytes of the
+storages the runtime copied to the host in the step (observe_offloaded_saves).
 
 Not compared: element-wise ops (the trace carries one estimated op per block and pass with
 its HBM bytes; eager torch dispatches dozens of small kernels whose count no fused stack
-shares), the optimizer's bytes and offload's copies (derived from the same elements), and the
-dependencies.
+shares), the optimizer's bytes and optimizer offload's copies (derived from the same
+elements), and the dependencies.
 
-Layouts (28): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
+Layouts (30): ZeRO 0-3, tp 2 with sequence parallelism, every synchronous pipeline schedule
 (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V, TeraPipe with uneven token slices), cp 2
 ring and Ulysses and the 2 x 2 hybrid, MoE with ep 2 and 4 and without ep, full and
-selective recomputation, CPU offload, pp x tp with sp (with and without full recomputation),
+selective recomputation, CPU offload, activation offload (pp 2 1F1B, ZeRO-2 with
+accumulation), pp x tp with sp (with and without full recomputation),
 tp with sp x ZeRO-3, ep with a shared expert under full recomputation, and in bf16: cp ring
 (its blocks in fp32) with selective recomputation, tp with sp x ZeRO-1, ep 2 (the router in
-fp32). The default suite runs `QUICK` (7 of them, one start of 2 ranks); the rest is marked
+fp32). The default suite runs `QUICK` (8 of them, one start of 2 ranks); the rest is marked
 slow. Ranks start once per world size group.
 """
 
@@ -42,6 +45,7 @@ import pytest
 import torch
 
 from fivefold.config import load_config
+from fivefold.memory.activation_offload import observe_offloaded_saves
 from fivefold.models.expert_matmul import grouped_mm_runs
 from fivefold.parallel.plan import training_plan
 from fivefold.planner.ledger_model import predict_ledger
@@ -64,6 +68,7 @@ QUICK = [  # (overrides, label), on 2 ranks
     (["parallel.cp=2"], "cp2 ring"),
     (["parallel.recompute='selective'", "parallel.zero_stage=1"], "selective recompute zero1"),
     (V + ["parallel.schedule='zbv'"], "pp2 zbv"),
+    (PP + ["parallel.offload_activations=1"], "pp2 1f1b, activation offload 1"),
 ]
 SLOW = {  # world size: [(overrides, label)]
     2: [(["parallel.zero_stage=1"], "zero1"),
@@ -77,6 +82,8 @@ SLOW = {  # world size: [(overrides, label)]
         (["parallel.cp=2", "parallel.cp_mode='ulysses'"], "cp2 ulysses"),
         (["parallel.recompute='full'", "parallel.zero_stage=2"], "full recompute zero2"),
         (["parallel.offload='cpu'", "parallel.zero_stage=1"], "cpu offload zero1"),
+        (["parallel.offload_activations=1", "parallel.zero_stage=2", "parallel.micro_batch=2"],
+         "zero2 accumulate 2, activation offload 1"),
         (["parallel.cp=2", "parallel.precision='bf16'", "parallel.recompute='selective'"],
          "cp2 ring bf16 (fp32 blocks), selective recompute"),
         (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.precision='bf16'",
@@ -117,10 +124,12 @@ def _record(rt, overrides, cases):
         trainer = Trainer(cfg, rt, "unused")
         if cfg.parallel.offload != "none":  # the gathers of an update run in the next step
             trainer.train_step(0)
-        with RecordOps() as ops:
+        hosted = []  # the storages activation offload copies to the host
+        with RecordOps() as ops, observe_offloaded_saves(
+                lambda t: hosted.append(t.untyped_storage().nbytes())):
             trainer.train_step(int(cfg.parallel.offload != "none"))
         out.append((dict(ops.ops), dict(trainer.ledger.totals("bytes")),
-                    dict(trainer.ledger.model_state_bytes)))
+                    dict(trainer.ledger.model_state_bytes), sum(hosted)))
     return out
 
 
@@ -156,7 +165,7 @@ def _check(world: int, cases: list, recorded: list, overrides: list[str]) -> Non
         for rank in range(world):
             where = f"{label}, rank {rank}"
             ops = rank_trace(cfg, lay, rank)
-            got_counts, got_ledger, got_state = recorded[rank][i]
+            got_counts, got_ledger, got_state, got_hosted = recorded[rank][i]
             assert not [k for k in got_counts if k[0] == "unknown"], (where, got_counts)
             want, have = compute_counts(ops), got_counts
             if expert:
@@ -168,6 +177,12 @@ def _check(world: int, cases: list, recorded: list, overrides: list[str]) -> Non
             work = {op.stream: op.shape[0] for op in ops if op.kind == "optimizer"}
             assert work.get("compute", 0) * 8 == got_state["optimizer"], where  # AdamW
             assert work.get("host", 0) * offload_bytes(lay.offload, 8)[0] == got_state["host"]
+            copies = Counter()  # activation offload's, each way
+            for op in ops:
+                if op.kind == "host_copy" and op.phase != "step":
+                    copies[op.phase == "forward"] += op.bytes
+            assert copies[True] == copies[False] == got_hosted, where
+            assert got_hosted or not lay.offload_activations, where
             traced = _trace_ledger(ops)
             assert traced == predict_ledger(cfg, lay, rank=rank).totals("bytes"), where
             assert traced.keys() == got_ledger.keys(), where
@@ -222,5 +237,6 @@ def test_layouts_span_the_issue():
     for want in [f"zero_stage={z}" for z in range(4)] + [
             "sequence_parallel=true", "schedule='gpipe'", "parallel.pp=2", "'interleaved'",
             "'zb'", "'zbv'", "'dualpipev'", "'terapipe'", "cp=2", "'ulysses'", "'hybrid'", "ep=2",
-            "recompute='full'", "recompute='selective'", "offload='cpu'"]:
+            "recompute='full'", "recompute='selective'", "offload='cpu'",
+            "offload_activations="]:
         assert any(want in s for s in sets), want

@@ -86,6 +86,8 @@ LAYOUTS = [  # (label, overrides), as tests/test_op_trace.py's
     ("selective recompute", ["parallel.recompute='selective'"]),
     ("cpu offload zero1", ["parallel.offload='cpu'", "parallel.zero_stage=1"]),
     ("pp2 x tp2 sp", PP + ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("activation offload 4", ["parallel.offload_activations=4"]),
+    ("pp2 1f1b, activation offload 2", PP + ["parallel.offload_activations=2"]),
 ]
 TOLERANCE = 0.03
 

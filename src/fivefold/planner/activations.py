@@ -44,7 +44,7 @@ from __future__ import annotations
 from fivefold.config import ModelConfig
 from fivefold.models.description import is_moe_layer
 from fivefold.parallel.context.heads import ulysses_kv_heads
-from fivefold.parallel.plan import ParallelPlan
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
 from fivefold.planner.activations_megatron2022 import (gpt_block_saved_bytes,
                                                        gpt_root_saved_bytes)
 from fivefold.planner.stack import FIVEFOLD, Stack
@@ -224,3 +224,14 @@ def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
         n += tokens * (norm + a * D + logp + 8)
         n += tokens if tp > 1 else 4  # the loss's target mask, or its total weight
     return n
+
+
+def layout_block_saved_bytes(model: ModelConfig, lay: ParallelPlan, layer: int,
+                             stack: Stack = FIVEFOLD) -> float:
+    """`block_saved_bytes` of block `layer` for one micro-batch of plan `lay` on one rank
+    (its tokens: the micro-batch's share of a cp rank), as the block model
+    (StageCosts.block_saved_bytes) and the op trace's activation-offload copies read it."""
+    return block_saved_bytes(model, lay.micro_batch * model.seq_len // lay.cp,
+                             PRECISION_BYTES[lay.precision], lay.tp, lay.sequence_parallel,
+                             lay.recompute, layer, stack, fp8_input_copy(lay),
+                             ring_kv_heads(model, lay))

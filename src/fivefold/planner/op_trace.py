@@ -25,6 +25,11 @@ program order:
               (and any per-pass record no rule placed) after the last backward, ZeRO-1/2's
               parameter all-gathers after the optimizer (under offload in the forward: the
               engine re-gathers a unit in its pre-hook, once its host update is back)
+  act. copies under activation offload, per offloaded block (the first of each virtual
+              stage, fivefold.planner.activation_offload) and micro-batch a "host_copy" of
+              its saved bytes (planner.activations) on the compute stream after its forward
+              and one back before its backward (B or I), as the runtime queues them
+              (fivefold.memory.activation_offload)
   optimizer   AdamW over the rank's shard: elements and bytes (7 x 4 bytes per element:
               parameter, gradient and two moments read, three written), on "host" for the
               units offload moves off the device (with a gradient download and a parameter
@@ -58,6 +63,8 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline import schedules as S
 from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan, compute_precision
+from fivefold.planner.activation_offload import offloaded_layers
+from fivefold.planner.activations import layout_block_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import PURPOSES, stage_layers_of_rank
 from fivefold.planner.memory import (OPTIMIZER_STATE_BYTES, model_state_bytes, offload_bytes,
@@ -69,6 +76,7 @@ from fivefold.planner.op_compute import tokens as tokens_of
 
 __all__ = ["Op", "rank_trace", "compute_counts"]
 ADAMW_BYTES = 7 * 4  # fp32 parameter, gradient, two moments read; parameter, moments written
+PHASE = {S.B: "backward", S.I: "input_grad", S.W: "weight_grad"}  # a backward action's
 
 
 def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu"
@@ -90,6 +98,8 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
     trace = _Trace(CommPool([r for r in ledger.records if not pipeline(r)], lay.zero_stage,
                             lay.offload != "none"), lay.context_degrees[0])
     units = {i: 1 + int(lay.expert_grid and is_moe_layer(cfg.model, i)) for i in layers}
+    hosted = {i: int(layout_block_saved_bytes(cfg.model, lay, i)) for s in
+              range(lay.pp * lay.vpp) for i in offloaded_layers(lay, ranges[s]) if i in layers}
     schedule = lay.pipeline_schedules(cfg.model.tied_embeddings)[0] if lay.pp > 1 else None
     for a in _actions(lay, pp_rank, schedule):
         if a.kind in PURPOSES:  # a message to this very rank goes through a mailbox
@@ -110,6 +120,9 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
                 trace.place([("all_gather", "params")] * units[i], a.mb)
                 trace.compute([p.forward for p in passes[i, a.slice]], a.mb)
                 trace.elementwise(f"layers.{i}", "forward", elementwise, a.mb)
+                if i in hosted:  # its saved tensors to the host, on the compute stream
+                    trace.add(Op("host_copy", f"layers.{i}", "forward", bytes=hosted[i]),
+                              mb=a.mb)
             if last:
                 trace.place([SP_GATHER], a.mb)
                 trace.compute([head.forward], a.mb)
@@ -123,6 +136,9 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
             block = passes[i, a.slice]
             if a.kind != S.W:
                 trace.place([("all_gather", "params")] * units[i], a.mb)
+            if a.kind != S.W and i in hosted:  # and back as its backward starts
+                trace.add(Op("host_copy", f"layers.{i}", PHASE[a.kind], bytes=hosted[i]),
+                          mb=a.mb)
             if a.kind in (S.B, S.I) and lay.recompute != "none":
                 trace.compute(recomputed(block, lay.recompute,
                                          lay.split_backward or not early_stop(cfg, i)), a.mb)
@@ -186,8 +202,7 @@ def _backward(passes: list[Pass], kind: str) -> list[Op]:
             out += p.input_grad
         if kind != S.I:
             out += p.weight_grad
-    return [replace(op, phase={S.B: "backward", S.I: "input_grad", S.W: "weight_grad"}[kind])
-            if op.kind == "attention" else op for op in out]
+    return [replace(op, phase=PHASE[kind]) if op.kind == "attention" else op for op in out]
 
 
 def _elementwise_bytes(cfg: Config, lay: ParallelPlan, dtype: str, piece: int) -> int:

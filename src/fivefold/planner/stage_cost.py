@@ -169,10 +169,7 @@ class StageCosts(BlockCosts):
         lay = self.lay
         key = ("saved", i, lay.cp_ulysses) + self.shape_key
         if key not in self.cache:
-            self.cache[key] = A.block_saved_bytes(
-                self.model, self.shard.tokens, self.a, lay.tp, lay.sequence_parallel,
-                lay.recompute, i, self.stack, A.fp8_input_copy(lay),
-                A.ring_kv_heads(self.model, lay))
+            self.cache[key] = A.layout_block_saved_bytes(self.model, lay, i, self.stack)
         return self.cache[key]
 
     def full_block_bytes(self) -> float:
