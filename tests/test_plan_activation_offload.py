@@ -12,9 +12,10 @@ import math
 import pytest
 
 from fivefold.compositions import ANY_USE, REFUSALS, features_of
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.hardware import PROFILES
 from fivefold.parallel.plan import plan_from_config
+from fivefold.planner.auto import plan_search
 from fivefold.planner.report import plan_text, train_command
 from fivefold.planner.search import FastScorer, search
 from fivefold.planner.search_space import hosts_activations
@@ -81,3 +82,17 @@ def test_plan_reports_and_runs_a_layout_that_offloads_activations():
     assert "it fits with its activations offloaded" in text
     assert (f"--set parallel.offload_activations={best.layout.offload_activations}"
             in train_command(best, cfg, "spec.toml"))
+
+
+def test_plan_says_it_does_not_search_offload_with_virtual_stages():
+    """A spec that holds vpp 2 and sets offload_activations (which train runs) gets no
+    layout from the search, whose filter does not try them yet: `plan` says so, naming the
+    key, rather than that no layout of the cluster keeps the spec's keys."""
+    cfg = load_config(None, LONG[:-1] + ["parallel.pp=4", "parallel.vpp=2",
+                                         "parallel.schedule='interleaved'",
+                                         "parallel.micro_batch=1",
+                                         "parallel.offload_activations=2"])
+    with pytest.raises(ConfigError) as err:
+        plan_search(cfg, H100, 1)
+    assert err.value.key == "parallel.offload_activations"
+    assert "fivefold simulate" in str(err.value)
