@@ -19,13 +19,14 @@ and leaves parameters and buffers where they are, so the same count):
   beside optimizer offload's state.
 
 Time, stated simply: each offloaded block's bytes cross the host link twice per micro-batch,
-device to host in forward and back in backward (under vpp in each chunk's pass), at HostTier.link_Bps (one direction's
-pinned-copy rate; the two directions are separate). The copies run on the "host" stream,
-which does not contend with compute, so the forward's copies cost nothing (the device
-memory is freed when each copy ends; not modelled). In backward the returns are issued when
-the stage's backward of that micro-batch starts, the last offloaded block's first, one
-after another, and a block's backward waits for its own activations: what it waits is added
-to the stage's backward time (`backward_wait_s`), which the pipeline replay then carries.
+device to host in forward and back in backward (under vpp in each chunk's own passes), at
+HostTier.link_Bps (one direction's pinned-copy rate; the two directions are separate). The
+copies run on the "host" stream, which does not contend with compute, so the forward's
+copies cost nothing (the device memory is freed when each copy ends; not modelled). In
+backward the returns are issued when the stage's (chunk's) backward of that micro-batch
+starts, the last offloaded block's first, one after another, and a block's backward waits
+for its own activations: what it waits is added to the stage's backward time
+(`backward_wait_s`), which the pipeline replay then carries.
 Not modelled: the link shared with optimizer offload's copies, and a forward that outruns
 its copies (the device would hold those bytes until they land). This is Megatron-Core's
 behaviour (copies on a side stream, the return prefetched). fivefold's runtime issues its
