@@ -68,7 +68,7 @@ def rank_token_positions(plan: ParallelPlan, mesh: Mesh, seq_len: int) -> torch.
 
 
 def offloaded_blocks(model: nn.Module, n: int) -> list[nn.Module]:
-    """The first `n` blocks of each of `model`'s chunks (all of a chunk's with fewer): one
+    """The first `n` blocks of each of `model`'s chunks (all of a chunk that has fewer): one
     chunk for the plain model and a stage without virtual stages, the rank's `vpp` chunks
     (its virtual stages, in `stage_ids` order) under an interleaved or V schedule.
 
