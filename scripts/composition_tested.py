@@ -291,4 +291,8 @@ TESTED.update({
                                    [PP2, sched("zb"), micro(2)])],
     "tests/test_activation_offload_layouts.py::test_pipedream_2bw_and_compile_are_bit_identical":
         [(2, [ACTS, PP2, sched("pipedream-2bw"), micro(2)])],
+    "tests/test_activation_offload_vpp.py::"
+    "test_virtual_stages_are_bit_identical_and_move_each_chunks_first_block":
+        [(2, [ACTS, PP2, V2, sched(s), micro(2)]) for s in ("interleaved", "zbv", "dualpipev")]
+        + [(2, [ACTS, PP2, V2, sched("interleaved"), micro(2), "model.layers=8"])],
 })

@@ -13,9 +13,9 @@ by exactly the bytes its host row records, those are the offloaded block's own s
 (fivefold.planner.rank_memory) to the byte (the existing activation tests' bound is 5%;
 these agree exactly). The simulator on an H100 predicts less device activation memory, a
 host row and no shorter step. Bad values and the refused combinations (recomputation,
-virtual stages, TeraPipe: fivefold.compositions) raise one ConfigError naming the key
-before any rank starts; the other features train with it in
-tests/test_activation_offload_layouts.py.
+TeraPipe: fivefold.compositions) raise one ConfigError naming the key before any rank
+starts; the other features train with it in tests/test_activation_offload_layouts.py, and
+virtual stages (each chunk's first blocks) in tests/test_activation_offload_vpp.py.
 """
 
 from __future__ import annotations
@@ -184,8 +184,6 @@ def test_plan_scores_the_offloaded_layout_by_its_device_bytes():
     (["parallel.offload_activations=-1"], "not a block count"),
     (["parallel.offload_activations=3"], "not a block count"),  # the model has 2
     ([OFF, "parallel.recompute='full'"], "recompute"),
-    ([OFF, "parallel.pp=2", "parallel.vpp=2", "parallel.schedule='interleaved'",
-      "model.layers=4", "parallel.micro_batch=2"], "vpp"),
     ([OFF, "parallel.pp=2", "parallel.schedule='terapipe'", "parallel.global_batch=4"],
      "TeraPipe"),
 ])

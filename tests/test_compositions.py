@@ -50,8 +50,6 @@ REFUSED = [
     (2, ["parallel.qwz=true", "parallel.zero_stage=1"]),
     (2, ["parallel.hpz=true", "parallel.zero_stage=2"]),
     (1, ["parallel.offload_activations=1", "parallel.recompute=full"]),
-    (2, ["parallel.offload_activations=1", "parallel.pp=2", "parallel.vpp=2",
-         "parallel.schedule=interleaved", "parallel.micro_batch=2"]),
     (2, ["parallel.qgz=true"]),
     (1, ["parallel.offload=cpu", "train.optimizer=muon"]),
     (1, ["parallel.offload=nvme", "parallel.offload_path=/tmp", "train.optimizer=galore"]),

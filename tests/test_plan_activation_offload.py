@@ -1,7 +1,9 @@
 """`fivefold plan` tries activation offload (fivefold.planner.search): a layout without
 recomputation that does not fit is tried with the fewest blocks per stage whose saved
 tensors, on the host, make it fit by the fast pass's count; the search's cheap filter of
-where activation offload composes is the composition table's (fivefold.compositions)."""
+where activation offload composes is the composition table's (fivefold.compositions), but
+for virtual stages: the table accepts them (each chunk's first blocks) and the filter does
+not try them yet (its fast pass counts a stage's blocks, not a chunk's)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import math
 import pytest
 
 from fivefold.compositions import ANY_USE, REFUSALS, features_of
-from fivefold.config import load_config
+from fivefold.config import ConfigError, load_config
 from fivefold.hardware import PROFILES
 from fivefold.parallel.plan import plan_from_config
+from fivefold.planner.auto import plan_search
 from fivefold.planner.report import plan_text, train_command
 from fivefold.planner.search import FastScorer, search
 from fivefold.planner.search_space import hosts_activations
@@ -42,7 +45,9 @@ def test_the_search_filter_is_the_composition_tables(schedule, vpp):
                                  f"parallel.schedule='{schedule}'", f"parallel.vpp={vpp}",
                                  f"parallel.recompute='{recompute}'",
                                  "parallel.offload_activations=1"])
-        assert hosts_activations(recompute, vpp, schedule) == (not _refused(cfg)), recompute
+        tried = not _refused(cfg) and vpp == 1  # the search does not try it with vpp > 1
+        assert hosts_activations(recompute, vpp, schedule) == tried, recompute
+        assert _refused(cfg) == (recompute != "none" or schedule == "terapipe"), recompute
 
 
 def test_hosted_variant_is_the_fewest_blocks_that_fit():
@@ -100,3 +105,17 @@ def test_fast_pass_refuses_a_variant_whose_host_cannot_hold_the_blocks():
         small = dataclasses.replace(H100, host=host)
         assert (FastScorer(cfg, small).score(hosted)[0] < math.inf) is fits, room
         assert LayoutStep(cfg, small, hosted, {}).estimate().fits is fits, room
+
+
+def test_plan_says_it_does_not_search_offload_with_virtual_stages():
+    """A spec that holds vpp 2 and sets offload_activations (which train runs) gets no
+    layout from the search, whose filter does not try them yet: `plan` says so, naming the
+    key, rather than that no layout of the cluster keeps the spec's keys."""
+    cfg = load_config(None, LONG[:-1] + ["parallel.pp=4", "parallel.vpp=2",
+                                         "parallel.schedule='interleaved'",
+                                         "parallel.micro_batch=1",
+                                         "parallel.offload_activations=2"])
+    with pytest.raises(ConfigError) as err:
+        plan_search(cfg, H100, 1)
+    assert err.value.key == "parallel.offload_activations"
+    assert "fivefold simulate" in str(err.value)

@@ -124,10 +124,6 @@ ANY_USE: list[Refusal] = [
             "not with parallel.recompute = '{parallel.recompute}': recomputation already keeps "
             "only each block's input (Megatron-Core refuses the pair too); set recompute = "
             "'none' or offload_activations = 0"),
-    Refusal("offload_activations", ("vpp>1",), "parallel.offload_activations",
-            "not with parallel.vpp = {parallel.vpp}: each model chunk of a rank has its own "
-            "first blocks, which the offload does not pick (not implemented); use vpp = 1 or "
-            "offload_activations = 0"),
     Refusal("qgz", ("zero=0",), "parallel.qgz",
             "quantized gradient reduce-scatter needs sharded gradients; set "
             "parallel.zero_stage to 1, 2 or 3"),
@@ -172,8 +168,9 @@ REFUSALS: list[Refusal] = [
     Refusal("offload_activations", ("schedule=terapipe",), "parallel.offload_activations",
             "TeraPipe runs each token slice through a block's attention and MLP directly "
             "(fivefold.parallel.pipeline.terapipe), not through the block's forward that the "
-            "offload wraps, so nothing would leave the device; use 'gpipe', '1f1b', 'zb' or "
-            "'pipedream-2bw', or offload_activations = 0"),
+            "offload wraps, so nothing would leave the device; use 'gpipe', '1f1b', "
+            "'interleaved', 'zb', 'zbv', 'dualpipev' or 'pipedream-2bw', or "
+            "offload_activations = 0"),
     Refusal("zero_group", ("zero=0",), "parallel.zero_group",
             "hierarchical sharding shards ZeRO state; set parallel.zero_stage to 1, 2 or 3, "
             "or drop zero_group"),

@@ -59,10 +59,11 @@ class ParallelConfig:
                                'kernel, bit for bit the in-memory update) | "fused" (torch\'s '
                                'fused CPU kernel, about 5x faster, rounds differently: within '
                                'the parity tolerance); docs/memory.md', "foreach")
-    offload_activations: int = _doc("blocks per pipeline stage (its first ones) whose tensors "
-                                    "saved for backward are copied to host memory (pinned on "
-                                    "CUDA) in forward and back in backward (Megatron-Core's "
-                                    "cpu_offloading_num_layers; docs/memory.md)", 0)
+    offload_activations: int = _doc("blocks per pipeline stage (its first ones; under vpp > 1 "
+                                    "of each model chunk) whose tensors saved for backward are "
+                                    "copied to host memory (pinned on CUDA) in forward and back "
+                                    "in backward (Megatron-Core's cpu_offloading_num_layers; "
+                                    "docs/memory.md)", 0)
     sequence_parallel: bool = _doc("Megatron sequence parallelism with tp", False)
     precision: str | None = _doc('"bf16" | "fp16" | "fp8" | "fp32"; default bf16 on GPU, '
                                  'fp32 on CPU; fp8: the blocks\' linears in fp8, the rest in '

@@ -1,6 +1,7 @@
 """Activation offload: the tensors a block saves for backward live in host memory between its
 forward and its backward (`parallel.offload_activations` = the number of blocks, the first
-ones of each pipeline stage).
+ones of each pipeline stage, or under vpp > 1 of each of a rank's model chunks: which blocks
+is fivefold.parallel.parallelize.offloaded_blocks' choice, this file wraps them).
 
 Megatron-Core's `cpu_offloading` / `cpu_offloading_num_layers` (TransformerConfig; the
 context in megatron.core.cpu_offload) and PyTorch's `torch.autograd.graph.save_on_cpu` do

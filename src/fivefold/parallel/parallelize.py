@@ -25,7 +25,8 @@ model's own modules happens here, from outside and in this order (torchtitan's
      over the ranks that split a micro-batch's tokens (fp8.experts),
   6. activation recomputation (`plan.recompute = "full"` or `"selective"`,
      fivefold.memory.recompute), or activation offload of the first
-     `plan.offload_activations` blocks of this stage (fivefold.memory.activation_offload),
+     `plan.offload_activations` blocks of each of this rank's model chunks
+     (`offloaded_blocks`, fivefold.memory.activation_offload),
   7. torch.compile of each block (`compile_blocks`, the train.compile switch).
 
 What wraps the model rather than rewriting it is the trainer's to build from the same plan:
@@ -64,6 +65,31 @@ def rank_token_positions(plan: ParallelPlan, mesh: Mesh, seq_len: int) -> torch.
         return None
     return context_positions(seq_len, plan.cp_mode, plan.cp,
                              mesh.axis("cp").rank, plan.cp_ulysses)
+
+
+def offloaded_blocks(model: nn.Module, n: int) -> list[nn.Module]:
+    """The first `n` blocks of each of `model`'s chunks (all of a chunk that has fewer): one
+    chunk for the plain model and a stage without virtual stages, the rank's `vpp` chunks
+    (its virtual stages, in `stage_ids` order) under an interleaved or V schedule.
+
+    Why each chunk's first blocks and not the rank's first `n` (Narayanan et al. 2021,
+    arXiv 2104.04473 Sec. 2.2): the interleaved 1F1B schedule runs the forwards of all of
+    a rank's chunks before the first backward (its warm-up goes round the chunks in
+    groups of pp micro-batches) and frees a micro-batch's chunks in reverse chunk order,
+    so at the rank's peak every chunk holds micro-batches in flight; with pp 4, vpp 4 and
+    16 micro-batches rank 0's peak holds 7 of chunk 0 and 4 of each other chunk (19 in
+    all). Taking `n` blocks off every chunk lowers that peak by n blocks x 19 micro-batches,
+    the rank's first `n` (all in chunk 0) by n x 7. It also keeps one statement for every
+    schedule: `n` counts the blocks of a virtual stage, which is a pipeline stage without
+    vpp, and each chunk's first blocks are those whose backward runs last in the chunk's
+    backward, as for a stage. The planner prices the same blocks
+    (fivefold.planner.activation_offload)."""
+    if isinstance(model, PipelineStage):
+        chunks = [[model.layers[str(i)] for i in model.layer_ranges[s]]
+                  for s in model.stage_ids]
+    else:
+        chunks = [list(model.layers)]
+    return [block for chunk in chunks for block in chunk[:n]]
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
@@ -105,7 +131,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: Mesh,
     elif plan.recompute == "selective":
         apply_selective_recompute(model.layers)
     if plan.offload_activations:  # validation refuses it with recompute
-        apply_activation_offload(model, list(model.layers)[:plan.offload_activations])
+        apply_activation_offload(model, offloaded_blocks(model, plan.offload_activations))
     if compile_blocks:
         for block in model.layers:
             block.compile()

@@ -82,7 +82,7 @@ class ParallelPlan:
     offload_fraction: float
     offload_kernel: str  # the host's AdamW: "foreach" (exact) | "fused"
     dp_batch_shares: tuple[int, ...] | None = None  # None: the batch splits evenly over dp
-    offload_activations: int = 0  # blocks per stage whose saved tensors live on the host
+    offload_activations: int = 0  # first blocks of each chunk whose saves live on the host
 
     # ------------------------------------------------------------ ranks and batches
 

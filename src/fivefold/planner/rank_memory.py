@@ -9,8 +9,9 @@ device and two rows more, "optimizer states, host" and "optimizer states, disk",
 offloaded units' master, moments and fp32 gradient (fivefold.planner.memory's table).
 Activations are one micro-batch's saved bytes on this rank (this stage's blocks and its
 share of the root, fivefold.planner.activations), which the trainer measures with
-saved-tensor hooks on its first micro-batch; under activation offload the stage's first
-`offload_activations` blocks' bytes are the "activations_host" row instead
+saved-tensor hooks on its first micro-batch; under activation offload the first
+`offload_activations` blocks of each of the rank's virtual stages (its stage, or under vpp
+each of its chunks) put their bytes in the "activations_host" row instead
 (fivefold.planner.activation_offload); a pipeline stage holds up to its schedule's
 in-flight micro-batches of them, which the report states but does not measure. Under
 `parallel.dp_batch_shares` a rank's micro-batches are its replica's (batch_shares.replica_plan).
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 from fivefold.batch_shares import dp_rank_of, replica_plan
 from fivefold.config import Config
+from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan
-from fivefold.planner.activation_offload import offloaded_layers
+from fivefold.planner.activation_offload import rank_offloaded_layers
 from fivefold.planner.activations import block_saved_bytes, ring_kv_heads, root_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import stage_layers_of_rank
@@ -48,7 +50,9 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
     blocks = {i: block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel,
                                    plan.recompute, i, fp8=plan.precision == "fp8",
                                    kv_heads=ring_kv_heads(m, plan)) for i in layers}
-    host = sum(blocks.pop(i) for i in offloaded_layers(plan, layers))
+    ranges = stage_layer_ranges(m, plan.pp * plan.vpp, plan.stage_layers)
+    host = sum(blocks.pop(i) for i in rank_offloaded_layers(plan, ranges,
+                                                            plan.pp_rank_of(rank)))
     acts = sum(blocks.values())
     acts += root_saved_bytes(m, tokens, a, plan.tp, first, last, sp=plan.sequence_parallel)
     inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),

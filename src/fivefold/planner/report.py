@@ -60,11 +60,12 @@ def offload_line(est: Estimate) -> str | None:
 
 def activation_offload_line(est: Estimate) -> str | None:
     """Where the offloaded activations live and what their copies cost (the rank where they
-    are largest); None without activation offload."""
+    are largest); None without activation offload. Under vpp the count is each chunk's."""
     a = est.activation_offload
     if a is None:
         return None
-    return (f"activations offloaded: the first {a['blocks_per_stage']} blocks of each stage, "
+    unit = "model chunk" if est.layout.vpp > 1 else "stage"
+    return (f"activations offloaded: the first {a['blocks_per_stage']} blocks of each {unit}, "
             f"host {a['host_bytes_per_host'] / GiB:.2f} of {a['host_memory_bytes'] / GiB:.0f} "
             f"GiB per host ({'fits' if a['host_fits'] else 'does NOT fit'}); "
             f"{a['bytes_each_way_per_micro_batch'] / GiB:.2f} GiB each way per micro-batch: "
