@@ -121,8 +121,8 @@ def validate_offloaded_chunks(cfg: Config) -> None:
     the largest chunk's blocks (the runtime's split, fivefold.parallel.pipeline.partition)
     names blocks no chunk has: refused with that bound. Without virtual stages the looser
     model.layers bound stays, because `fivefold plan` holds a spec's count across the
-    pipeline degrees it searches (a stage with fewer blocks offloads all of them), which it
-    does not do under vpp (fivefold.planner.search_space.hosts_activations)."""
+    pipeline degrees it searches (a stage with fewer blocks offloads all of them); under vpp
+    it keeps only the splits whose chunks hold the count (fivefold.planner.search_space)."""
     p, n = cfg.parallel, cfg.parallel.offload_activations
     if p.vpp == 1 or not n:
         return

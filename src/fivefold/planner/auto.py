@@ -201,13 +201,6 @@ def plan_search(cfg: Config, prof: HardwareProfile, top_k: int) -> SearchResult:
     cfg, fixed = plan_spec(cfg)
     result = search(cfg, prof, top_k, accept=lambda lay: _held(lay, fixed))
     if fixed and not result.scored:
-        if fixed.get("vpp", 1) > 1 and cfg.parallel.offload_activations:  # not searched yet
-            raise ConfigError("parallel.offload_activations",
-                              f"plan does not search activation offload with parallel.vpp = "
-                              f"{fixed['vpp']} yet (fivefold.planner.search_space."
-                              "hosts_activations), though train runs it: `fivefold simulate` "
-                              "prices this layout; or drop parallel.vpp or "
-                              "offload_activations from the spec to search")
         held = ", ".join(f"parallel.{k} = {v!r}" for k, v in fixed.items())
         raise ConfigError(f"parallel.{next(iter(fixed))}",
                           f"no layout of {cfg.cluster.gpus} devices keeps {held} and splits "

@@ -265,8 +265,9 @@ class _Trace:
 
     def place(self, keys, mb: int, consumed: bool = True) -> list[int]:
         """The pool's records of `keys` here, each waiting for the compute op before it (and a
-        pipeline receive the pass has not consumed yet); the next compute op waits for them (`consumed`) but for gradient reduce-scatters and
-        sends, which nothing in the pass reads."""
+        pipeline receive the pass has not consumed yet); the next compute op waits for them
+        (`consumed`) but for gradient reduce-scatters and sends, which nothing in the pass
+        reads."""
         out, received = [], [w for w in self.waiting if self.ops[w].kind == "recv"]
         for record in self.pool.take(keys):
             out.append(self.comm(record, mb, self.last.get("compute"), *received))

@@ -13,13 +13,14 @@ offload, then "nvme", each at offload_fraction 0.5 then 1, and kept at the first
 it composes (AdamW, not PipeDream-2BW: fivefold.compositions' refusals) and when the spec
 leaves parallel.offload at "none"; a spec that sets a tier holds it for every layout.
 Activation offload (fivefold.planner.activation_offload) is tried the same way, first: a
-layout without recomputation that does not fit is tried with the fewest blocks per stage
-whose saved tensors, moved to the host, make it fit (`hosted_activations`; recomputation is
-the search's other answer, its own candidates). A spec's parallel.offload_activations is held
-instead, without recomputation or virtual stages (which it refuses); the fast pass, the stage
-partition and the exact simulation all keep the offloaded blocks' saved tensors off the
-device, and the fast pass and the exact one both check that the host holds them beside any
-offloaded optimizer state.
+layout without recomputation that does not fit is tried with the fewest blocks per model
+chunk (a stage without virtual stages) whose saved tensors, moved to the host, make it fit
+(`hosted_activations`; recomputation is the search's other answer, its own candidates). A
+spec's parallel.offload_activations is held instead, without recomputation (which it
+refuses) and, with virtual stages, where a chunk holds that many blocks; the fast pass,
+the stage partition and the exact simulation all keep the offloaded blocks' saved tensors
+off the device, and the fast pass and the exact one both check that the host holds them
+beside any offloaded optimizer state.
 Precision and the global batch stay as the spec says.
 
 Two passes, as Alpa (arXiv 2201.12023) and Calculon do: every layout is scored by a fast
@@ -134,34 +135,42 @@ class FastScorer:
             step += self._offload_exposed(sm, lay, costs, numel / shard, regather + opt_s)
         return step, peak, peak
 
+    def _chunk_blocks(self, lay: ParallelPlan) -> int:
+        """Blocks of a rank's largest model chunk (its stage without virtual stages): what
+        offload_activations counts in (fivefold.parallel.parallelize.offloaded_blocks)."""
+        return math.ceil(self.cfg.model.layers / (lay.pp * lay.vpp))
+
     def _activation_copies_s(self, sm: LayoutStep, lay: ParallelPlan, costs: list) -> float:
-        """Seconds activation offload's copies add to the step: per micro-batch a stage's
-        offloaded blocks, each the average block's saved bytes and backward, through
-        fivefold.planner.activation_offload's model (StageCosts.offload_copy_s): both passes
-        pay the copies where the stack queues them with compute, else the backward waits."""
-        blocks = math.ceil(self.cfg.model.layers / lay.pp)
+        """Seconds activation offload's copies add to the step: per micro-batch each of a
+        rank's chunks' offloaded blocks, each the average block's saved bytes and backward,
+        through fivefold.planner.activation_offload's model (StageCosts.offload_copy_s): both
+        passes pay the copies where the stack queues them with compute, else each chunk's
+        backward waits."""
+        blocks = self._chunk_blocks(lay)
         k = min(lay.offload_activations, blocks)
         nbytes, link = sm.block_saved_bytes(self.cfg.model.layers - 1), self.prof.host.link_Bps
+        chunks = lay.micro_batches * lay.vpp
         if sm.stack.offload_copies_inline:
-            return lay.micro_batches * 2 * inline_copy_s([nbytes] * k, link)
+            return chunks * 2 * inline_copy_s([nbytes] * k, link)
         b = max(c.b for _, c in costs)
-        return lay.micro_batches * backward_wait_s([(nbytes, b)] * k, (blocks - k) * b, link)
+        return chunks * backward_wait_s([(nbytes, b)] * k, (blocks - k) * b, link)
 
     def hosted_activations(self, lay: ParallelPlan, peak: float) -> ParallelPlan | None:
-        """`lay`, whose fast-pass peak is `peak` bytes, with the fewest blocks per stage
-        offloaded (parallel.offload_activations) that bring it within the device's memory by
-        the fast pass's own count (`_memory`: each offloaded block takes its saved bytes off
-        every micro-batch in flight); None where it does not compose (`hosts_activations`,
-        optimizer offload, a spec's own count) or even every block of a stage would not do."""
+        """`lay`, whose fast-pass peak is `peak` bytes, with the fewest blocks per model
+        chunk (a stage without virtual stages) offloaded (parallel.offload_activations) that
+        bring it within the device's memory by the fast pass's own count (`_memory`: each
+        offloaded block takes its saved bytes off every chunk's micro-batch in flight); None
+        where it does not compose (`hosts_activations`, optimizer offload, a spec's own
+        count) or even every block of a chunk would not do."""
         if (lay.offload_activations or lay.offload != "none"
-                or not hosts_activations(lay.recompute, lay.vpp, lay.schedule)):
+                or not hosts_activations(lay.recompute, lay.schedule)):
             return None
         sm = (self.last if self.last is not None and self.last.lay is lay  # as search asks
               else LayoutStep(self.cfg, self.prof, lay, self.cache))
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         per_block = sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
         blocks = math.ceil((peak - self.prof.memory_bytes) / per_block)
-        if blocks > math.ceil(self.cfg.model.layers / lay.pp):
+        if blocks > self._chunk_blocks(lay):
             return None
         return lay.replace(offload_activations=blocks)
 
@@ -211,7 +220,7 @@ class FastScorer:
         state = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
         per_rank = state * lay.offload_fraction * local if lay.offload != "none" else 0.0
         if lay.offload_activations:
-            blocks = math.ceil(self.cfg.model.layers / lay.pp)
+            blocks = self._chunk_blocks(lay)
             inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
             per_rank += (sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
                          * min(lay.offload_activations, blocks))
@@ -258,7 +267,8 @@ class FastScorer:
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
-        on_device = rank_layers / lay.vpp - min(lay.offload_activations, rank_layers)
+        chunk = rank_layers / lay.vpp  # a chunk's blocks, of each (chunk, micro-batch) held
+        on_device = chunk - min(lay.offload_activations, chunk)
         acts = per_block * on_device * inflight + A.root_saved_bytes(
             m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
         if lay.recompute != "none":

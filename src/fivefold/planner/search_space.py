@@ -49,9 +49,11 @@ def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
                 for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
                     for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
                                                            (False, True) if tp > 1 else (False,)):
-                        if base.offload_activations and not hosts_activations(
-                                rec, vpp, sched):
-                            continue
+                        if base.offload_activations and (
+                                not hosts_activations(rec, sched)
+                                or vpp > 1 and base.offload_activations
+                                > -(-m.layers // (pp * vpp))):
+                            continue  # a spec's count no chunk of this split holds
                         out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
                                                 zero_group=dp, micro_batch=mb, schedule=sched,
                                                 vpp=vpp, zero_stage=zero, recompute=rec,
@@ -69,12 +71,13 @@ def _schedules(pp: int, micro: int, layers: int) -> list[tuple[str, int]]:
     return out
 
 
-def hosts_activations(recompute: str, vpp: int, schedule: str) -> bool:
-    """Whether activation offload composes with a layout's recomputation, virtual stages and
-    schedule: fivefold.compositions refuses it with recomputation, vpp > 1 and TeraPipe (a
-    cheap filter on the search's hot path; tests/test_plan_activation_offload.py holds it to
-    the composition table)."""
-    return recompute == "none" and vpp == 1 and schedule != "terapipe"
+def hosts_activations(recompute: str, schedule: str) -> bool:
+    """Whether activation offload composes with a layout's recomputation and schedule:
+    fivefold.compositions refuses it with recomputation and TeraPipe (a cheap filter on the
+    search's hot path; tests/test_plan_activation_offload.py holds it to the composition
+    table). Under virtual stages its count is per model chunk (fivefold.parallel.
+    parallelize.offloaded_blocks), as the search prices it."""
+    return recompute == "none" and schedule != "terapipe"
 
 
 def offload_tries(lay: ParallelPlan) -> Iterator[ParallelPlan]:
