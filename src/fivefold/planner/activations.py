@@ -102,7 +102,7 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         if moe:  # the layer routes the rank's tokens / tp with sp or on the experts' grid
             routed = tokens / tp if sp or not stack.experts_follow_tp else tokens
             return tokens * (norms + attention) + routed * moe_saved_per_token(model, a) + \
-                moe_saved_constant(model)
+                moe_saved_constant(model, a)
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp)
     return tokens * per_token
 
@@ -186,12 +186,15 @@ def moe_saved_per_token(model: ModelConfig, a: int) -> float:
     return n
 
 
-def moe_saved_constant(model: ModelConfig) -> float:
+def moe_saved_constant(model: ModelConfig, a: int = 4) -> float:
     """Per-micro-batch bytes of an MoE layer that do not grow with tokens: the grouped
-    matmul's int32 group offsets and the load-balancing loss's fp32 expert shares."""
+    matmul's int32 group offsets, the load-balancing loss's fp32 expert shares and, at a
+    compute dtype under fp32 (a < 4), the router's fp32 weight copy that its
+    `weight.float()` makes and its linear saves (fivefold.models.moe.MoE.route)."""
     m = model.moe
     return (4 * m.experts if m.expert_matmul == "grouped" else 0) + \
-        (4 * m.experts if m.aux_loss_weight else 0)
+        (4 * m.experts if m.aux_loss_weight else 0) + \
+        (4 * m.experts * model.hidden if a < 4 else 0)
 
 
 def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
@@ -224,3 +227,17 @@ def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
         n += tokens * (norm + a * D + logp + 8)
         n += tokens if tp > 1 else 4  # the loss's target mask, or its total weight
     return n
+
+
+def rotary_rows_bytes(model: ModelConfig, cp: int, table_bytes: int) -> float:
+    """Bytes of the rotary rows of a context-parallel rank's tokens, per micro-batch and
+    stage: the model's forward (fivefold.models.llama.Transformer.hidden_states, a pipeline
+    stage's forward) gathers cos and sin at the rank's positions once, outside the blocks,
+    by indexing, which makes new storages (without cp they are slices of the tables, model
+    state), and every block's rotary saves them, 2 x seq_len / cp x d_head / 2 elements of
+    the tables' dtype (`table_bytes`: the engine casts the buffers to its compute dtype,
+    fp32 weights keep them fp32). The count charges them to the stage's first block that
+    saves them; under activation offload each offloaded block copies them to the host while
+    the device copy stays for the other blocks."""
+    return 0.0 if cp == 1 else 2 * (model.seq_len // cp) * (model.d_head // 2) * table_bytes
+
