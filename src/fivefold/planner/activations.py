@@ -32,6 +32,12 @@ is its 6th matmul and is recomputed).
 The root (embedding stage / head stage): token ids (int64), the final norm, the head input,
 the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
 
+These are the counts for a model held in its compute dtype, as the data-parallel engine
+holds it. Where the runtime trains fp32 weights under autocast instead (every other update
+path), fivefold.planner.activations_autocast adds what that saves; under context
+parallelism each stage also saves its tokens' rotary rows once (`rotary_rows_bytes`);
+fivefold.planner.rank_memory adds both for the memory report.
+
 fp8 (`fp8_input_copy`): fivefold's fp8 linear keeps the high-precision input and weight and
 quantizes them again in backward, as torchao does, so under either recipe it saves what a
 plain linear saves (tests/test_fp8.py measures it). A stack that keeps its linears' fp8
