@@ -27,6 +27,7 @@ from fivefold.config import ConfigError, load_config
 from fivefold.parallel.plan import plan_from_config, training_plan
 from fivefold.hardware import PROFILES
 from fivefold.planner.activations import block_saved_bytes
+from fivefold.planner.activations_autocast import autocast_block_bytes
 from fivefold.planner.rank_memory import predicted_rank_memory
 from fivefold.planner.search import FastScorer, exact_estimate
 from fivefold.planner.simulate import simulate
@@ -49,7 +50,7 @@ def _run(rt, sets, run_dir):
     trainer = Trainer(cfg, rt, run_dir, plan=plan)
     losses = [trainer.train_step(s).loss for s in range(STEPS)]
     params = full_parameters(trainer)  # the engine's (an offloaded step may be in flight)
-    predicted = predicted_rank_memory(cfg, plan, rt.rank)
+    predicted = predicted_rank_memory(cfg, plan, rt.rank, rt.device.type)
     return (losses, params, trainer.memory.activations, trainer.memory.activations_host,
             predicted["activations_per_micro_batch"], predicted["activations_host"])
 
@@ -68,30 +69,30 @@ def _assert_ledger(off, plain, layer_bytes, label):
     assert device == want_device and plain[2] == plain[4], label
 
 
-ONE_PROCESS = [  # (overrides, whether the ledger is checked: not for bf16 on the plain path,
-                #  whose autocast weight copies the planner does not predict, docs/memory.md)
-    ([], True),
-    (["parallel.micro_batch=2", "train.optimizer='sgd'"], True),
-    (["train.optimizer='muon'"], True),
-    (["parallel.offload='cpu'"], True),
-    (["parallel.precision='bf16'"], False),
+ONE_PROCESS = [  # (overrides, the compute dtype's bytes)
+    ([], 4),
+    (["parallel.micro_batch=2", "train.optimizer='sgd'"], 4),
+    (["train.optimizer='muon'"], 4),
+    (["parallel.offload='cpu'"], 4),
+    (["parallel.precision='bf16'"], 2),  # the plain path: fp32 weights under autocast
 ]
 
 
-@pytest.mark.parametrize("sets, ledger", ONE_PROCESS)
-def test_one_process_is_bit_identical_and_moves_block_0_to_host(sets, ledger,
+@pytest.mark.parametrize("sets, a", ONE_PROCESS)
+def test_one_process_is_bit_identical_and_moves_block_0_to_host(sets, a,
                                                                 parity_overrides, tmp_path):
     sets = parity_overrides + sets
     plain = _run(CPU, sets, str(tmp_path / "plain"))
     off = _run(CPU, sets + [OFF], str(tmp_path / "off"))
     _assert_same_run(off, plain, "one process")
-    if ledger:
-        cfg = load_config(None, sets)
-        tokens = training_plan(cfg, 1, "cpu").micro_batch * cfg.model.seq_len
-        layer = block_saved_bytes(cfg.model, tokens, 4, layer=0)
-        _assert_ledger(off, plain, layer, "one process")
-        print(f"{sets[len(parity_overrides):]}: {_mib(off[3])} MiB of block 0 to the host and "
-              f"back per micro-batch; device activations {_mib(plain[2])} -> {_mib(off[2])} MiB")
+    cfg = load_config(None, sets)
+    tokens = training_plan(cfg, 1, "cpu").micro_batch * cfg.model.seq_len
+    layer = block_saved_bytes(cfg.model, tokens, a, layer=0)
+    if a < 4:  # the casts and fp32 tensors of autocast on fp32 weights
+        layer += autocast_block_bytes(cfg.model, tokens, a, layer=0)
+    _assert_ledger(off, plain, layer, "one process")
+    print(f"{sets[len(parity_overrides):]}: {_mib(off[3])} MiB of block 0 to the host and "
+          f"back per micro-batch; device activations {_mib(plain[2])} -> {_mib(off[2])} MiB")
 
 
 def _mib(n: int) -> str:

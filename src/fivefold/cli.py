@@ -194,7 +194,8 @@ def _train_this_rank(cfg: Config, plan: ParallelPlan, run_dir: str,
         rt = init_runtime(cfg.train.device, cfg.train.timeout_s)
         try:
             summary = Trainer(cfg, rt, run_dir, data, init_from=init_from, plan=plan,
-                              predicted_memory=predicted_rank_memory(cfg, plan, rt.rank),
+                              predicted_memory=predicted_rank_memory(cfg, plan, rt.rank,
+                                                                     rt.device.type),
                               stop=stop).run()
             if summary.get("interrupted"):
                 stop.quiet()

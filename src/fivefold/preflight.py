@@ -81,7 +81,7 @@ def predicted_need(cfg: Config, plan: ParallelPlan, local_ranks: int, device_typ
     per_rank = []
     host = 0.0
     for rank in range(first_rank, first_rank + local_ranks):
-        r = predicted_rank_memory(cfg, plan, rank)
+        r = predicted_rank_memory(cfg, plan, rank, device_type)
         acts = r["activations_per_micro_batch"] * r["micro_batches_in_flight"]
         per_rank.append({"params": r["params"], "grads": r["grads"],
                          "optimizer": r["optimizer"], "activations": acts})

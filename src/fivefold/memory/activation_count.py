@@ -26,7 +26,10 @@ what the step holds. `bytes_by_label` counts each storage as it was when first s
 as they are then left out: a ZeRO-3 unit's gathered weights, saved by its linears, are
 either released after its forward (their storage shrunk to nothing, re-gathered for
 backward) or still the parameters' own storage, so they count in the first and not in the
-second.
+second. The selective cache keeps its own detached aliases of the tensors the policy shows
+the counter, whose tensor objects die with the forward, so those storages are followed by
+weak references to the storage itself (else `resident_bytes` would leave out the cache
+that `bytes_by_label` counts).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fivefold.memory.activation_offload import observe_offloaded_saves, state_pointers
 from fivefold.memory.recompute import observe_selective_saves
@@ -49,12 +53,13 @@ class SavedActivations:
         self.host_bytes_by_label: dict[str, int] = defaultdict(int)
         self._seen: set[int] = set()
         self._saved: list[weakref.ref] = []  # every saved tensor, for `resident_bytes`
+        self._cached: list[tuple] = []  # the selective cache's (weak storage, ptr, bytes)
         self.resident_bytes = 0  # at exit: what the saved storages still hold (docstring)
         self._state = state_pointers(model)
         self._label = ["root"]
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._selective = observe_selective_saves(self._pack)
+        self._selective = observe_selective_saves(self._pack_cached)
         self._offloaded = observe_offloaded_saves(self._pack_host)
 
     @property
@@ -68,6 +73,13 @@ class SavedActivations:
     def _pack_host(self, t: torch.Tensor) -> None:
         """A storage the offload copied to the host (once each, and never model state)."""
         self.host_bytes_by_label[self._label[0]] += t.untyped_storage().nbytes()
+
+    def _pack_cached(self, t: torch.Tensor) -> None:
+        """A tensor the selective policy keeps (its cache holds a detached alias)."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._state:
+            self._cached.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+        self._pack(t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -100,9 +112,13 @@ class SavedActivations:
         for t in (ref() for ref in self._saved):
             if t is not None and t.untyped_storage().data_ptr() not in state:
                 resident[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for ref, ptr, nbytes in self._cached:
+            if not ref.expired():
+                resident[ptr] = nbytes
         resident.pop(0, None)  # released storages
         self.resident_bytes = sum(resident.values())
         self._saved.clear()
+        self._cached.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -32,6 +32,12 @@ is its 6th matmul and is recomputed).
 The root (embedding stage / head stage): token ids (int64), the final norm, the head input,
 the fp32 log-softmax of the vocabulary-parallel logits and the int64 targets.
 
+These are the counts for a model held in its compute dtype, as the data-parallel engine
+holds it. Where the runtime trains fp32 weights under autocast instead (every other update
+path), fivefold.planner.activations_autocast adds what that saves; under context
+parallelism each stage also saves its tokens' rotary rows once (`rotary_rows_bytes`);
+fivefold.planner.rank_memory adds both for the memory report.
+
 fp8 (`fp8_input_copy`): fivefold's fp8 linear keeps the high-precision input and weight and
 quantizes them again in backward, as torchao does, so under either recipe it saves what a
 plain linear saves (tests/test_fp8.py measures it). A stack that keeps its linears' fp8
@@ -102,7 +108,7 @@ def block_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int =
         if moe:  # the layer routes the rank's tokens / tp with sp or on the experts' grid
             routed = tokens / tp if sp or not stack.experts_follow_tp else tokens
             return tokens * (norms + attention) + routed * moe_saved_per_token(model, a) + \
-                moe_saved_constant(model)
+                moe_saved_constant(model, a)
         per_token = norms + attention + a * D + _mlp_saved(model, a, tp)
     return tokens * per_token
 
@@ -186,12 +192,15 @@ def moe_saved_per_token(model: ModelConfig, a: int) -> float:
     return n
 
 
-def moe_saved_constant(model: ModelConfig) -> float:
+def moe_saved_constant(model: ModelConfig, a: int = 4) -> float:
     """Per-micro-batch bytes of an MoE layer that do not grow with tokens: the grouped
-    matmul's int32 group offsets and the load-balancing loss's fp32 expert shares."""
+    matmul's int32 group offsets, the load-balancing loss's fp32 expert shares and, at a
+    compute dtype under fp32 (a < 4), the router's fp32 weight copy that its
+    `weight.float()` makes and its linear saves (fivefold.models.moe.MoE.route)."""
     m = model.moe
     return (4 * m.experts if m.expert_matmul == "grouped" else 0) + \
-        (4 * m.experts if m.aux_loss_weight else 0)
+        (4 * m.experts if m.aux_loss_weight else 0) + \
+        (4 * m.experts * model.hidden if a < 4 else 0)
 
 
 def full_block_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 1,
@@ -235,3 +244,17 @@ def layout_block_saved_bytes(model: ModelConfig, lay: ParallelPlan, layer: int,
                              PRECISION_BYTES[lay.precision], lay.tp, lay.sequence_parallel,
                              lay.recompute, layer, stack, fp8_input_copy(lay),
                              ring_kv_heads(model, lay))
+
+
+def rotary_rows_bytes(model: ModelConfig, cp: int, table_bytes: int) -> float:
+    """Bytes of the rotary rows of a context-parallel rank's tokens, per micro-batch and
+    stage: the model's forward (fivefold.models.llama.Transformer.hidden_states, a pipeline
+    stage's forward) gathers cos and sin at the rank's positions once, outside the blocks,
+    by indexing, which makes new storages (without cp they are slices of the tables, model
+    state), and every block's rotary saves them, 2 x seq_len / cp x d_head / 2 elements of
+    the tables' dtype (`table_bytes`: the engine casts the buffers to its compute dtype,
+    fp32 weights keep them fp32). The count charges them to the stage's first block that
+    saves them; under activation offload each offloaded block copies them to the host while
+    the device copy stays for the other blocks."""
+    return 0.0 if cp == 1 else 2 * (model.seq_len // cp) * (model.d_head // 2) * table_bytes
+

@@ -15,6 +15,12 @@ each of its chunks) put their bytes in the "activations_host" row instead
 (fivefold.planner.activation_offload); a pipeline stage holds up to its schedule's
 in-flight micro-batches of them, which the report states but does not measure. Under
 `parallel.dp_batch_shares` a rank's micro-batches are its replica's (batch_shares.replica_plan).
+
+The activations follow the runtime's dtypes on `device_type`: fp8 keeps its base dtype
+outside the fp8 linears, fp32 on the CPU (fivefold.parallel.plan.compute_precision), where
+the fp8 linears save their fp32 inputs as a plain linear does; the update paths that keep fp32
+weights under autocast save the casts and fp32 tensors planner.activations_autocast counts;
+under cp each stage saves its tokens' rotary rows once (activations.rotary_rows_bytes).
 """
 
 from __future__ import annotations
@@ -22,20 +28,24 @@ from __future__ import annotations
 from fivefold.batch_shares import dp_rank_of, replica_plan
 from fivefold.config import Config
 from fivefold.parallel.pipeline.partition import stage_layer_ranges
-from fivefold.parallel.plan import ParallelPlan
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, compute_precision
 from fivefold.planner.activation_offload import rank_offloaded_layers
-from fivefold.planner.activations import block_saved_bytes, ring_kv_heads, root_saved_bytes
+from fivefold.planner.activations import (block_saved_bytes, ring_kv_heads, root_saved_bytes,
+                                          rotary_rows_bytes)
+from fivefold.planner.activations_autocast import (autocast_block_bytes, autocast_root_bytes,
+                                                   fp32_weights_under_autocast)
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import stage_layers_of_rank
 from fivefold.planner.memory import model_state_bytes, stage_units
 from fivefold.planner.schedules import peak_in_flight
 
 
-def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[str, float]:
+def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int,
+                          device_type: str = "cuda") -> dict[str, float]:
     """{params, grads, optimizer (master copies and states on the device), host, disk
     (offload's tiers), activations_per_micro_batch (on the device), activations_host,
     micro_batches_in_flight}
-    of global rank `rank` under `plan`, in bytes."""
+    of global rank `rank` under `plan` on `device_type` ranks, in bytes."""
     m = cfg.model
     plan = replica_plan(plan, dp_rank_of(plan, rank))  # dp_batch_shares: its micro-batches
     layers, first, last = stage_layers_of_rank(cfg, plan, plan.pp_rank_of(rank))
@@ -46,15 +56,20 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int) -> dict[st
         units = stage_units(m, fp32, layers, first, last, etp=plan.etp)
         states = model_state_bytes(units, fp32)
     tokens = plan.micro_batch * m.seq_len // plan.cp
-    a = plan.act_bytes
+    a = PRECISION_BYTES[compute_precision(plan.precision, device_type)]
+    autocast = fp32_weights_under_autocast(plan, a)
     blocks = {i: block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel,
                                    plan.recompute, i, fp8=plan.precision == "fp8",
-                                   kv_heads=ring_kv_heads(m, plan)) for i in layers}
+                                   kv_heads=ring_kv_heads(m, plan))
+              + (autocast_block_bytes(m, tokens, a, plan.recompute, i) if autocast else 0)
+              for i in layers}
+    rows = rotary_rows_bytes(m, plan.cp, 4 if plan.update != "engine" else a)
     ranges = stage_layer_ranges(m, plan.pp * plan.vpp, plan.stage_layers)
-    host = sum(blocks.pop(i) for i in rank_offloaded_layers(plan, ranges,
-                                                            plan.pp_rank_of(rank)))
-    acts = sum(blocks.values())
+    host = sum(blocks.pop(i) + rows for i in rank_offloaded_layers(plan, ranges,
+                                                                   plan.pp_rank_of(rank)))
+    acts = sum(blocks.values()) + (rows if blocks else 0)
     acts += root_saved_bytes(m, tokens, a, plan.tp, first, last, sp=plan.sequence_parallel)
+    acts += autocast_root_bytes(m, tokens, a, last) if autocast else 0
     inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],
