@@ -16,7 +16,6 @@ from fivefold.config import Config, ConfigError
 from fivefold.expert_grid import validate_expert_grid
 from fivefold.models.validate_model import (choice as _choice, divisors as _divisors,
                                             positive as _positive)
-from fivefold.parallel.pipeline.partition import stage_layer_ranges
 
 CP_MODES = ("ulysses", "ring", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "pipedream-2bw",
@@ -100,40 +99,18 @@ def validate_parallel(cfg: Config, world_size: int | None) -> None:
                           f"ranks (a V: down the ranks and back); set parallel.pp >= 2 and "
                           f"parallel.vpp = 2 (got pp = {p.pp}, vpp = {p.vpp})")
     validate_pipeline(cfg, dp)
-    validate_offloaded_chunks(cfg)
 
 
 def validate_activation_offload(cfg: Config) -> None:
     """`parallel.offload_activations` (fivefold.memory.activation_offload): a count of blocks
-    from 0 to model.layers (a stage with fewer blocks offloads all of them). What it does not
-    compose with (recomputation, TeraPipe) is in fivefold.compositions; the bound under
-    virtual stages, once the pipeline's own checks have passed, is
-    `validate_offloaded_chunks`."""
+    from 0 to model.layers, per pipeline stage or, under vpp, per model chunk (one with fewer
+    blocks offloads all of them, as `fivefold plan` needs when it holds a spec's count across
+    the splits it searches). What it does not compose with (recomputation, TeraPipe) is in
+    fivefold.compositions."""
     n = cfg.parallel.offload_activations
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.model.layers:
         raise ConfigError("parallel.offload_activations", f"{n!r} is not a block count: use an "
                           f"integer from 0 (off) to model.layers = {cfg.model.layers}")
-
-
-def validate_offloaded_chunks(cfg: Config) -> None:
-    """Under vpp > 1 `parallel.offload_activations` counts the first blocks of each of a
-    rank's model chunks (fivefold.parallel.parallelize.offloaded_blocks), so a count above
-    the largest chunk's blocks (the runtime's split, fivefold.parallel.pipeline.partition)
-    names blocks no chunk has: refused with that bound. Without virtual stages the looser
-    model.layers bound stays, because `fivefold plan` holds a spec's count across the
-    pipeline degrees it searches (a stage with fewer blocks offloads all of them); under vpp
-    it keeps only the splits whose chunks hold the count (fivefold.planner.search_space)."""
-    p, n = cfg.parallel, cfg.parallel.offload_activations
-    if p.vpp == 1 or not n:
-        return
-    stages = p.pp * p.vpp
-    counts = [len(r) for r in stage_layer_ranges(cfg.model, stages, p.stage_layers)]
-    if n > max(counts):
-        raise ConfigError("parallel.offload_activations",
-                          f"{n} blocks, but under parallel.vpp = {p.vpp} it counts the first "
-                          f"blocks of each model chunk, and the largest of the pp*vpp = "
-                          f"{stages} chunks holds {max(counts)} (blocks per chunk: {counts}); "
-                          f"use an integer from 0 (off) to {max(counts)}")
 
 
 def validate_offload(cfg: Config) -> None:

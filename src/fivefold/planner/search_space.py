@@ -49,11 +49,8 @@ def candidates(cfg: Config, base: ParallelPlan) -> list[ParallelPlan]:
                 for sched, vpp in _schedules(pp, per_rank // mb, m.layers):
                     for zero, rec, sp in itertools.product(range(4), RECOMPUTE,
                                                            (False, True) if tp > 1 else (False,)):
-                        if base.offload_activations and (
-                                not hosts_activations(rec, sched)
-                                or vpp > 1 and base.offload_activations
-                                > -(-m.layers // (pp * vpp))):
-                            continue  # a spec's count no chunk of this split holds
+                        if base.offload_activations and not hosts_activations(rec, sched):
+                            continue
                         out.append(base.replace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
                                                 zero_group=dp, micro_batch=mb, schedule=sched,
                                                 vpp=vpp, zero_stage=zero, recompute=rec,
