@@ -140,7 +140,7 @@ class LayoutStep(RankCosts):
         for r in range(lay.pp):
             tail, regather = self.dp_sync(r, rp.last_grads[r])
             if self.stack.dp_overlap and regather:  # beside the next step's first forward
-                window = sum(times[g][0] for g in range(r, stages, lay.pp))
+                window = sum(times[g][0] for g in lay.stage_ids_of_rank(r))
                 regather = beside_seconds(regather, window, prof.eff.overlap_eff)
             opt = self.optimizer_s(r)
             offloaded = offload.rank_offload(self, r, opt + regather)
@@ -150,9 +150,8 @@ class LayoutStep(RankCosts):
                          offloaded))
         step, r, tail, opt, regather, offloaded = max(ends)
         m = lay.micro_batches
-        rank_stages = range(r, stages, lay.pp)
         comm_in = sum(m * (times[g][3] + times[g][4]) + sum(self.stages_once[g])
-                      for g in rank_stages)
+                      for g in lay.stage_ids_of_rank(r))
         busy = rp.busy_s[r]
         compute = busy - comm_in
         bubble = max(0.0, rp.finish_s[r] - busy)  # with the waits on every p2p message
