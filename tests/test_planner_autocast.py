@@ -18,7 +18,13 @@ from fivefold.memory.activation_count import SavedActivations
 from fivefold.memory.recompute import apply_full_recompute, apply_selective_recompute
 from fivefold.models.llama import build_model
 from fivefold.planner.activations import block_saved_bytes, root_saved_bytes
+from fivefold.hardware import PROFILES
+from fivefold.parallel.plan import plan_from_config, training_plan
 from fivefold.planner.activations_autocast import autocast_block_bytes, autocast_root_bytes
+from fivefold.planner.rank_memory import predicted_rank_memory
+from fivefold.planner.search import FastScorer
+from fivefold.planner.simulate import simulate
+from fivefold.planner.spec import prepare
 
 MOE = ["model.moe.experts=4", "model.moe.expert_ffn_hidden=48", "model.moe.shared_experts=1",
        "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]
@@ -84,3 +90,28 @@ def test_compute_dtype_moe_saves_the_router_weight_copy(tiny_overrides):
     for i in range(cfg.layers):
         assert acts.bytes_by_label[f"layers.{i}"] == block_saved_bytes(cfg, n, 2, layer=i), i
     assert acts.bytes_by_label["root"] == root_saved_bytes(cfg, n, 2)
+
+
+@pytest.mark.parametrize("sets", [["parallel.precision='bf16'"], ["parallel.precision='fp16'"],
+                                  ["parallel.precision='bf16'", *MOE]])
+def test_simulate_and_plan_count_them_on_one_gpu(sets):
+    """`simulate` and `plan`'s fast pass price a one-GPU layout as the runtime trains it (the
+    plain path: fp32 weights under autocast, Stack.autocast_fp32_weights): one micro-batch's
+    activations equal the memory report's prediction (fivefold.planner.rank_memory) to the
+    byte, and under ZeRO-1 (the engine, compute-dtype weights) they are less by autocast's
+    terms exactly, in simulate and in the fast pass."""
+    base = ["model.preset='1B'", "model.layers=4", "cluster.gpus=1", "cluster.gpu='H100-SXM'",
+            "parallel.global_batch=2", "parallel.micro_batch=1", "model.seq_len=1024", *sets]
+    cfg = prepare(load_config(None, base))
+    est, lay = simulate(cfg), training_plan(cfg, 1, "cuda")
+    assert lay.update == "plain"
+    report = predicted_rank_memory(cfg, lay, 0, "cuda")["activations_per_micro_batch"]
+    assert est.memory_per_gpu_bytes["activations"] == int(report)
+    n, a = lay.micro_batch * cfg.model.seq_len, 2
+    extra = sum(autocast_block_bytes(cfg.model, n, a, "none", i) for i in range(4)) + \
+        autocast_root_bytes(cfg.model, n, a)
+    engine = simulate(prepare(load_config(None, base + ["parallel.zero_stage=1"])))
+    assert engine.memory_per_gpu_bytes["activations"] == int(report - extra)
+    scorer, plain = FastScorer(cfg, PROFILES["H100-SXM"]), plan_from_config(cfg, 1)
+    peaks = [scorer.score(lay)[1] for lay in (plain, plain.replace(zero_stage=1))]
+    assert peaks[0] - peaks[1] == pytest.approx(extra, rel=1e-9)

@@ -275,8 +275,8 @@ class FastScorer:
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
         chunk = rank_layers / lay.vpp  # a chunk's blocks, of each (chunk, micro-batch) held
         on_device = chunk - min(lay.offload_activations, chunk)
-        acts = per_block * on_device * inflight + A.root_saved_bytes(
-            m, n, p, lay.tp, True, lay.pp == 1, sm.stack, sp=lay.sequence_parallel) * inflight
+        acts = (per_block * on_device + A.layout_root_saved_bytes(
+            m, lay, True, lay.pp == 1, sm.stack)) * inflight
         if lay.recompute != "none":
             acts += sm.full_block_bytes()
         other = self.prof.eff.reserved_bytes + n * m.vocab / lay.tp * sm.stack.logit_bytes(p)

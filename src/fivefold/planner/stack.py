@@ -147,6 +147,11 @@ figures. The fivefold stack's switches describe this runtime and are checked aga
   return issued when backward unpacks it (fivefold.memory.activation_offload), so every
   copy adds to its pass (fivefold.planner.activation_offload.inline_copy_s); else they run
   on a side stream with the returns prefetched, as Megatron-Core's cpu_offloading does.
+- autocast_fp32_weights: a layout the data-parallel engine does not run (one rank, the
+  plain, LOMO or GaLore update) trains fp32 weights under a bf16/fp16 autocast, which saves
+  the norms' fp32 outputs, a cast of each linear's input and each weight's cast
+  (fivefold.planner.activations_autocast, equal to the runtime's to the byte); other stacks
+  hold half-precision weights with fp32 masters on every layout.
 - zero3_recompute_gathers: all-gathers of a ZeRO-3 block per step under full recomputation:
   DeepSpeed's ZeRO-3 runs its pre-forward hook again for the recomputed forward (3);
   FSDP2, Megatron-FSDP and fivefold gather once for backward and recompute inside it (2).
@@ -253,6 +258,7 @@ class Stack:
     zero3_recompute_gathers: int = 2
     recompute_early_stop: bool = False
     offload_copies_inline: bool = False
+    autocast_fp32_weights: bool = False
     expert_group_stride_1: bool = False
     selective_modules: bool = False
     eager_adamw: bool = False
@@ -348,6 +354,7 @@ class Stack:
 
 FIVEFOLD = Stack("fivefold", ring_kernel="math", eager_adamw=True, experts_follow_tp=False,
                  recompute_early_stop=True, offload_copies_inline=True,
+                 autocast_fp32_weights=True,
                  source="this runtime: eager PyTorch blocks (train.compile fuses them), SDPA "
                         "attention (ring CP: explicit fp32 blocks), fp32 loss, exposed TP "
                         "collectives, torch's unfused AdamW, MoE layers on the experts' own "

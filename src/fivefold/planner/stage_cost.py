@@ -156,18 +156,16 @@ class StageCosts(BlockCosts):
         """Bytes virtual stage g keeps on the device per in-flight micro-batch (not its
         offloaded blocks')."""
         lay = self.lay
-        n = self.shard.tokens
         off = offloaded_layers(lay, self.stage_ranges[g])
         total = sum(self.block_saved_bytes(i) for i in self.stage_ranges[g] if i not in off)
         first, last = g == 0, g == len(self.stage_layers) - 1
-        return total + A.root_saved_bytes(self.model, n, self.a, lay.tp, first, last,
-                                          self.stack, sp=lay.sequence_parallel)
+        return total + A.layout_root_saved_bytes(self.model, lay, first, last, self.stack)
 
     def block_saved_bytes(self, i: int) -> float:
         """Bytes block i keeps for backward per micro-batch (fivefold.planner.activations),
         shared through `cache` by the layouts of the same shard shape."""
         lay = self.lay
-        key = ("saved", i, lay.cp_ulysses) + self.shape_key
+        key = ("saved", i, lay.cp_ulysses, A.layout_autocast(lay, self.stack)) + self.shape_key
         if key not in self.cache:
             self.cache[key] = A.layout_block_saved_bytes(self.model, lay, i, self.stack)
         return self.cache[key]

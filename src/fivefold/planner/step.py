@@ -71,8 +71,7 @@ class LayoutStep(RankCosts):
         first, last = rank == 0, rank == lay.pp - 1
         units = stage_units(self.model, lay, [], first, last)
         states = model_state_bytes(units, lay, self.linear_bytes)["total"] if units else 0
-        root = A.root_saved_bytes(self.model, self.shard.tokens, self.a, lay.tp, first, last,
-                                  self.stack, sp=lay.sequence_parallel)
+        root = A.layout_root_saved_bytes(self.model, lay, first, last, self.stack)
         return states + root * inflight + self.other_bytes(rank)
 
     def other_bytes(self, rank: int) -> float:
