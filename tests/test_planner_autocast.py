@@ -98,15 +98,19 @@ def test_simulate_and_plan_count_them_on_one_gpu(sets):
     """`simulate` and `plan`'s fast pass price a one-GPU layout as the runtime trains it (the
     plain path: fp32 weights under autocast, Stack.autocast_fp32_weights): one micro-batch's
     activations equal the memory report's prediction (fivefold.planner.rank_memory) to the
-    byte, and under ZeRO-1 (the engine, compute-dtype weights) they are less by autocast's
+    byte, as are its model-state rows (fp32 weights and gradients, no master copies), and
+    under ZeRO-1 (the engine, compute-dtype weights) the activations are less by autocast's
     terms exactly, in simulate and in the fast pass."""
     base = ["model.preset='1B'", "model.layers=4", "cluster.gpus=1", "cluster.gpu='H100-SXM'",
             "parallel.global_batch=2", "parallel.micro_batch=1", "model.seq_len=1024", *sets]
     cfg = prepare(load_config(None, base))
     est, lay = simulate(cfg), training_plan(cfg, 1, "cuda")
     assert lay.update == "plain"
-    report = predicted_rank_memory(cfg, lay, 0, "cuda")["activations_per_micro_batch"]
+    rows = predicted_rank_memory(cfg, lay, 0, "cuda")
+    report = rows["activations_per_micro_batch"]
     assert est.memory_per_gpu_bytes["activations"] == int(report)
+    for key in ("params", "grads", "optimizer"):  # fp32 weights and gradients, no masters
+        assert est.memory_per_gpu_bytes[key] == rows[key], key
     n, a = lay.micro_batch * cfg.model.seq_len, 2
     extra = sum(autocast_block_bytes(cfg.model, n, a, "none", i) for i in range(4)) + \
         autocast_root_bytes(cfg.model, n, a)
