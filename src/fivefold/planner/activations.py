@@ -238,37 +238,41 @@ def root_saved_bytes(model: ModelConfig, tokens: int, act_bytes: int, tp: int = 
 
 
 def layout_block_saved_bytes(model: ModelConfig, lay: ParallelPlan, layer: int,
-                             stack: Stack = FIVEFOLD) -> float:
+                             stack: Stack = FIVEFOLD, act_bytes: int | None = None) -> float:
     """`block_saved_bytes` of block `layer` for one micro-batch of plan `lay` on one rank
     (its tokens: the micro-batch's share of a cp rank), with what autocast on fp32 weights
     adds where the stack trains a layout so (`layout_autocast`), as the block model
-    (StageCosts.block_saved_bytes) and the op trace's activation-offload copies read it."""
-    tokens, a = lay.micro_batch * model.seq_len // lay.cp, PRECISION_BYTES[lay.precision]
+    (StageCosts.block_saved_bytes), the op trace's activation-offload copies and the memory
+    report (rank_memory, at the `act_bytes` of the device it runs on) read it."""
+    tokens = lay.micro_batch * model.seq_len // lay.cp
+    a = act_bytes or PRECISION_BYTES[lay.precision]
     saved = block_saved_bytes(model, tokens, a, lay.tp, lay.sequence_parallel, lay.recompute,
                               layer, stack, fp8_input_copy(lay), ring_kv_heads(model, lay))
-    if layout_autocast(lay, stack):
+    if layout_autocast(lay, stack, a):
         saved += autocast_block_bytes(model, tokens, a, lay.recompute, layer)
     return saved
 
 
 def layout_root_saved_bytes(model: ModelConfig, lay: ParallelPlan, first: bool, last: bool,
-                            stack: Stack = FIVEFOLD) -> float:
+                            stack: Stack = FIVEFOLD, act_bytes: int | None = None) -> float:
     """`root_saved_bytes` of one micro-batch of plan `lay` on a stage (`first`, `last`), with
-    autocast's terms where the stack keeps fp32 weights for the layout (`layout_autocast`)."""
-    tokens, a = lay.micro_batch * model.seq_len // lay.cp, PRECISION_BYTES[lay.precision]
+    autocast's terms where the stack keeps fp32 weights for the layout (`layout_autocast`);
+    `act_bytes` as in `layout_block_saved_bytes`."""
+    tokens = lay.micro_batch * model.seq_len // lay.cp
+    a = act_bytes or PRECISION_BYTES[lay.precision]
     saved = root_saved_bytes(model, tokens, a, lay.tp, first, last, stack,
                              sp=lay.sequence_parallel)
-    if layout_autocast(lay, stack):
+    if layout_autocast(lay, stack, a):
         saved += autocast_root_bytes(model, tokens, a, last)
     return saved
 
 
-def layout_autocast(lay: ParallelPlan, stack: Stack) -> bool:
+def layout_autocast(lay: ParallelPlan, stack: Stack, act_bytes: int | None = None) -> bool:
     """Whether `stack` trains `lay` on fp32 weights under a half-precision autocast
     (Stack.autocast_fp32_weights: fivefold's update paths other than its data-parallel
     engine, planner.activations_autocast), which saves more than the compute-dtype model."""
     return stack.autocast_fp32_weights and fp32_weights_under_autocast(
-        lay, PRECISION_BYTES[lay.precision])
+        lay, act_bytes or PRECISION_BYTES[lay.precision])
 
 
 def rotary_rows_bytes(model: ModelConfig, cp: int, table_bytes: int) -> float:

@@ -14,7 +14,7 @@ later chunks' backward. The root unit (embeddings, reduced last) follows every b
 
 from __future__ import annotations
 
-from fivefold.parallel.plan import PRECISION_BYTES
+from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan
 from fivefold.planner import offload
 from fivefold.planner.events import COMPUTE, Op, schedule
 from fivefold.planner.matrix_update import matrix_update_time
@@ -32,9 +32,11 @@ class RankCosts(StageCosts):
         return [i for g in self.lay.stage_ids_of_rank(rank)
                 for i in self.stage_ranges[g]]
 
-    def rank_units(self, rank: int):
-        return stage_units(self.model, self.lay, self.rank_layers(rank),
-                           *self.lay.ends_of_rank(rank), etp=self.etp)
+    def rank_units(self, rank: int, lay: ParallelPlan | None = None):
+        """Pipeline rank `rank`'s model-state units under `lay` (default the layout's)."""
+        lay = lay or self.lay
+        return stage_units(self.model, lay, self.rank_layers(rank), *lay.ends_of_rank(rank),
+                           etp=self.etp)
 
     def dp_sync(self, rank: int, last_grads: dict[int, tuple[float, float]]
                 ) -> tuple[float, float]:

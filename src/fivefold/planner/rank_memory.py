@@ -30,10 +30,8 @@ from fivefold.config import Config
 from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import PRECISION_BYTES, ParallelPlan, compute_precision
 from fivefold.planner.activation_offload import rank_offloaded_layers
-from fivefold.planner.activations import (block_saved_bytes, ring_kv_heads, root_saved_bytes,
+from fivefold.planner.activations import (layout_block_saved_bytes, layout_root_saved_bytes,
                                           rotary_rows_bytes)
-from fivefold.planner.activations_autocast import (autocast_block_bytes, autocast_root_bytes,
-                                                   fp32_weights_under_autocast)
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import stage_layers_of_rank
 from fivefold.planner.memory import model_state_bytes, stage_units
@@ -55,21 +53,14 @@ def predicted_rank_memory(cfg: Config, plan: ParallelPlan, rank: int,
         fp32 = plan.replace(precision="fp32")
         units = stage_units(m, fp32, layers, first, last, etp=plan.etp)
         states = model_state_bytes(units, fp32)
-    tokens = plan.micro_batch * m.seq_len // plan.cp
     a = PRECISION_BYTES[compute_precision(plan.precision, device_type)]
-    autocast = fp32_weights_under_autocast(plan, a)
-    blocks = {i: block_saved_bytes(m, tokens, a, plan.tp, plan.sequence_parallel,
-                                   plan.recompute, i, fp8=plan.precision == "fp8",
-                                   kv_heads=ring_kv_heads(m, plan))
-              + (autocast_block_bytes(m, tokens, a, plan.recompute, i) if autocast else 0)
-              for i in layers}
+    blocks = {i: layout_block_saved_bytes(m, plan, i, act_bytes=a) for i in layers}
     rows = rotary_rows_bytes(m, plan.cp, 4 if plan.update != "engine" else a)
     ranges = stage_layer_ranges(m, plan.pp * plan.vpp, plan.stage_layers)
     host = sum(blocks.pop(i) + rows for i in rank_offloaded_layers(plan, ranges,
                                                                    plan.pp_rank_of(rank)))
     acts = sum(blocks.values()) + (rows if blocks else 0)
-    acts += root_saved_bytes(m, tokens, a, plan.tp, first, last, sp=plan.sequence_parallel)
-    acts += autocast_root_bytes(m, tokens, a, last) if autocast else 0
+    acts += layout_root_saved_bytes(m, plan, first, last, act_bytes=a)
     inflight = (peak_in_flight(plan.schedule, plan.pp, plan.micro_batches, plan.pp_rank_of(rank),
                                plan.vpp) if plan.pp > 1 else 1)
     return {"params": states["params"], "grads": states["grads"],

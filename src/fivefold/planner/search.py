@@ -17,7 +17,7 @@ layout without recomputation that does not fit is tried with the fewest blocks p
 chunk (a stage without virtual stages) whose saved tensors, moved to the host, make it fit
 (`hosted_activations`; recomputation is the search's other answer, its own candidates). A
 spec's parallel.offload_activations is held instead, without recomputation (which it
-refuses) and, with virtual stages, where a chunk holds that many blocks; the fast pass,
+refuses; a chunk with fewer blocks than the count offloads all of them); the fast pass,
 the stage partition and the exact simulation all keep the offloaded blocks' saved tensors
 off the device, and the fast pass and the exact one both check that the host holds them
 beside any offloaded optimizer state.
@@ -146,6 +146,11 @@ class FastScorer:
         offload_activations counts in (fivefold.parallel.parallelize.offloaded_blocks)."""
         return math.ceil(self.cfg.model.layers / (lay.pp * lay.vpp))
 
+    def _hosted_blocks(self, lay: ParallelPlan) -> float:
+        """Blocks per (chunk, micro-batch) in flight the fast pass keeps on the host."""
+        chunk = math.ceil(self.cfg.model.layers / lay.pp) / lay.vpp
+        return min(lay.offload_activations, chunk)
+
     def _activation_copies_s(self, sm: LayoutStep, lay: ParallelPlan, costs: list) -> float:
         """Seconds activation offload's copies add to the step: per micro-batch each of a
         rank's chunks' offloaded blocks, each the average block's saved bytes and backward,
@@ -226,10 +231,9 @@ class FastScorer:
         state = offload_bytes(lay.offload, OPTIMIZER_STATE_BYTES[lay.optimizer])[0]
         per_rank = state * lay.offload_fraction * local if lay.offload != "none" else 0.0
         if lay.offload_activations:
-            blocks = self._chunk_blocks(lay)
             inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
             per_rank += (sm.block_saved_bytes(self.cfg.model.layers - 1) * inflight
-                         * min(lay.offload_activations, blocks))
+                         * self._hosted_blocks(lay))
         return per_rank * offload.sharing(sm) <= sm.prof.host.memory_bytes
 
     def _dp(self, sm: LayoutStep, lay: ParallelPlan, grad_bytes: tuple[float, float],
@@ -273,8 +277,7 @@ class FastScorer:
         n = sm.shard.tokens
         per_block = sm.block_saved_bytes(m.layers - 1)
         inflight = peak_in_flight(lay.schedule, lay.pp, lay.micro_batches, 0, lay.vpp)
-        chunk = rank_layers / lay.vpp  # a chunk's blocks, of each (chunk, micro-batch) held
-        on_device = chunk - min(lay.offload_activations, chunk)
+        on_device = rank_layers / lay.vpp - self._hosted_blocks(lay)  # per (chunk, micro)
         acts = (per_block * on_device + A.layout_root_saved_bytes(
             m, lay, True, lay.pp == 1, sm.stack)) * inflight
         if lay.recompute != "none":
@@ -356,10 +359,14 @@ def _second_look(scorer: FastScorer, rest: list, untimed: list, best: list[Estim
     Empty in the usual case, where the leaders hold."""
     bar = best[top_k - 1].step_time_s if len(best) >= top_k else math.inf
     timed = [r for r in rest if r[0] < bar]
+    kept = heapq.nlargest(exact, (-r[0] for r in timed))  # the `exact` least steps, negated
+    heapq.heapify(kept)
     for floor, i, lay in sorted(untimed, key=lambda u: u[:2]):
-        if floor >= bar or len(timed) >= exact and heapq.nsmallest(exact, timed)[-1][0] <= floor:
+        if floor >= bar or len(kept) == exact and -kept[0] <= floor:
             break
-        timed.append((scorer.score(lay)[0], i, lay))
+        step = scorer.score(lay)[0]
+        timed.append((step, i, lay))
+        (heapq.heappush if len(kept) < exact else heapq.heappushpop)(kept, -step)
     return [lay for step, _, lay in heapq.nsmallest(exact, timed) if step < bar]
 
 

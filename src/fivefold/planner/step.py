@@ -106,9 +106,7 @@ class LayoutStep(RankCosts):
         lay, m = self.lay, self.model
         if A.layout_autocast(lay, self.stack):  # fp32 weights and gradients, no masters
             fp32 = lay.replace(precision="fp32")
-            states = model_state_bytes(stage_units(m, fp32, self.rank_layers(rank),
-                                                   *lay.ends_of_rank(rank), etp=self.etp),
-                                       fp32)
+            states = model_state_bytes(self.rank_units(rank, fp32), fp32)
         else:
             states = model_state_bytes(self.rank_units(rank), lay, self.linear_bytes)
         if lay.recompute != "none":  # one block rematerialised during its backward
