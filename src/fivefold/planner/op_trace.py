@@ -63,7 +63,7 @@ from fivefold.models.description import is_moe_layer
 from fivefold.parallel.pipeline import schedules as S
 from fivefold.parallel.pipeline.partition import stage_layer_ranges
 from fivefold.parallel.plan import ParallelPlan, compute_precision
-from fivefold.planner.activation_offload import offloaded_layers
+from fivefold.planner.activation_offload import rank_offloaded_layers
 from fivefold.planner.activations import layout_block_saved_bytes
 from fivefold.planner.ledger_model import predict_ledger
 from fivefold.planner.ledger_pipeline import PURPOSES, stage_layers_of_rank
@@ -98,8 +98,8 @@ def rank_trace(cfg: Config, lay: ParallelPlan, rank: int = 0, device: str = "cpu
     trace = _Trace(CommPool([r for r in ledger.records if not pipeline(r)], lay.zero_stage,
                             lay.offload != "none"), lay.context_degrees[0])
     units = {i: 1 + int(lay.expert_grid and is_moe_layer(cfg.model, i)) for i in layers}
-    hosted = {i: int(layout_block_saved_bytes(cfg.model, lay, i)) for s in
-              range(lay.pp * lay.vpp) for i in offloaded_layers(lay, ranges[s]) if i in layers}
+    hosted = {i: int(layout_block_saved_bytes(cfg.model, lay, i))
+              for i in rank_offloaded_layers(lay, ranges, pp_rank)}
     schedule = lay.pipeline_schedules(cfg.model.tied_embeddings)[0] if lay.pp > 1 else None
     for a in _actions(lay, pp_rank, schedule):
         if a.kind in PURPOSES:  # a message to this very rank goes through a mailbox
